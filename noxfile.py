@@ -1,0 +1,153 @@
+"""Nox sessions for the Scaling monorepo.
+
+    nox -s tests                      # whole suite, every package editable in one venv (README/CI)
+    nox -s package_tests              # each package alone with its declared sibling closure
+    nox -s "package_tests(package='scaling-nn')"
+    nox -s torch_matrix               # only the leg of the local torch; `-- all` runs every leg
+    nox -s lint typecheck layering build
+
+torch is always installed by exact version first: a bare `torch` requirement would pull
+the newest CUDA build (several GB) where a CPU wheel of the pinned version is at hand.
+"""
+
+from __future__ import annotations
+
+import re
+import zipfile
+from pathlib import Path
+
+import nox
+import tomllib
+
+ROOT = Path(__file__).parent
+LOCAL_TORCH = "2.13.0"
+TORCH_LEGS = ["2.6.0", "2.10.0", LOCAL_TORCH, "newest"]
+TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2", "hypothesis>=6"]
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _dists() -> dict[str, Path]:
+    """Distribution name -> folder, for every package and app in the repo."""
+    found = {}
+    for pyproject in sorted([*ROOT.glob("packages/*/pyproject.toml"), *ROOT.glob("apps/*/pyproject.toml")]):
+        name = tomllib.loads(pyproject.read_text())["project"]["name"]
+        found[name] = pyproject.parent
+    return found
+
+
+def _sibling_closure(name: str, dists: dict[str, Path]) -> list[str]:
+    """``name`` plus every sibling distribution it depends on, transitively."""
+    seen: list[str] = []
+    todo = [name]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.append(current)
+        deps = tomllib.loads((dists[current] / "pyproject.toml").read_text())["project"].get("dependencies", [])
+        for dep in deps:
+            dep_name = re.split(r"[<>=!~\[; ]", dep, maxsplit=1)[0]
+            if dep_name in dists:
+                todo.append(dep_name)
+    return seen
+
+
+def _install_torch(session: nox.Session, version: str = LOCAL_TORCH) -> None:
+    session.install(f"torch=={version}" if version != "newest" else "torch")
+
+
+def _test_paths(dists: dict[str, Path]) -> list[str]:
+    paths = [str(p / "tests") for p in dists.values() if (p / "tests").is_dir()]
+    if (ROOT / "tests").is_dir():
+        paths.append("tests")
+    return paths
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The whole suite with every package installed editable in one environment."""
+    dists = _dists()
+    _install_torch(session)
+    session.install(*TEST_TOOLS)
+    session.install(*[arg for p in dists.values() for arg in ("-e", str(p))])
+    session.run("python", "-m", "pytest", *_test_paths(dists), *session.posargs)
+
+
+@nox.session
+@nox.parametrize("package", sorted(_dists()))
+def package_tests(session: nox.Session, package: str) -> None:
+    """One package alone (its declared sibling closure only) in a fresh environment."""
+    dists = _dists()
+    _install_torch(session)
+    session.install(*TEST_TOOLS)
+    closure = _sibling_closure(package, dists)
+    # scaling-testing is the harness every package's tests use; it is a test tool, not a
+    # runtime dependency, so it is added here rather than declared by the package.
+    for extra in _sibling_closure("scaling-testing", dists):
+        if extra not in closure:
+            closure.append(extra)
+    session.install(*[str(dists[d]) for d in closure])
+    tests_dir = dists[package] / "tests"
+    if tests_dir.is_dir():
+        session.run("python", "-m", "pytest", str(tests_dir), "-p", "no:cacheprovider", *session.posargs)
+    # Every module of the package must import with only the declared dependencies.
+    session.run("python", str(ROOT / "tools" / "import_all.py"), str(dists[package] / "src"))
+
+
+@nox.session
+@nox.parametrize("torch", TORCH_LEGS)
+def torch_matrix(session: nox.Session, torch: str) -> None:
+    """The suite against one torch version. Only the local leg runs unless `-- all` is passed."""
+    run_all = "all" in session.posargs
+    if torch != LOCAL_TORCH and not run_all:
+        session.skip(f"torch {torch}: pass `-- all` to run the non-local legs (they download torch)")
+    dists = _dists()
+    _install_torch(session, torch)
+    session.install(*TEST_TOOLS, *[arg for p in dists.values() for arg in ("-e", str(p))])
+    session.run("python", "-c", "import torch; print('torch', torch.__version__)")
+    session.run("python", "-m", "pytest", *_test_paths(dists), "-x", "-q", *[a for a in session.posargs if a != "all"])
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    dists = _dists()
+    _install_torch(session)
+    session.install("mypy", "types-PyYAML", *[arg for p in dists.values() for arg in ("-e", str(p))])
+    srcs = [str(p / "src") for p in dists.values()]
+    session.run("mypy", *srcs)
+
+
+@nox.session
+def layering(session: nox.Session) -> None:
+    """The dependency order of ARCHITECTURE.md, enforced by import-linter (.importlinter)."""
+    dists = _dists()
+    _install_torch(session)
+    session.install("import-linter", *[arg for p in dists.values() for arg in ("-e", str(p))])
+    session.run("lint-imports")
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """A wheel per package; fails if any wheel ships scaling/__init__.py (breaks PEP 420)."""
+    session.install("build")
+    out = Path(session.create_tmp()) / "wheels"
+    dists = _dists()
+    for path in dists.values():
+        session.run("python", "-m", "build", "--wheel", "--outdir", str(out), str(path), silent=True)
+    bad = []
+    for wheel in sorted(out.glob("*.whl")):
+        names = zipfile.ZipFile(wheel).namelist()
+        if "scaling/__init__.py" in names:
+            bad.append(wheel.name)
+    if bad:
+        session.error(f"wheels ship scaling/__init__.py and would break the namespace: {bad}")
+    session.log(f"built {len(list(out.glob('*.whl')))} wheels, none ships scaling/__init__.py")

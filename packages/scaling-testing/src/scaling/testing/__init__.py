@@ -1,0 +1,25 @@
+"""scaling.testing: multi-rank test harness and parity helpers (test-time only)."""
+
+from scaling.testing._harness import (
+    DEFAULT_TIMEOUT_SECONDS,
+    DistributedTestError,
+    DistributedTimeoutError,
+    WorkerPool,
+    run_distributed,
+    shutdown_workers,
+    worker_pids,
+)
+from scaling.testing._parity import assert_parity, make_topology, shard
+
+__all__ = [
+    "DEFAULT_TIMEOUT_SECONDS",
+    "DistributedTestError",
+    "DistributedTimeoutError",
+    "WorkerPool",
+    "assert_parity",
+    "make_topology",
+    "run_distributed",
+    "shard",
+    "shutdown_workers",
+    "worker_pids",
+]

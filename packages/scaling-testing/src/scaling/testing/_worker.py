@@ -1,0 +1,86 @@
+"""The loop each pooled worker process runs: receive a task, run it as one rank, report."""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import importlib.util
+import os
+import pickle
+import queue
+import sys
+import traceback
+from typing import Any
+
+
+def _resolve(task: dict[str, Any]) -> Any:
+    for p in task["sys_path"]:
+        if p not in sys.path:
+            sys.path.append(p)
+    name = task["module"]
+    try:
+        module = importlib.import_module(name)
+    except ImportError:
+        if not task["module_file"]:
+            raise
+        spec = importlib.util.spec_from_file_location(name, task["module_file"])
+        if spec is None or spec.loader is None:
+            raise
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    obj: Any = module
+    for part in task["qualname"].split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _run_task(task: dict[str, Any]) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    fn = _resolve(task)
+    args, kwargs = pickle.loads(task["payload"])
+    rank, world_size = task["rank"], task["world_size"]
+    saved_env = dict(os.environ)
+    os.environ.update(task["env"])
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            backend=task["backend"],
+            init_method=task["init_method"],
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=task["pg_timeout"]),
+        )
+        return fn(*args, **kwargs)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+def worker_main(idx: int, tasks: Any, results: Any, parent_pid: int) -> None:
+    """Serve tasks until told to stop (``None``) or the parent process is gone."""
+    import torch
+
+    torch.set_num_threads(1)
+    while True:
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent_pid:
+                return
+            continue
+        if task is None:
+            return
+        reply = {"task_id": task["task_id"], "rank": task["rank"]}
+        try:
+            value = _run_task(task)
+            reply.update(ok=True, payload=pickle.dumps(value))
+        except BaseException as exc:  # noqa: BLE001 - every failure is reported to the parent
+            tb = traceback.format_exc()
+            reply.update(ok=False, payload=f"{type(exc).__name__}: {exc}\n{tb}")
+        results.put(reply)

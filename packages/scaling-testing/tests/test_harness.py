@@ -1,0 +1,98 @@
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from scaling.testing import (
+    DistributedTestError,
+    DistributedTimeoutError,
+    assert_parity,
+    run_distributed,
+    shard,
+    worker_pids,
+)
+
+
+def _sum_ranks(scale):
+    x = torch.tensor([float(dist.get_rank()) * scale])
+    dist.all_reduce(x)
+    return x.item(), int(os.environ["RANK"]), dist.get_world_size()
+
+
+def _raise_on(bad_rank):
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"boom from {bad_rank}")
+    dist.barrier()
+    return True
+
+
+def _hang_on(bad_rank):
+    if dist.get_rank() == bad_rank:
+        time.sleep(600)
+    dist.barrier()
+    return True
+
+
+def _die_on(bad_rank):
+    if dist.get_rank() == bad_rank:
+        os._exit(7)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_results_per_rank(world_size):
+    out = run_distributed(_sum_ranks, world_size, 2.0, timeout_seconds=60)
+    expected = 2.0 * sum(range(world_size))
+    assert out == [(expected, r, world_size) for r in range(world_size)]
+
+
+def test_raising_rank_is_named_and_pool_recovers():
+    with pytest.raises(DistributedTestError, match=r"rank 1 failed ---\nValueError: boom from 1") as info:
+        run_distributed(_raise_on, 3, 1, timeout_seconds=20)
+    assert 1 in info.value.failed_ranks
+    assert worker_pids() == []  # the pool was killed, nothing left behind
+    assert run_distributed(_sum_ranks, 2, 1.0, timeout_seconds=60)[0][0] == 1.0
+
+
+def test_hanging_rank_is_named_within_timeout():
+    start = time.monotonic()
+    with pytest.raises(DistributedTimeoutError, match=r"rank\(s\) \[2\] did not return") as info:
+        run_distributed(_hang_on, 3, 2, timeout_seconds=10)
+    assert info.value.hung_ranks == [2]
+    assert time.monotonic() - start < 20
+    pids = worker_pids()
+    assert pids == []
+
+
+def test_dead_rank_is_named():
+    with pytest.raises(DistributedTestError, match=r"rank 0 died \(exit code 7\)"):
+        run_distributed(_die_on, 2, 0, timeout_seconds=20)
+
+
+def test_no_process_left_after_failure():
+    run_distributed(_sum_ranks, 2, 1.0, timeout_seconds=60)
+    pids = worker_pids()
+    assert len(pids) >= 2
+    with pytest.raises(DistributedTestError):
+        run_distributed(_raise_on, 2, 0, timeout_seconds=20)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_assert_parity_reports_worst_element():
+    a = {"w": torch.tensor([1.0, 2.0, 3.0])}
+    assert_parity(a, {"w": torch.tensor([1.0, 2.0, 3.0])}, bitwise=True)
+    with pytest.raises(AssertionError, match=r"\['w'\]: not within rtol=1e-06.*index \(2,\)"):
+        assert_parity(a, {"w": torch.tensor([1.0, 2.0, 3.1])})
+    with pytest.raises(AssertionError, match="shape"):
+        assert_parity(torch.zeros(2), torch.zeros(3))
+
+
+def test_shard():
+    full = torch.arange(12.0).view(3, 4)
+    assert torch.equal(shard(full, 1, 1, 2), full[:, 2:])
+    with pytest.raises(ValueError, match="not divisible by 5"):
+        shard(full, 1, 0, 5)

@@ -1,0 +1,16 @@
+import scaling.testing
+
+
+def test_public_api():
+    assert sorted(scaling.testing.__all__) == [
+        "DEFAULT_TIMEOUT_SECONDS",
+        "DistributedTestError",
+        "DistributedTimeoutError",
+        "WorkerPool",
+        "assert_parity",
+        "make_topology",
+        "run_distributed",
+        "shard",
+        "shutdown_workers",
+        "worker_pids",
+    ]

@@ -1,0 +1,17 @@
+"""scaling.topology: the rank grid, process groups, DeviceMesh and RNG streams."""
+
+from scaling.topology._config import TopologyConfig
+from scaling.topology._rng import MODEL_PARALLEL_RNG, RNGTracker, get_rng_state, seed_all, set_rng_state
+from scaling.topology._topology import MESH_DIM_NAMES, RankCoordinates, Topology
+
+__all__ = [
+    "MESH_DIM_NAMES",
+    "MODEL_PARALLEL_RNG",
+    "RNGTracker",
+    "RankCoordinates",
+    "Topology",
+    "TopologyConfig",
+    "get_rng_state",
+    "seed_all",
+    "set_rng_state",
+]
