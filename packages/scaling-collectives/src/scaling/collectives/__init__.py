@@ -1,0 +1,3 @@
+"""scaling.collectives: communication for every parallel feature."""
+
+__all__: list[str] = []
