@@ -1,0 +1,110 @@
+import json
+
+import pytest
+import yaml
+from pydantic import Field, SecretStr, ValidationError
+
+from scaling.config import BaseConfig, parse_override
+
+
+class Inner(BaseConfig):
+    size: int = Field(2, gt=0, description="A size, > 0.")
+    api_key: SecretStr | None = Field(None, description="A secret; never dumped.")
+
+
+class Outer(BaseConfig):
+    name: str = Field(description="Run name.")
+    rate: float = Field(0.1, description="A rate.")
+    flags: list[str] = Field(default_factory=list, description="Flags.")
+    inner: Inner = Field(default_factory=Inner, description="The inner section.")
+
+
+def test_from_dict_with_string_overrides_coerced_by_schema():
+    cfg = Outer.from_dict({"name": "a"}, overrides=["inner.size=4", "rate=1e-3", "flags=[x, y]"])
+    assert cfg.inner.size == 4 and cfg.rate == 1e-3 and cfg.flags == ["x", "y"]
+
+
+def test_mapping_overrides():
+    cfg = Outer.from_dict({"name": "a", "inner": {"size": 3}}, overrides={"inner.size": 5, "name": "b"})
+    assert (cfg.name, cfg.inner.size) == ("b", 5)
+
+
+def test_yaml_and_json_roundtrip(tmp_path):
+    cfg = Outer.from_dict({"name": "a", "inner": {"size": 7}})
+    for suffix in (".yml", ".json"):
+        path = tmp_path / f"c{suffix}"
+        cfg.save(path)
+        assert Outer.from_file(path) == cfg
+    assert Outer.from_yaml(tmp_path / "c.yml", overrides=["inner.size=9"]).inner.size == 9
+    assert Outer.from_json(tmp_path / "c.json").inner.size == 7
+
+
+def test_errors_name_dotted_path_value_and_allowed():
+    with pytest.raises(ValidationError, match=r"inner\.size\n  Input should be greater than 0.*input_value=-1"):
+        Outer.from_dict({"name": "a"}, overrides=["inner.size=-1"])
+    with pytest.raises(ValidationError, match=r"inner\.colour\n  Extra inputs are not permitted"):
+        Outer.from_dict({"name": "a"}, overrides=["inner.colour=red"])
+    with pytest.raises(ValidationError, match=r"rate\n  Input should be a valid number.*input_value='fast'"):
+        Outer.from_dict({"name": "a", "rate": "fast"})
+    with pytest.raises(ValidationError, match=r"name\n  Field required"):
+        Outer.from_dict({})
+
+
+def test_bad_override_strings():
+    with pytest.raises(ValueError, match=r"override 'inner\.size' is not of the form dotted\.key=value"):
+        parse_override("inner.size")
+    with pytest.raises(ValueError, match=r"'name' holds 'a', not a section"):
+        Outer.from_dict({"name": "a"}, overrides=["name.x=1"])
+    with pytest.raises(TypeError, match="not a single string"):
+        Outer.from_dict({"name": "a"}, overrides="name=b")  # type: ignore[arg-type]
+
+
+def test_missing_file_and_non_mapping(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Outer.from_yaml(tmp_path / "nope.yml")
+    (tmp_path / "list.yml").write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="must hold a mapping at the top level, got list"):
+        Outer.from_yaml(tmp_path / "list.yml")
+
+
+def test_yaml_loading_is_safe(tmp_path):
+    (tmp_path / "evil.yml").write_text("name: !!python/object/apply:os.system ['echo hi']\n")
+    with pytest.raises(yaml.YAMLError):
+        Outer.from_yaml(tmp_path / "evil.yml")
+
+
+def test_frozen_and_forbid():
+    cfg = Outer.from_dict({"name": "a"})
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.name = "b"  # type: ignore[misc]
+
+
+def test_secrets_never_dumped(tmp_path):
+    sentinel = "SENTINEL-7f3a9c"
+    cfg = Outer.from_dict({"name": "a"}, overrides=[f"inner.api_key={sentinel}"])
+    assert cfg.inner.api_key is not None and cfg.inner.api_key.get_secret_value() == sentinel
+    assert sentinel not in json.dumps(cfg.as_dict())
+    assert sentinel not in repr(cfg) and sentinel not in str(cfg)
+    cfg.save(tmp_path / "c.yml")
+    cfg.save(tmp_path / "c.json")
+    for f in tmp_path.iterdir():
+        assert sentinel not in f.read_text()
+    # A dump loads back (the secret is simply absent).
+    assert Outer.from_dict(cfg.as_dict()).inner.api_key is None
+
+
+def test_schema_and_template_cover_every_field():
+    schema = Outer.json_schema()
+    assert schema["properties"]["rate"]["description"] == "A rate."
+    template = Outer.template()
+    assert "# The inner section.\ninner:\n  # A size, > 0.\n  size: 2" in template
+    assert "name: null  # required" in template
+    loaded = yaml.safe_load(template)
+    assert loaded["inner"]["size"] == 2 and loaded["rate"] == 0.1
+
+
+def test_every_field_needs_a_description():
+    with pytest.raises(TypeError, match=r"every config field needs a description; missing for \['x'\]"):
+
+        class Bad(BaseConfig):
+            x: int = 1

@@ -1,0 +1,5 @@
+import scaling.config
+
+
+def test_public_api():
+    assert sorted(scaling.config.__all__) == ["BaseConfig", "Overrides", "apply_overrides", "parse_override"]

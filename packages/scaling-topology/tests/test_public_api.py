@@ -1,0 +1,15 @@
+import scaling.topology
+
+
+def test_public_api():
+    assert sorted(scaling.topology.__all__) == [
+        "MESH_DIM_NAMES",
+        "MODEL_PARALLEL_RNG",
+        "RNGTracker",
+        "RankCoordinates",
+        "Topology",
+        "TopologyConfig",
+        "get_rng_state",
+        "seed_all",
+        "set_rng_state",
+    ]

@@ -1,0 +1,116 @@
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from scaling.testing import run_distributed
+from scaling.topology import RankCoordinates, Topology, TopologyConfig
+
+LAYOUTS = [
+    (1, 1, 1),
+    (2, 1, 1),
+    (1, 2, 1),
+    (1, 1, 2),
+    (2, 2, 1),
+    (2, 1, 2),
+    (1, 2, 2),
+    (4, 1, 1),
+    (2, 2, 2),
+    (1, 4, 2),
+    (2, 1, 4),
+    (8, 1, 1),
+]
+
+
+def _expected(rank, tp, dp, pp):
+    """The formula of ARCHITECTURE.md: TP fastest, then DP, then PP."""
+    t = rank % tp
+    d = (rank // tp) % dp
+    p = rank // (tp * dp)
+    return p, d, t
+
+
+@pytest.mark.parametrize(("tp", "dp", "pp"), LAYOUTS)
+def test_coordinates_match_formula(tp, dp, pp):
+    cfg = TopologyConfig(model_parallel_size=tp, data_parallel_size=dp, pipe_parallel_size=pp)
+    seen = set()
+    for rank in range(cfg.world_size):
+        topo = Topology(cfg, rank)
+        p, d, t = _expected(rank, tp, dp, pp)
+        assert topo.coordinates() == RankCoordinates(pp=p, dp=d, tp=t)
+        assert topo.rank_of(p, d, t) == rank
+        assert topo.model_parallel_ranks == [r for r in range(cfg.world_size) if _expected(r, tp, dp, pp)[:2] == (p, d)]
+        assert topo.data_parallel_ranks == [
+            r for r in range(cfg.world_size) if _expected(r, tp, dp, pp)[0::2] == (p, t)
+        ]
+        assert topo.pipe_parallel_ranks == [r for r in range(cfg.world_size) if _expected(r, tp, dp, pp)[1:] == (d, t)]
+        assert topo.model_pipe_parallel_ranks == [r for r in range(cfg.world_size) if _expected(r, tp, dp, pp)[1] == d]
+        assert topo.is_first_pipe_stage == (p == 0)
+        assert topo.is_last_pipe_stage == (p == pp - 1)
+        assert topo.previous_pipe_rank == (None if p == 0 else rank - tp * dp)
+        assert topo.next_pipe_rank == (None if p == pp - 1 else rank + tp * dp)
+        seen.add((p, d, t))
+    assert seen == set(itertools.product(range(pp), range(dp), range(tp)))
+
+
+def test_rank_out_of_range():
+    cfg = TopologyConfig(world_size=2)
+    with pytest.raises(ValueError, match=r"global_rank=2 is outside \[0, world_size=2\)"):
+        Topology(cfg, 2)
+
+
+def test_from_env():
+    cfg = TopologyConfig(world_size=4, model_parallel_size=2, device="cpu")
+    topo = Topology.from_env(cfg, {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})
+    assert (topo.global_rank, topo.local_rank, topo.model_parallel_rank) == (3, 1, 1)
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=2 from the launcher does not match topology world_size=4"):
+        Topology.from_env(cfg, {"RANK": "0", "WORLD_SIZE": "2"})
+    with pytest.raises(ValueError, match=r"\['RANK', 'WORLD_SIZE'\] not set"):
+        Topology.from_env(cfg, {})
+
+
+def test_groups_need_initialisation():
+    topo = Topology(TopologyConfig(world_size=1, device="cpu"), 0)
+    with pytest.raises(RuntimeError, match="initialize_distributed"):
+        _ = topo.model_parallel_group
+    assert topo.device == torch.device("cpu") and topo.backend == "gloo"
+
+
+def _check_groups(tp, dp, pp):
+    cfg = TopologyConfig(model_parallel_size=tp, data_parallel_size=dp, pipe_parallel_size=pp, device="cpu")
+    topo = Topology.from_env(cfg).initialize_distributed()
+    out = {}
+    for name in ("model_parallel", "data_parallel", "pipe_parallel", "model_pipe_parallel"):
+        group = getattr(topo, f"{name}_group")
+        members = [None] * dist.get_world_size(group)
+        dist.all_gather_object(members, topo.global_rank, group=group)
+        out[name] = (members, getattr(topo, f"{name}_ranks"))
+    mesh = topo.device_mesh
+    out["mesh"] = (mesh.mesh_dim_names, mesh.mesh.tolist(), mesh.get_coordinate())
+    out["coords"] = topo.coordinates()
+    # A real reduction over each axis: sum of global ranks of the group.
+    x = torch.tensor([float(topo.global_rank)])
+    dist.all_reduce(x, group=topo.model_parallel_group)
+    out["tp_sum"] = x.item()
+    topo.destroy()
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("tp", "dp", "pp"), [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2), (2, 1, 2), (2, 2, 2)]
+)
+def test_process_groups_on_real_ranks(tp, dp, pp):
+    world = tp * dp * pp
+    results = run_distributed(_check_groups, world, tp, dp, pp, timeout_seconds=90)
+    for rank, out in enumerate(results):
+        p, d, t = _expected(rank, tp, dp, pp)
+        for name in ("model_parallel", "data_parallel", "pipe_parallel", "model_pipe_parallel"):
+            members, expected_ranks = out[name]
+            assert members == expected_ranks, (name, rank)
+        names, mesh, coord = out["mesh"]
+        assert names == ("pp", "dp", "tp")
+        assert mesh == torch.arange(world).view(pp, dp, tp).tolist()
+        assert list(coord) == [p, d, t]
+        assert out["tp_sum"] == sum(out["model_parallel"][1])
