@@ -1,0 +1,57 @@
+"""``scaling-run CONFIG [dotted.key=value ...] [--dry-run]``.
+
+The config file (YAML or JSON) holds the whole application config; its ``runner``
+section is validated as :class:`RunnerConfig` and the whole merged mapping, overrides
+applied, is the payload every process receives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from scaling.config import apply_overrides
+from scaling.runner._config import RunnerConfig
+from scaling.runner._main import runner_main
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="scaling-run",
+        description="Launch a Scaling training script with torchrun locally, through pdsh (optionally in docker) "
+        "or SLURM, as described by the config's 'runner' section.",
+    )
+    parser.add_argument("config", help="YAML or JSON config file with a 'runner' section")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. runner.nproc_per_node=4")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands per node and exit")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``scaling-run``; returns the process exit code."""
+    args = _parser().parse_args(argv)
+    path = Path(args.config)
+    if not path.is_file():
+        print(f"scaling-run: config file {args.config!r} does not exist", file=sys.stderr)
+        return 2
+    text = path.read_text()
+    data = yaml.safe_load(text) if path.suffix in (".yml", ".yaml") else json.loads(text)
+    if not isinstance(data, dict) or not isinstance(data.get("runner"), dict):
+        print(f"scaling-run: {args.config!r} needs a top-level 'runner' mapping (see RunnerConfig)", file=sys.stderr)
+        return 2
+    try:
+        data = apply_overrides(data, args.overrides)
+        config = RunnerConfig.from_dict(data["runner"])
+        return runner_main(config, payload=data, dry_run=args.dry_run)
+    except (ValidationError, ValueError, TypeError) as exc:
+        print(f"scaling-run: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Read which rank died, and how, from torchrun's failure report.
+
+When a worker fails, torchrun's elastic agent stops the others and raises
+``ChildFailedError``, whose message lists every failed rank in a fixed layout
+(``torch/distributed/elastic/multiprocessing/errors/__init__.py``)::
+
+      host      : node-01
+      rank      : 2 (local_rank: 2)
+      exitcode  : -9 (pid: 4711) (SIGKILL)
+      error_file: <N/A>
+      traceback : Signal 9 (SIGKILL) received by PID 4711
+
+pdsh prefixes each line with ``node: ``; the patterns below ignore any prefix.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass
+
+_HOST = re.compile(r"\bhost\s+:\s*(\S+)")
+_RANK = re.compile(r"\brank\s+:\s*(\d+)\s+\(local_rank:\s*(\d+)\)")
+_EXIT = re.compile(r"\bexitcode\s+:\s*(-?\d+)\s+\(pid:\s*(\d+)\)")
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """One failed worker as torchrun reported it.
+
+    Attributes:
+        rank: global rank.
+        local_rank: rank on its node.
+        host: node name torchrun reported.
+        exitcode: the worker's exit code; negative: killed by signal ``-exitcode``.
+        pid: the worker's process id.
+        root_cause: torchrun's "first observed failure" of its node; the agent then stops the
+            other ranks of that node, which are reported with SIGTERM and ``root_cause=False``.
+    """
+
+    rank: int
+    local_rank: int
+    host: str
+    exitcode: int
+    pid: int
+    root_cause: bool = False
+
+    @property
+    def shell_code(self) -> int:
+        """The exit code as a shell reports it (128 + signal for a killed process)."""
+        return 128 - self.exitcode if self.exitcode < 0 else self.exitcode
+
+    def describe(self) -> str:
+        """E.g. ``rank 2 (local_rank 2 on node-01, pid 4711) was killed by signal 9 (SIGKILL)``."""
+        where = f"rank {self.rank} (local_rank {self.local_rank} on {self.host}, pid {self.pid})"
+        if self.exitcode < 0:
+            return f"{where} was killed by signal {-self.exitcode} ({signal_name(-self.exitcode)})"
+        return f"{where} exited with code {self.exitcode}"
+
+
+def signal_name(signum: int) -> str:
+    """``SIGKILL`` for 9; ``signal <n>`` for numbers Python does not know."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class FailureParser:
+    """Feed it the output lines of one torchrun (or pdsh) command; collects :class:`RankFailure`."""
+
+    def __init__(self) -> None:
+        self.failures: dict[int, RankFailure] = {}
+        self._host = "?"
+        self._rank: tuple[int, int] | None = None
+        self._in_root = False
+
+    def feed(self, line: str) -> None:
+        """Consume one output line."""
+        if "Root Cause (first observed failure)" in line:
+            self._in_root = True
+        elif m := _HOST.search(line):
+            self._host, self._rank = m.group(1), None
+        elif m := _RANK.search(line):
+            self._rank = (int(m.group(1)), int(m.group(2)))
+        elif (m := _EXIT.search(line)) and self._rank is not None:
+            rank, local_rank = self._rank
+            failure = RankFailure(rank, local_rank, self._host, int(m.group(1)), int(m.group(2)), self._in_root)
+            if rank not in self.failures or failure.root_cause:
+                self.failures[rank] = failure
+            self._rank, self._in_root = None, False
+
+
+def worst_exit_code(failures: list[RankFailure], returncodes: list[int]) -> int:
+    """The worst (largest, shell-style) exit code of the ranks that failed on their own.
+
+    Ranks that torchrun's agent stopped because another rank failed (SIGTERM, not a root
+    cause) do not count: their code says nothing about what went wrong. Without any rank
+    report the commands' own exit codes decide.
+    """
+    roots = [f for f in failures if f.root_cause] or failures
+    if roots:
+        return max(f.shell_code for f in roots)
+    codes = [128 - c if c < 0 else c for c in returncodes]
+    return max(codes, default=0)

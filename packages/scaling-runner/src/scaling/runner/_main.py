@@ -1,0 +1,110 @@
+"""runner_main: validate, hand over the payload, build the commands, run them, report failures."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from scaling.runner._commands import DEFAULT_REMOTE_PORT, Launch, build_launches, free_port
+from scaling.runner._config import RunnerConfig
+from scaling.runner._failures import worst_exit_code
+from scaling.runner._payload import (
+    PAYLOAD_INLINE_ENV,
+    PAYLOAD_PATH_ENV,
+    dump_payload,
+    inline_payload,
+    write_payload,
+)
+
+
+def plan(config: RunnerConfig, payload: Mapping[str, Any] | None = None) -> list[Launch]:
+    """The commands :func:`runner_main` would run, without starting anything.
+
+    The payload file (when one is used) is written so that the printed commands run as shown.
+
+    Args:
+        config: the validated runner config.
+        payload: JSON-able dict handed to every process; ``None`` means ``{}``.
+
+    Returns:
+        One :class:`Launch` per command started on this machine (one per pdsh slots group).
+    """
+    launches, _ = _prepare(config, payload)
+    return launches
+
+
+def runner_main(config: RunnerConfig, payload: Mapping[str, Any] | None = None, *, dry_run: bool = False) -> int:
+    """Launch ``config.script`` on every process described by ``config`` and wait for it.
+
+    Every process runs under torchrun, reads its rank from the torchrun environment
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...) and the payload with :func:`load_payload`.
+
+    Args:
+        config: where and how to run (see :class:`RunnerConfig`).
+        payload: JSON-able dict for every process, usually ``config.as_dict()`` of the app's
+            config; keys that look like secrets (``*_token``, ``*_password``) are refused.
+        dry_run: print the commands per node (secrets masked) and return 0 without running.
+
+    Returns:
+        0 when every rank succeeded, else the worst exit code of any rank (shell style:
+        128 + N for a rank killed by signal N).
+
+    Raises:
+        ValueError: for a payload that holds secrets or is too large to pass inline.
+
+    Example::
+
+        config = MyAppConfig.from_yaml(sys.argv[1])
+        sys.exit(runner_main(config.runner, payload=config.as_dict()))
+    """
+    launches, temp_dir = _prepare(config, payload)
+    try:
+        if dry_run:
+            print("\n\n".join(launch.describe() for launch in launches))
+            return 0
+        from scaling.runner._run import run_launches
+
+        codes, failures = run_launches(launches, config.teardown_timeout_s)
+        code = worst_exit_code(failures, codes)
+        if code != 0:
+            lines = [f"scaling-run: the run failed with exit code {code}"]
+            lines += [f"scaling-run: {f.describe()}" for f in failures if f.root_cause]
+            stopped = [f.describe() for f in failures if not f.root_cause]
+            if stopped:
+                lines.append("scaling-run: then stopped or failed in consequence: " + "; ".join(stopped))
+            if not failures:
+                lines.append(f"scaling-run: no rank reported a failure; launch exit codes {codes}")
+            print("\n".join(lines), file=sys.stderr, flush=True)
+        return code
+    finally:
+        if temp_dir is not None and not dry_run:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _prepare(config: RunnerConfig, payload: Mapping[str, Any] | None) -> tuple[list[Launch], Path | None]:
+    text = dump_payload(payload if payload is not None else {})
+    run_id = config.run_id or f"scaling-{uuid.uuid4().hex[:12]}"
+    remote = bool(config.host_specs()) or config.runner_type == "slurm"
+    port = config.master_port or (DEFAULT_REMOTE_PORT if remote else free_port())
+    temp_dir: Path | None = None
+    if config.runner_type in ("pdsh", "pdsh_docker") and config.payload_dir is None:
+        # No file reaches pdsh nodes or a container, so the payload travels in the environment.
+        payload_env = {PAYLOAD_INLINE_ENV: inline_payload(text)}
+    else:
+        if config.payload_dir is not None:
+            directory = Path(config.payload_dir) / run_id
+        elif config.runner_type == "slurm":
+            from scaling.runner._slurm import slurm_dir
+
+            directory = slurm_dir(config, run_id)
+        else:
+            temp_dir = directory = Path(tempfile.mkdtemp(prefix="scaling-run-"))
+        payload_env = {PAYLOAD_PATH_ENV: str(write_payload(text, directory))}
+    launches = build_launches(config, run_id, payload_env, os.environ, port)
+    return launches, temp_dir

@@ -1,0 +1,81 @@
+"""Real torchrun runs on this machine: gloo ranks train a 2-parameter model; a killed rank is named."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from scaling.runner import RunnerConfig, runner_main
+
+SECRET = "local-secret-value-42"
+
+
+def reference(world_size: int, steps: int, lr: float) -> tuple[float, float]:
+    """The same training in one process on the full batch (equal shards: mean of means = mean)."""
+    x = torch.linspace(-1.0, 1.0, 4 * world_size)
+    y = 3.0 * x + 1.0
+    w = torch.zeros((), requires_grad=True)
+    b = torch.zeros((), requires_grad=True)
+    for _ in range(steps):
+        loss = ((w * x + b - y) ** 2).mean()
+        gw, gb = torch.autograd.grad(loss, [w, b])
+        with torch.no_grad():
+            w -= lr * gw
+            b -= lr * gb
+    return float(w.detach()), float(b.detach())
+
+
+def read_ranks(out: Path, world_size: int) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def run_and_check(worker_script: str, tmp_path: Path, monkeypatch, world_size: int) -> None:
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    payload = {"out_dir": str(tmp_path), "steps": 5, "lr": 0.3, "echo_env": ["WANDB_API_KEY", "PLAIN"]}
+    cfg = RunnerConfig(script=worker_script, nproc_per_node=world_size, env={"PLAIN": "x y"})
+    assert runner_main(cfg, payload) == 0
+    records = read_ranks(tmp_path, world_size)
+    w_ref, b_ref = reference(world_size, 5, 0.3)
+    for rank, rec in enumerate(records):
+        assert (rec["rank"], rec["world_size"], rec["local_rank"], rec["group_rank"]) == (rank, world_size, rank, 0)
+        assert rec["allreduce"] == sum(range(world_size))
+        assert abs(rec["w"] - w_ref) < 1e-6 and abs(rec["b"] - b_ref) < 1e-6  # DP parity with one process
+        assert rec["env"] == {"WANDB_API_KEY": SECRET, "PLAIN": "x y"}
+        assert all(SECRET not in cmdline for cmdline in rec["cmdlines"])
+    assert len({rec["ppid"] for rec in records}) == 1  # one torchrun agent supervised them all
+
+
+def test_local_four_processes_train(worker_script, tmp_path, monkeypatch):
+    run_and_check(worker_script, tmp_path, monkeypatch, 4)
+
+
+@pytest.mark.slow
+def test_local_eight_processes_train(worker_script, tmp_path, monkeypatch):
+    run_and_check(worker_script, tmp_path, monkeypatch, 8)
+
+
+def test_kill_9_of_one_rank_is_reported(worker_script, tmp_path, capfd):
+    payload = {"out_dir": str(tmp_path), "steps": 2, "lr": 0.3, "hang": True}
+    cfg = RunnerConfig(script=worker_script, nproc_per_node=4)
+    result: list[int] = []
+    runner = threading.Thread(target=lambda: result.append(runner_main(cfg, payload)), daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"rank{r}.json").exists() for r in range(4)):
+        assert time.monotonic() < deadline and runner.is_alive(), "ranks did not all start"
+        time.sleep(0.2)
+    victim = read_ranks(tmp_path, 4)[2]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    runner.join(timeout=60)
+    assert not runner.is_alive(), "runner did not return within 60 s of kill -9"
+    assert result == [128 + signal.SIGKILL]
+    err = capfd.readouterr().err
+    assert "scaling-run: rank 2 (local_rank 2 on " in err
+    assert f"pid {victim}) was killed by signal 9 (SIGKILL)" in err

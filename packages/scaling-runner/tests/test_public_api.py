@@ -1,0 +1,33 @@
+import scaling.runner
+
+
+def test_public_api_is_pinned():
+    assert sorted(scaling.runner.__all__) == sorted(
+        [
+            "PAYLOAD_INLINE_ENV",
+            "PAYLOAD_PATH_ENV",
+            "SECRET_PATTERNS",
+            "DockerConfig",
+            "HostSpec",
+            "Launch",
+            "RankFailure",
+            "RunnerConfig",
+            "SlurmConfig",
+            "is_secret",
+            "load_payload",
+            "main",
+            "plan",
+            "runner_main",
+        ]
+    )
+    for name in scaling.runner.__all__:
+        assert getattr(scaling.runner, name) is not None
+
+
+def test_config_import_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, scaling.runner; scaling.runner.RunnerConfig(runner_type='pdsh', script='x.py', hosts=['a']); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

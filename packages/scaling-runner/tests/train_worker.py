@@ -1,0 +1,85 @@
+"""Training script the runner tests launch: gloo process group from the torchrun environment,
+one all-reduce, then data-parallel training of y = w * x + b for a few steps.
+
+Every rank writes ``rank<R>.json`` (its ranks, parent pid, trained parameters, selected
+environment variables) into ``payload["out_dir"]``. With ``payload["hang"]`` the ranks then
+keep all-reducing until killed, for the failure tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from scaling.runner import load_payload
+
+
+def make_data(world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.linspace(-1.0, 1.0, 4 * world_size)
+    return x, 3.0 * x + 1.0
+
+
+def train(x: torch.Tensor, y: torch.Tensor, steps: int, lr: float, group: bool) -> tuple[float, float]:
+    """Plain SGD on mean squared error; with ``group`` the gradients are averaged over ranks."""
+    w = torch.zeros((), requires_grad=True)
+    b = torch.zeros((), requires_grad=True)
+    for _ in range(steps):
+        loss = ((w * x + b - y) ** 2).mean()
+        gw, gb = torch.autograd.grad(loss, [w, b])
+        if group:
+            grads = torch.stack([gw, gb])
+            dist.all_reduce(grads)
+            gw, gb = grads / dist.get_world_size()
+        with torch.no_grad():
+            w -= lr * gw
+            b -= lr * gb
+    return float(w.detach()), float(b.detach())
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    payload = load_payload()
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    x, y = make_data(world_size)
+    w, b = train(x[rank::world_size], y[rank::world_size], payload["steps"], payload["lr"], group=True)
+    record = {
+        "rank": rank,
+        "world_size": world_size,
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "group_rank": int(os.environ["GROUP_RANK"]),
+        "ppid": os.getppid(),
+        "pid": os.getpid(),
+        "allreduce": float(total),
+        "w": w,
+        "b": b,
+        "env": {name: os.environ.get(name) for name in payload.get("echo_env", [])},
+        # Command lines of this worker and of its torchrun agent: secrets must not be in them.
+        "cmdlines": [
+            Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace") for pid in ("self", os.getppid())
+        ],
+    }
+    # One line per rank on stdout: under pdsh it carries the node's name as prefix.
+    print(
+        f"scaling-test-rank rank={rank} group_rank={record['group_rank']} local_rank={record['local_rank']}", flush=True
+    )
+    out = Path(payload["out_dir"])
+    (out / f"rank{rank}.json.tmp").write_text(json.dumps(record))
+    os.replace(out / f"rank{rank}.json.tmp", out / f"rank{rank}.json")
+    if payload.get("hang"):
+        beat = torch.ones(1)
+        while True:  # real collectives until a rank is killed; then gloo errors out on the peers
+            dist.all_reduce(beat)
+            time.sleep(0.2)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
