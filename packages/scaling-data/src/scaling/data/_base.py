@@ -1,0 +1,150 @@
+"""The dataset contract: BaseDataset, BaseDatasetItem, BaseDatasetBatch.
+
+A dataset yields items; ``collate`` turns a list of items into a batch; a batch can
+drop what a pipeline stage does not need (``only_inputs`` on the first stage,
+``only_targets`` on the last). Only tensor-parallel rank 0 reads data: the batch
+reaches the other TP ranks through ``sync_batch_to_model_parallel``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import torch
+from torch.utils.data import Dataset
+
+from scaling.collectives import broadcast_pytree
+
+if TYPE_CHECKING:
+    from scaling.topology import Topology
+
+ItemT = TypeVar("ItemT", bound="BaseDatasetItem")
+BatchT = TypeVar("BatchT", bound="BaseDatasetBatch")
+_B = TypeVar("_B", bound="BaseDatasetBatch")
+
+
+class BaseDatasetItem(ABC):  # noqa: B024  (a marker base: items need no shared method)
+    """Base class of one sample, as returned by :meth:`BaseDataset.__getitem__`.
+
+    Subclasses are usually dataclasses of tensors or numpy arrays.
+    """
+
+
+class BaseDatasetBatch(ABC):
+    """Base class of a collated batch.
+
+    Subclasses are usually dataclasses of tensors (their fields may be ``None`` after
+    :meth:`only_inputs` / :meth:`only_targets`). Dataclass batches get :meth:`to` for free.
+    """
+
+    @abstractmethod
+    def only_inputs(self: _B) -> _B:
+        """Return the batch with only what the first pipeline stage reads (drop targets)."""
+
+    @abstractmethod
+    def only_targets(self: _B) -> _B:
+        """Return the batch with only what the loss on the last stage reads (drop inputs)."""
+
+    def to(self: _B, device: torch.device | str, non_blocking: bool = False) -> _B:
+        """Move every tensor field of a dataclass batch to ``device``.
+
+        Raises:
+            TypeError: when the batch is not a dataclass; override ``to`` in that case.
+        """
+        if not dataclasses.is_dataclass(self):
+            raise TypeError(
+                f"{type(self).__name__}.to(): the default implementation needs a dataclass batch; "
+                "decorate the class with @dataclass or override to()"
+            )
+        changes = {
+            f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **changes)
+
+
+class BaseDataset(Dataset[ItemT], Generic[ItemT, BatchT], ABC):
+    """Base class of every Scaling dataset (a ``torch.utils.data.Dataset``).
+
+    Subclasses implement :meth:`ident`, :meth:`__len__`, :meth:`__getitem__` and
+    :meth:`collate`. The sample order is owned by :class:`scaling.data.DataLoader`
+    (seeded per-epoch permutation in global-sample space); :meth:`set_seed` seeds any
+    randomness *inside* the dataset (augmentation, a blend's per-source order) and the
+    loader calls it with its own seed.
+
+    Example::
+
+        @dataclass
+        class Item(BaseDatasetItem):
+            x: torch.Tensor
+            y: torch.Tensor
+
+        class Squares(BaseDataset[Item, Batch]):
+            def ident(self): return "squares"
+            def __len__(self): return 100
+            def __getitem__(self, i): return Item(torch.tensor([float(i)]), torch.tensor([float(i * i)]))
+            def collate(self, items): return Batch(torch.stack([i.x for i in items]), ...)
+    """
+
+    seed: int = 0
+    shuffle: bool = True
+
+    @abstractmethod
+    def ident(self) -> str:
+        """A stable name of the dataset and its content (used in cache keys and logs)."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of samples."""
+
+    @abstractmethod
+    def __getitem__(self, index: int) -> ItemT:
+        """The sample at ``index`` in ``[0, len(self))``."""
+
+    @abstractmethod
+    def collate(self, items: list[ItemT]) -> BatchT:
+        """Turn a list of items (one micro-batch) into a batch."""
+
+    def set_seed(self, seed: int, shuffle: bool = True) -> None:
+        """Seed the dataset's own randomness; ``shuffle=False`` asks for a fixed order.
+
+        The default records both values; override (and call ``super()``) when the
+        dataset has internal randomness that must follow the seed.
+        """
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+
+    def sync_batch_to_model_parallel(self, topology: Topology, batch: BatchT | None) -> BatchT:
+        """Broadcast the batch from tensor-parallel rank 0 to the rest of its TP group.
+
+        Only TP rank 0 needs to have read data: the other ranks may pass ``None``. With
+        ``model_parallel_size == 1`` the batch is returned unchanged.
+
+        Args:
+            topology: this rank's initialised :class:`~scaling.topology.Topology`.
+            batch: the batch on TP rank 0; anything (usually ``None``) elsewhere.
+
+        Returns:
+            The TP rank 0 batch on every rank of the TP group (dtypes preserved).
+
+        Raises:
+            ValueError: when TP rank 0 has no batch.
+        """
+        if topology.model_parallel_size == 1:
+            if batch is None:
+                raise ValueError(
+                    f"sync_batch_to_model_parallel on rank {topology.global_rank}: batch is None but this rank "
+                    "is the only model-parallel rank and must have read it; iterate the DataLoader on every rank"
+                )
+            return batch
+        if topology.model_parallel_rank == 0 and batch is None:
+            raise ValueError(
+                f"sync_batch_to_model_parallel on rank {topology.global_rank}: batch is None on model-parallel "
+                "rank 0, which is the rank that reads data and broadcasts it; pass the loader's batch there"
+            )
+        src = topology.model_parallel_ranks[0]
+        out: Any = broadcast_pytree(batch, src=src, group=topology.model_parallel_group)
+        return out

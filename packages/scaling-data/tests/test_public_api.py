@@ -1,0 +1,58 @@
+import importlib
+import pathlib
+
+import scaling.data
+
+
+def test_public_api():
+    assert sorted(scaling.data.__all__) == [
+        "BaseDataset",
+        "BaseDatasetBatch",
+        "BaseDatasetItem",
+        "BlendConfig",
+        "BlendedDataset",
+        "DataLoader",
+        "GlobalBatchSampler",
+        "GlobalSampleOrder",
+        "LMPackingBatch",
+        "LMPackingDataset",
+        "LMPackingItem",
+        "MMapTokenBuilder",
+        "MMapTokenDataset",
+        "TokenFileError",
+        "build_blend_index",
+        "examples_proportional_weights",
+        "explicit_weights",
+        "tokenize_files",
+        "weights_by_size",
+    ]
+    for name in scaling.data.__all__:
+        assert getattr(scaling.data, name).__doc__, f"{name} has no docstring"
+
+
+def test_namespace_package_has_no_init():
+    import scaling
+
+    assert all(not (pathlib.Path(p) / "__init__.py").exists() for p in scaling.__path__)
+    assert importlib.import_module("scaling.data._cli").main.__doc__
+
+
+def test_base_classes_enforce_the_contract():
+    import pytest
+
+    class Incomplete(scaling.data.BaseDataset):
+        def ident(self):
+            return "x"
+
+    with pytest.raises(TypeError, match="abstract"):
+        Incomplete()
+
+    class NotDataclass(scaling.data.BaseDatasetBatch):
+        def only_inputs(self):
+            return self
+
+        def only_targets(self):
+            return self
+
+    with pytest.raises(TypeError, match=r"NotDataclass.to\(\): the default implementation needs a dataclass batch"):
+        NotDataclass().to("cpu")
