@@ -1,0 +1,54 @@
+"""`python -m scaling.mlp CONFIG [dotted overrides]`: launch the MLP training.
+
+python -m scaling.mlp apps/mlp/config.yml
+python -m scaling.mlp apps/mlp/config.yml trainer.train_iterations=50 topology.data_parallel_size=1
+python -m scaling.mlp --template            # the whole config, commented
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from scaling.mlp.config import MLPConfig
+from scaling.runner import runner_main
+
+DEFAULT_CONFIG = Path(__file__).with_name("config.yml")
+
+
+def load_config(path: str | Path, overrides: list[str]) -> MLPConfig:
+    """Validate the config and the process count before anything launches."""
+    config = MLPConfig.from_yaml(path, overrides=overrides)
+    runner = config.runner
+    if runner.runner_type == "local" and runner.hosts is None and runner.hostsfile is None:
+        if runner.nproc_per_node != config.topology.world_size:
+            raise ValueError(
+                f"runner.nproc_per_node={runner.nproc_per_node} processes do not match topology.world_size="
+                f"{config.topology.world_size} (model_parallel_size={config.topology.model_parallel_size} × "
+                f"pipe_parallel_size={config.topology.pipe_parallel_size} × data_parallel_size="
+                f"{config.topology.data_parallel_size}); set runner.nproc_per_node={config.topology.world_size} "
+                "or change the topology"
+            )
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scaling.mlp", description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="YAML config (default: the bundled one)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.train_iterations=50")
+    parser.add_argument("--template", action="store_true", help="print the commented config template and exit")
+    args = parser.parse_args(argv)
+    if args.template:
+        print(MLPConfig.template())
+        return 0
+    try:
+        config = load_config(args.config, args.overrides)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"scaling.mlp: invalid config: {exc}", file=sys.stderr)
+        return 2
+    return runner_main(config.runner, payload=config.as_dict())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

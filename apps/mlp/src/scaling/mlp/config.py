@@ -1,0 +1,81 @@
+"""MLPConfig: the package configs composed, plus the MLP's own sections."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from scaling.config import BaseConfig
+from scaling.optim import LearningRateSchedulerConfig, OptimizerConfig
+from scaling.runner import RunnerConfig
+from scaling.topology import TopologyConfig
+from scaling.trainer import TrainerConfig
+from scaling.trainer.loggers import LoggerConfig
+
+TRAIN_SCRIPT = Path(__file__).resolve().with_name("train.py")
+
+
+class MLPArchitectureConfig(BaseConfig):
+    hidden_size: int = Field(256, ge=1, description="Width of the hidden layers; divisible by model_parallel_size.")
+    num_blocks: int = Field(
+        2, ge=1, description="Column/row-parallel layer pairs; the model has 2 * num_blocks pipeline layers."
+    )
+    num_classes: int = Field(10, ge=2, description="Output classes.")
+
+
+class MLPTrainingConfig(BaseConfig):
+    weight_decay: float = Field(0.0001, ge=0.0, description="Weight decay of every parameter, >= 0.")
+
+
+class MLPDataConfig(BaseConfig):
+    mnist_path: Path | None = Field(
+        None,
+        description="Folder with MNIST IDX files (train-images-idx3-ubyte, ...); None = scikit-learn's bundled digits.",
+    )
+    plot: bool = Field(True, description="Write a loss/accuracy PNG next to the metrics when training ends.")
+
+
+class MLPConfig(BaseConfig):
+    """The whole MLP app config; `python -m scaling.mlp --template` prints it commented."""
+
+    runner: RunnerConfig = Field(description="How processes are launched; script defaults to this app's train.py.")
+    logger: LoggerConfig = Field(default_factory=LoggerConfig, description="Where metrics go.")
+    topology: TopologyConfig = Field(description="Parallel layout and batch sizes.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Update rule, ZeRO, clipping.")
+    learning_rate_scheduler: LearningRateSchedulerConfig = Field(
+        default_factory=LearningRateSchedulerConfig, description="Learning rate schedule of every parameter."
+    )
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Iterations, evaluation, checkpoints.")
+    training: MLPTrainingConfig = Field(default_factory=MLPTrainingConfig, description="MLP training settings.")
+    architecture: MLPArchitectureConfig = Field(default_factory=MLPArchitectureConfig, description="MLP shape.")
+    data: MLPDataConfig = Field(default_factory=MLPDataConfig, description="Training and evaluation data.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_script(cls, data: Any) -> Any:
+        """Every process runs this app's train.py unless runner.script says otherwise."""
+        if isinstance(data, dict):
+            runner = dict(data.get("runner") or {})
+            if not runner.get("script"):
+                runner["script"] = str(TRAIN_SCRIPT)
+                data = {**data, "runner": runner}
+        return data
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> MLPConfig:
+        tp, pp = self.topology.model_parallel_size, self.topology.pipe_parallel_size
+        arch = self.architecture
+        if arch.hidden_size % tp:  # type: ignore[operator]
+            choices = [d for d in range(1, arch.hidden_size + 1) if arch.hidden_size % d == 0 and d <= 64]
+            raise ValueError(
+                f"architecture.hidden_size={arch.hidden_size} is not divisible by topology.model_parallel_size={tp}; "
+                f"choose a model_parallel_size in {choices} or another hidden_size"
+            )
+        if 2 * arch.num_blocks < pp:  # type: ignore[operator]
+            raise ValueError(
+                f"topology.pipe_parallel_size={pp} exceeds the model's {2 * arch.num_blocks} layers "
+                f"(architecture.num_blocks={arch.num_blocks}); use at most {2 * arch.num_blocks} stages"
+            )
+        return self

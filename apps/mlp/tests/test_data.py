@@ -1,0 +1,75 @@
+import gzip
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from scaling.mlp.data import MNISTDataset, MNISTDatasetBatch, read_idx
+
+
+def _write_idx(path, array, code=0x08):
+    header = struct.pack(">BBBB", 0, 0, code, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    data = header + array.astype(">u1" if code == 0x08 else array.dtype).tobytes()
+    if path.suffix == ".gz":
+        with gzip.open(path, "wb") as f:
+            f.write(data)
+    else:
+        path.write_bytes(data)
+
+
+def _write_mnist(folder, n_train=12, n_test=6, gz=False):
+    rng = np.random.default_rng(0)
+    suffix = ".gz" if gz else ""
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        _write_idx(folder / f"{prefix}-images-idx3-ubyte{suffix}", rng.integers(0, 256, (n, 28, 28), dtype=np.uint8))
+        _write_idx(folder / f"{prefix}-labels-idx1-ubyte{suffix}", rng.integers(0, 10, (n,), dtype=np.uint8))
+
+
+def test_digits_split_is_fixed_and_disjoint():
+    train, test = MNISTDataset(train=True), MNISTDataset(train=False)
+    assert (len(train), len(test)) == (1437, 360)
+    assert train.num_features == 64
+    assert float(train.images.max()) <= 1.0 and float(train.images.min()) >= 0.0
+    assert torch.equal(MNISTDataset(train=False).labels, test.labels)
+    train_rows = {tuple(r.tolist()) for r in train.images}
+    overlap = sum(tuple(r.tolist()) in train_rows for r in test.images)
+    assert overlap < 5  # the digits set holds a handful of duplicate images, not a shared split
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_mnist_idx_reader(tmp_path, gz):
+    _write_mnist(tmp_path, gz=gz)
+    train = MNISTDataset(train=True, mnist_path=tmp_path)
+    test = MNISTDataset(train=False, mnist_path=tmp_path)
+    assert (len(train), len(test), train.num_features) == (12, 6, 784)
+    suffix = ".gz" if gz else ""
+    raw = read_idx(tmp_path / f"train-images-idx3-ubyte{suffix}")
+    assert torch.allclose(train.images[3], torch.from_numpy(raw[3].reshape(-1).astype(np.float32) / 255.0))
+    batch = train.collate([train[i] for i in range(4)])
+    assert isinstance(batch, MNISTDatasetBatch) and batch.inputs.shape == (4, 784)
+    assert batch.only_inputs().targets is None and batch.only_targets().inputs is None
+
+
+def test_missing_mnist_path_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"data\.mnist_path='.*nope' is not a directory"):
+        MNISTDataset(mnist_path=tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match=r"missing train-images-idx3-ubyte \(or train-images-idx3-ubyte\.gz\)"):
+        MNISTDataset(mnist_path=tmp_path)
+
+
+def test_corrupt_idx_files_are_refused(tmp_path):
+    _write_mnist(tmp_path)
+    path = tmp_path / "train-images-idx3-ubyte"
+    data = path.read_bytes()
+    path.write_bytes(data[:-10])
+    with pytest.raises(
+        ValueError, match=r"train-images-idx3-ubyte: header says shape \[12, 28, 28\].*truncated or corrupt"
+    ):
+        MNISTDataset(mnist_path=tmp_path)
+    path.write_bytes(b"\x01\x02" + data[2:])
+    with pytest.raises(ValueError, match="not an IDX file"):
+        MNISTDataset(mnist_path=tmp_path)
+    path.write_bytes(data[:2] + b"\x42" + data[3:])
+    with pytest.raises(ValueError, match="unknown IDX dtype code 0x42"):
+        MNISTDataset(mnist_path=tmp_path)

@@ -1,0 +1,62 @@
+"""TrainerConfig: iterations, evaluation, saving and loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from scaling.config import BaseConfig
+
+
+class TrainerConfig(BaseConfig):
+    """The training loop's own settings (topology, optimizer and data live elsewhere)."""
+
+    train_iterations: int = Field(100, ge=1, description="Optimizer steps to train for, >= 1.")
+    seed: int = Field(42, description="Seed of model initialisation, data order and dropout.")
+    log_interval: int = Field(1, ge=1, description="Log metrics every this many steps (>= 1).")
+    eval_interval: int | None = Field(
+        None, ge=1, description="Evaluate every this many steps and after the last; None = never."
+    )
+    eval_iterations: int = Field(1, ge=1, description="Global batches per evaluation, >= 1.")
+    save_dir: Path | None = Field(None, description="Folder for checkpoints; None = never save.")
+    save_interval: int | None = Field(
+        None, ge=1, description="Save every this many steps and after the last; None = only at the end (with save_dir)."
+    )
+    keep_last_n_checkpoints: int | None = Field(
+        None, ge=1, description="Keep only the newest N committed checkpoints; None = keep all."
+    )
+    load_dir: Path | None = Field(
+        None, description="Resume from the latest committed checkpoint in this folder; None = start fresh."
+    )
+    load_optimizer_states: bool = Field(
+        True, description="Load optimizer state (moments, master weights, loss scale) with the model."
+    )
+    load_context: bool = Field(
+        True, description="Load counters, data-loader position and RNG states (False = fine-tune from weights)."
+    )
+    fallback_to_previous_checkpoint: bool = Field(
+        False, description="When the newest checkpoint is corrupt, load the previous good one instead of failing."
+    )
+    allowed_missing_keys_in_checkpoint: list[str] = Field(
+        default_factory=list, description="Regexes of model keys that may be absent from the checkpoint."
+    )
+    allowed_unexpected_keys_in_checkpoint: list[str] = Field(
+        default_factory=list, description="Regexes of checkpoint keys the model may lack."
+    )
+    ignore_keys_in_checkpoint: list[str] = Field(
+        default_factory=list, description="Regexes of checkpoint keys never loaded (the model keeps its values)."
+    )
+    async_save: bool = Field(False, description="Write checkpoints in the background after copying tensors to CPU.")
+    dataloader_num_workers: int = Field(0, ge=0, description="Worker processes of each data loader (0 = in process).")
+    loss_spike_factor: float = Field(
+        10.0, gt=1, description="Flag a loss spike when the loss exceeds this factor times the running max."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainerConfig:
+        if self.save_interval is not None and self.save_dir is None:
+            raise ValueError(
+                f"trainer.save_interval={self.save_interval} needs trainer.save_dir; set save_dir or save_interval=null"
+            )
+        return self

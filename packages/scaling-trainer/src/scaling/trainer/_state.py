@@ -1,0 +1,108 @@
+"""What a trainer checkpoint holds, and saving/loading it through scaling.trainer.checkpoint.
+
+Sharded, layout-independent state (model parameters and optimizer state as DTensors
+keyed by ``meta.key``) goes to DCP shards, so it reshards on load. Counters, the
+data-loader position and the config go to ``extra.json``; RNG states are per rank and
+restored only when the world size is unchanged (another layout has other streams).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from scaling.trainer.checkpoint import (
+    PendingSave,
+    load_checkpoint,
+    load_model_state_dict,
+    model_state_dict,
+    new_checkpoint_group,
+    save_checkpoint,
+)
+
+if TYPE_CHECKING:
+    from scaling.trainer._trainer import BaseTrainer
+
+
+class TrainerCheckpointer:
+    """Saves and restores one :class:`BaseTrainer`'s full state."""
+
+    def __init__(self, trainer: BaseTrainer[Any]) -> None:
+        self.trainer = trainer
+        self._pending: PendingSave | None = None
+        self._group: Any = None
+        self.last_loaded_step: int | None = None
+
+    def _state(self) -> dict[str, Any]:
+        t = self.trainer
+        return {
+            "model": model_state_dict(list(t.parallel_module.named_parameters_with_meta()), t.context.topology),
+            "optimizer": t.optimizer.state_dict(),
+        }
+
+    def _extra(self) -> dict[str, Any]:
+        t = self.trainer
+        return {
+            "context": t.context.state_dict(),
+            "data_loader": t.loader.state_dict(),
+            "world_size": t.context.topology.world_size,
+            "config": t.context.config.as_dict(),
+        }
+
+    def save(self, save_dir: Path) -> None:
+        """Save the current step; the previous asynchronous save is finished first."""
+        t = self.trainer
+        self.wait()
+        if t.config.async_save and self._group is None and dist.is_initialized():
+            self._group = new_checkpoint_group()
+        self._pending = save_checkpoint(
+            save_dir,
+            t.context.iterations,
+            self._state(),
+            t.context.topology,
+            extra=self._extra(),
+            rank_state=t.context.rng_state(),
+            keep_last=t.config.keep_last_n_checkpoints,
+            async_save=t.config.async_save,
+            process_group=self._group,
+        )
+        if not t.config.async_save:
+            self.wait()
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
+    def load(self, load_dir: Path) -> None:
+        """Restore the latest committed checkpoint in ``load_dir`` (layout may differ)."""
+        t = self.trainer
+        cfg = t.config
+        template = self._state()
+        if not cfg.load_optimizer_states:
+            template.pop("optimizer")
+        loaded = load_checkpoint(
+            load_dir,
+            template,
+            t.context.topology,
+            fallback_to_previous=cfg.fallback_to_previous_checkpoint,
+            allowed_missing=cfg.allowed_missing_keys_in_checkpoint,
+            allowed_unexpected=[
+                *cfg.allowed_unexpected_keys_in_checkpoint,
+                *([r"optimizer\..*"] if "optimizer" not in template else []),
+            ],
+            ignored=cfg.ignore_keys_in_checkpoint,
+        )
+        load_model_state_dict(list(t.parallel_module.named_parameters_with_meta()), loaded.state["model"])
+        if "optimizer" in template:
+            t.optimizer.load_state_dict(loaded.state["optimizer"])
+        extra = loaded.extra
+        if cfg.load_context:
+            t.context.load_state_dict(extra["context"])
+            t.loader.load_state_dict(extra["data_loader"])
+            if extra.get("world_size") == t.context.topology.world_size and loaded.rank_state is not None:
+                t.context.load_rng_state(loaded.rank_state)
+        self.last_loaded_step = loaded.step
+        t.metrics_logger.console(f"loaded checkpoint step {loaded.step} from {loaded.path}")

@@ -1,0 +1,210 @@
+"""load_checkpoint: verify the commit marker, then load into any layout through DCP."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from scaling.trainer.checkpoint import _marker as mk
+from scaling.trainer.checkpoint._errors import CheckpointError
+from scaling.trainer.checkpoint._safe_io import SafeFileSystemReader, SafeLoadPlanner, safe_load_metadata
+from scaling.trainer.checkpoint._save import EXTRA_FILE, SCALARS_FILE, _all_gather, _world, rank_file
+from scaling.trainer.checkpoint._tree import decode_pytree, fill_state, flatten_state
+
+if TYPE_CHECKING:
+    from scaling.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What :func:`load_checkpoint` found and loaded.
+
+    Attributes:
+        step: the step loaded. path: its folder.
+        state: the template with every loaded leaf filled in (tensors in place).
+        extra: the JSON metadata saved with it.
+        rank_state: this rank's ``rank_state`` when the world size is unchanged, else None.
+        missing_keys / unexpected_keys: allowed keys absent from the checkpoint / the model.
+        skipped: ``(step or path, reason)`` of newer checkpoints passed over by fallback.
+    """
+
+    step: int
+    path: Path
+    state: dict[str, Any]
+    extra: dict[str, Any]
+    rank_state: Any
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _verify(step_dir: Path, pg: Any) -> dict[str, Any]:
+    rank, world = _world(pg)
+    try:
+        marker = mk.read_marker(step_dir)
+        names = sorted(marker["files"])
+        problems = mk.verify_files(step_dir, marker, names[rank::world])
+        if rank == 0:
+            problems += mk.unlisted_files(step_dir, marker)
+    except CheckpointError as e:
+        marker, problems = {}, [str(e)]
+    problems = [p for part in _all_gather(problems, pg, world) for p in part]
+    if problems:
+        raise CheckpointError(f"checkpoint {step_dir} failed verification:\n  " + "\n  ".join(sorted(set(problems))))
+    return marker
+
+
+def _candidates(load_dir: Path, step: int | None, fallback: bool) -> tuple[list[int], list[tuple[str, str]]]:
+    skipped: list[tuple[str, str]] = []
+    if step is None:
+        try:
+            step = mk.read_latest(load_dir)
+        except CheckpointError as e:
+            if not fallback:
+                raise
+            skipped.append((str(load_dir / mk.LATEST), str(e)))
+    committed = mk.committed_steps(load_dir)
+    if step is None:
+        if not committed:
+            raise CheckpointError(f"no committed checkpoint (step_*/{mk.MARKER}) in {load_dir}")
+        return sorted(committed, reverse=True), skipped
+    first = [step]
+    return first + (sorted((s for s in committed if s < step), reverse=True) if fallback else []), skipped
+
+
+def _matches(key: str, patterns: Sequence[str]) -> bool:
+    return any(re.fullmatch(p, key) for p in patterns)
+
+
+def load_checkpoint(
+    load_dir: str | Path,
+    state_template: Mapping[str, Any],
+    topology: Topology | None,
+    *,
+    step: int | None = None,
+    fallback_to_previous: bool = False,
+    allowed_missing: Sequence[str] = (),
+    allowed_unexpected: Sequence[str] = (),
+    ignored: Sequence[str] = (),
+    process_group: Any = None,
+) -> LoadedCheckpoint:
+    """Verify and load a checkpoint into this rank's ``state_template`` (any layout).
+
+    Collective. Every file listed in ``commit.json`` is checked (size, sha256; spread over
+    the ranks) before anything is read; no file is ever unpickled with arbitrary classes.
+
+    Args:
+        load_dir: the checkpoint root (holding ``latest`` and ``step_*`` folders).
+        state_template: the state at the new layout, e.g. ``{"model":
+            model_state_dict(...), "optimizer": optimizer.state_dict()}``; tensors are
+            filled in place, scalar leaves replaced in the returned ``state``.
+        topology: the topology, or ``None`` in one process without a process group.
+        step: load this step instead of ``latest``.
+        fallback_to_previous: on a corrupt checkpoint (or garbled ``latest``) load the
+            newest older committed one and log a warning instead of raising.
+        allowed_missing: regexes (full match) of template keys that may be absent.
+        allowed_unexpected: regexes of checkpoint keys no rank's template holds.
+        ignored: regexes of keys never loaded (the template keeps its values).
+        process_group: the group to run on (default: the world).
+
+    Raises:
+        CheckpointError: no checkpoint, a garbled ``latest``, a file failing verification
+            (named), a disallowed missing/unexpected key, or a shape mismatch.
+    """
+    load_dir = Path(load_dir)
+    candidates, skipped = _candidates(load_dir, step, fallback_to_previous)
+    for i, cand in enumerate(candidates):
+        step_dir = load_dir / mk.step_dir_name(cand)
+        try:
+            marker = _verify(step_dir, process_group)
+        except CheckpointError as e:
+            if not fallback_to_previous or i == len(candidates) - 1:
+                raise
+            logger.warning("checkpoint step %d is unusable, falling back to an older one: %s", cand, e)
+            skipped.append((str(cand), str(e)))
+            continue
+        loaded = _load_verified(
+            step_dir, cand, marker, state_template, process_group, allowed_missing, allowed_unexpected, ignored
+        )
+        loaded.skipped = skipped
+        return loaded
+    raise CheckpointError(f"no loadable checkpoint in {load_dir}")
+
+
+def _load_verified(
+    step_dir: Path,
+    step: int,
+    marker: dict[str, Any],
+    template: Mapping[str, Any],
+    pg: Any,
+    allowed_missing: Sequence[str],
+    allowed_unexpected: Sequence[str],
+    ignored: Sequence[str],
+) -> LoadedCheckpoint:
+    rank, world = _world(pg)
+    metadata = safe_load_metadata(step_dir / ".metadata")
+    ckpt_tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    saved_scalars = json.loads((step_dir / SCALARS_FILE).read_text())
+    same_world = marker.get("world_size") == world
+    own = json.loads((step_dir / rank_file(rank, "json")).read_text()) if same_world else None
+    scalar_values = dict(saved_scalars["values"])
+    if own is not None:
+        scalar_values.update({k: own["scalars"][k] for k in saved_scalars["per_rank_only"] if k in own["scalars"]})
+
+    t_tensors, t_scalars = flatten_state(template)
+    wanted = [k for k in [*t_tensors, *t_scalars] if not _matches(k, ignored)]
+    present = set(ckpt_tensors) | set(scalar_values)
+    missing = sorted(k for k in wanted if k not in present)
+    bad_missing = [k for k in missing if not _matches(k, allowed_missing)]
+    all_template_keys = {k for part in _all_gather(sorted(set(t_tensors) | set(t_scalars)), pg, world) for k in part}
+    candidates = set(ckpt_tensors) | set(saved_scalars["values"]) | set(saved_scalars["per_rank_only"])
+    unexpected = sorted(k for k in candidates if k not in all_template_keys and not _matches(k, ignored))
+    bad_unexpected = [k for k in unexpected if not _matches(k, allowed_unexpected)]
+    errors = []
+    if bad_missing:
+        errors.append(
+            f"keys missing from checkpoint {step_dir}: {bad_missing}; allow them with allowed_missing=[regex]"
+        )
+    if bad_unexpected:
+        errors.append(
+            f"checkpoint {step_dir} has keys no rank expects: {bad_unexpected}; "
+            "allow them with allowed_unexpected=[regex] or skip them with ignored=[regex]"
+        )
+    to_load = {k: t for k, t in t_tensors.items() if k in wanted and k in ckpt_tensors}
+    for k, t in to_load.items():
+        if tuple(t.shape) != tuple(ckpt_tensors[k].size):
+            errors.append(f"{k}: checkpoint shape {list(ckpt_tensors[k].size)} != model shape {list(t.shape)}")
+    if errors:
+        raise CheckpointError("\n".join(errors))
+
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    try:
+        dcp.load(
+            to_load,
+            storage_reader=SafeFileSystemReader(step_dir),
+            planner=SafeLoadPlanner(allow_partial_load=True),
+            process_group=pg,
+            no_dist=no_dist,
+        )
+    except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP wraps rank failures in a BaseException
+        raise CheckpointError(f"{step_dir}: reading the DCP shards failed (refused or corrupt): {e}") from e
+    filled = {k: scalar_values[k] for k in t_scalars if k in wanted and k in scalar_values}
+    state = fill_state(template, filled)
+    rank_state = None
+    if own is not None:
+        st = step_dir / rank_file(rank, "safetensors")
+        rank_state = decode_pytree(own["rank_state"], load_file(str(st)) if st.is_file() else {})
+    extra = json.loads((step_dir / EXTRA_FILE).read_text())
+    return LoadedCheckpoint(step, step_dir, state, extra, rank_state, missing, unexpected)

@@ -1,0 +1,171 @@
+"""The commit marker, the ``latest`` pointer and the step folders on disk.
+
+A step folder ``step_{N:08d}`` counts only once ``commit.json`` exists in it; the marker
+lists every file of the checkpoint with its size and sha256, so loading can tell a
+deleted, truncated, flipped or foreign file from a good one and name it. ``latest`` is a
+one-line text file replaced atomically (temp file + ``os.replace``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from scaling.trainer.checkpoint._errors import CheckpointError
+
+MARKER = "commit.json"
+LATEST = "latest"
+FORMAT = "scaling-checkpoint/1"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_CHUNK = 8 << 20
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def hash_file(path: Path) -> dict[str, Any]:
+    """``{"size": bytes, "sha256": hex}`` of one file."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def list_files(step_dir: Path) -> list[str]:
+    """Every regular file under ``step_dir`` (relative POSIX paths) except the marker."""
+    out = []
+    for root, _, names in os.walk(step_dir):
+        for name in names:
+            rel = (Path(root) / name).relative_to(step_dir).as_posix()
+            if rel != MARKER:
+                out.append(rel)
+    return sorted(out)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_marker(step_dir: Path, step: int, files: dict[str, dict[str, Any]], info: dict[str, Any]) -> None:
+    """Write ``commit.json`` last: from here on the step folder counts."""
+    write_json_atomic(step_dir / MARKER, {"format": FORMAT, "step": step, "files": files, **info})
+
+
+def write_latest(save_dir: Path, step: int) -> None:
+    tmp = save_dir / f".{LATEST}.tmp{os.getpid()}"
+    tmp.write_text(step_dir_name(step) + "\n")
+    os.replace(tmp, save_dir / LATEST)
+
+
+def read_marker(step_dir: Path) -> dict[str, Any]:
+    path = step_dir / MARKER
+    try:
+        marker = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} does not exist: {step_dir} is not a committed checkpoint") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: commit marker is not valid JSON ({e}); the checkpoint is corrupt") from e
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT or not isinstance(marker.get("files"), dict):
+        raise CheckpointError(f"{path}: not a {FORMAT} commit marker; the checkpoint is corrupt")
+    return marker
+
+
+def verify_files(step_dir: Path, marker: dict[str, Any], names: list[str]) -> list[str]:
+    """Problems (each naming the file) among ``names`` of the marker's files."""
+    problems = []
+    for name in names:
+        path = step_dir / name
+        want = marker["files"][name]
+        if not path.is_file():
+            problems.append(f"{path}: listed in {MARKER} but missing (deleted?)")
+            continue
+        size = path.stat().st_size
+        if size != want["size"]:
+            problems.append(f"{path}: size {size} bytes != {want['size']} recorded in {MARKER} (truncated?)")
+        elif hash_file(path)["sha256"] != want["sha256"]:
+            problems.append(f"{path}: sha256 differs from {MARKER} (corrupted or modified)")
+    return problems
+
+
+def unlisted_files(step_dir: Path, marker: dict[str, Any]) -> list[str]:
+    """Problems for files in the folder that the marker does not list (never loaded)."""
+    return [
+        f"{step_dir / name}: not listed in {MARKER}; a file was added after the commit, refusing to load"
+        for name in list_files(step_dir)
+        if name not in marker["files"]
+    ]
+
+
+def step_folders(save_dir: Path) -> dict[int, Path]:
+    """``{step: folder}`` of every ``step_*`` folder, committed or not."""
+    if not save_dir.is_dir():
+        return {}
+    out = {}
+    for p in save_dir.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir():
+            out[int(m.group(1))] = p
+    return out
+
+
+def committed_steps(save_dir: Path) -> list[int]:
+    """Steps whose folder has a commit marker, ascending."""
+    return sorted(s for s, p in step_folders(save_dir).items() if (p / MARKER).is_file())
+
+
+def read_latest(save_dir: Path) -> int:
+    """The step ``latest`` points to.
+
+    Raises:
+        CheckpointError: ``latest`` is missing, garbled or points to an uncommitted folder.
+    """
+    path = save_dir / LATEST
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} does not exist: no committed checkpoint in {save_dir}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e}); pass step=... to load_checkpoint") from e
+    m = _STEP_RE.match(text)
+    if not m:
+        raise CheckpointError(f"{path}: garbled content {text[:60]!r}, expected 'step_<N>'; pass step=... explicitly")
+    step = int(m.group(1))
+    if not (save_dir / step_dir_name(step) / MARKER).is_file():
+        raise CheckpointError(f"{path}: points to {text!r}, which is not a committed checkpoint")
+    return step
+
+
+def remove_uncommitted(save_dir: Path, keep: int | None = None) -> list[int]:
+    """Delete step folders without a marker (except step ``keep``); returns their steps."""
+    removed = []
+    for step, path in step_folders(save_dir).items():
+        if step != keep and not (path / MARKER).is_file():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(step)
+    return sorted(removed)
+
+
+def prune(save_dir: Path, keep_last: int) -> list[int]:
+    """Delete all but the newest ``keep_last`` committed checkpoints; returns removed steps."""
+    steps = committed_steps(save_dir)
+    doomed = steps[:-keep_last] if keep_last > 0 else []
+    for step in doomed:
+        path = save_dir / step_dir_name(step)
+        # The marker goes first, so a half-deleted folder is never taken for a good one.
+        (path / MARKER).unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed

@@ -1,0 +1,215 @@
+"""save_checkpoint: DCP shards, JSON metadata, per-rank state, then the commit marker."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import FileSystemWriter
+
+from scaling.trainer.checkpoint import _marker as mk
+from scaling.trainer.checkpoint._tree import encode_pytree, flatten_state
+
+if TYPE_CHECKING:
+    from scaling.topology import Topology
+
+EXTRA_FILE = "extra.json"
+SCALARS_FILE = "scalars.json"
+
+
+def rank_file(rank: int, suffix: str) -> str:
+    return f"ranks/rank_{rank:05d}.{suffix}"
+
+
+def _world(pg: Any) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size(pg)
+
+
+def _all_gather(obj: Any, pg: Any, world: int) -> list[Any]:
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=pg)
+    return out
+
+
+def _barrier(pg: Any, world: int) -> None:
+    if world > 1:
+        dist.barrier(group=pg)
+
+
+class PendingSave:
+    """Handle of a (possibly asynchronous) save; :meth:`wait` returns the committed folder."""
+
+    def __init__(self, path: Path, thread: threading.Thread | None = None) -> None:
+        self.path = path
+        self._thread = thread
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        """Block until the checkpoint is committed on every rank; re-raise a failure."""
+        if self._thread is not None:
+            self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.path
+
+
+def _layout(topology: Topology | None) -> dict[str, int]:
+    if topology is None:
+        return {"pp": 1, "dp": 1, "tp": 1, "world_size": 1}
+    return {
+        "pp": topology.pipe_parallel_size,
+        "dp": topology.data_parallel_size,
+        "tp": topology.model_parallel_size,
+        "world_size": topology.world_size,
+    }
+
+
+def _merge_scalars(per_rank: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
+    merged: dict[str, Any] = {}
+    conflicting: set[str] = set()
+    for scalars in per_rank:
+        for k, v in scalars.items():
+            if k in merged and merged[k] != v:
+                conflicting.add(k)
+            merged.setdefault(k, v)
+    return {k: v for k, v in merged.items() if k not in conflicting}, sorted(conflicting)
+
+
+def _commit(save_dir: Path, step_dir: Path, step: int, info: dict[str, Any], pg: Any, keep_last: int | None) -> None:
+    rank, world = _world(pg)
+    # Each rank hashes what it wrote (in parallel); rank 0 hashes the rest and checks coverage.
+    mine = {
+        name: mk.hash_file(step_dir / name)
+        for name in mk.list_files(step_dir)
+        if name.startswith(f"__{rank}_") or name.startswith(rank_file(rank, ""))
+    }
+    gathered = _all_gather(mine, pg, world)
+    if rank == 0:
+        files: dict[str, Any] = {}
+        for part in gathered:
+            files.update(part)
+        for name in mk.list_files(step_dir):
+            if name not in files:
+                files[name] = mk.hash_file(step_dir / name)
+        mk.write_marker(step_dir, step, files, info)
+        mk.write_latest(save_dir, step)
+        if keep_last is not None:
+            mk.prune(save_dir, keep_last)
+    _barrier(pg, world)
+
+
+def save_checkpoint(
+    save_dir: str | Path,
+    step: int,
+    state: Mapping[str, Any],
+    topology: Topology | None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    rank_state: Any = None,
+    keep_last: int | None = None,
+    async_save: bool = False,
+    process_group: Any = None,
+) -> PendingSave:
+    """Save a checkpoint of every rank's ``state`` into ``save_dir/step_{step:08d}``.
+
+    Collective over ``process_group`` (default: the world). Tensors and DTensors of
+    ``state`` go to DCP shards; its scalar leaves, ``extra`` (rank 0's) and each rank's
+    ``rank_state`` (e.g. RNG states) go to JSON and safetensors files; nothing is
+    pickled. Then every rank hashes its files and rank 0 writes ``commit.json`` and
+    replaces ``latest``; a folder without ``commit.json`` is never loaded and is deleted
+    by the next save.
+
+    Args:
+        save_dir: the checkpoint root folder.
+        step: optimizer step, names the folder (``>= 0``).
+        state: ``{"model": model_state_dict(...), "optimizer": optimizer.state_dict(), ...}``.
+        topology: the topology (``None`` in one process without a process group).
+        extra: JSON-able metadata (counters, config dict, data-loader state).
+        rank_state: this rank's own state (``get_rng_state(tracker)``): tensors,
+            numpy arrays, tuples, lists, str-keyed dicts and scalars.
+        keep_last: keep only the newest N committed checkpoints (``None`` = all).
+        async_save: stage tensors to CPU (``dcp.async_save``), then write and commit in
+            a background thread. Needs ``process_group`` distinct from the training
+            collectives when running distributed (see :func:`new_checkpoint_group`).
+        process_group: the group the save's collectives run on.
+
+    Returns:
+        A :class:`PendingSave`; call ``wait()`` before the next save and before exit.
+
+    Raises:
+        ValueError: a bad ``step``/``keep_last``, or ``async_save`` without a group.
+        TypeError: ``extra`` is not JSON-able, or ``state`` holds an unsupported type.
+    """
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step={step!r} must be an int >= 0")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last={keep_last!r} must be >= 1 or None (keep all)")
+    rank, world = _world(process_group)
+    if async_save and world > 1 and process_group is None:
+        raise ValueError(
+            "async_save=True needs process_group: a group used only by checkpointing (create it once with "
+            "new_checkpoint_group()), so background collectives never interleave with training ones"
+        )
+    try:
+        extra_json = json.dumps(dict(extra or {}), sort_keys=True)
+    except TypeError as e:
+        raise TypeError(f"extra must be JSON-able (counters, config dict, loader state): {e}") from e
+    tensors, scalars = flatten_state(state)
+    rank_tensors: dict[str, Any] = {}
+    rank_json = {"rank_state": encode_pytree(rank_state, rank_tensors), "scalars": scalars}
+
+    save_dir = Path(save_dir)
+    step_dir = save_dir / mk.step_dir_name(step)
+    if (step_dir / mk.MARKER).exists():
+        raise ValueError(f"{step_dir} is already a committed checkpoint; save under a new step or delete it first")
+    if rank == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        mk.remove_uncommitted(save_dir)
+        (step_dir / "ranks").mkdir(parents=True)
+    merged, conflicting = _merge_scalars(_all_gather(scalars, process_group, world))  # also a barrier
+    (step_dir / rank_file(rank, "json")).write_text(json.dumps(rank_json, sort_keys=True))
+    if rank_tensors:
+        save_file(rank_tensors, str(step_dir / rank_file(rank, "safetensors")))
+    if rank == 0:
+        (step_dir / EXTRA_FILE).write_text(extra_json)
+        (step_dir / SCALARS_FILE).write_text(json.dumps({"values": merged, "per_rank_only": conflicting}))
+    info = {"layout": _layout(topology), "world_size": world}
+    writer = FileSystemWriter(step_dir, thread_count=1)
+    if not async_save:
+        dcp.save(tensors, storage_writer=writer, process_group=process_group)
+        _commit(save_dir, step_dir, step, info, process_group, keep_last)
+        return PendingSave(step_dir)
+
+    upload = dcp.async_save(tensors, storage_writer=writer, process_group=process_group)
+    pending = PendingSave(step_dir)
+
+    def finish() -> None:
+        try:
+            upload.result()
+            _commit(save_dir, step_dir, step, info, process_group, keep_last)
+        except BaseException as e:  # noqa: BLE001 - re-raised by wait() in the caller's thread
+            pending.error = e
+
+    pending._thread = threading.Thread(target=finish, name=f"checkpoint-commit-{step}", daemon=True)
+    pending._thread.start()
+    return pending
+
+
+def new_checkpoint_group() -> Any:
+    """A gloo group over all ranks for checkpoint collectives (collective; create once)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo")

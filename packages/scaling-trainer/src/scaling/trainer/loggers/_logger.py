@@ -1,0 +1,110 @@
+"""MetricsLogger: one call per step fans the metrics out to the configured sinks (rank 0)."""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from scaling.trainer.loggers._config import LoggerConfig
+from scaling.trainer.loggers._sinks import ConsoleSink, JsonlSink, TensorBoardSink, WandbSink
+
+if TYPE_CHECKING:
+    from scaling.topology import Topology
+
+LOGGER_NAME = "scaling.trainer.metrics"
+
+
+def _to_float(key: str, value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"metric {key!r} is a tensor of shape {list(value.shape)}; log a scalar")
+        return float(value.detach().float().item())
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"metric {key!r} has type {type(value).__name__}; metrics must be numbers or 1-element tensors")
+
+
+class MetricsLogger:
+    """Writes metrics to a console line, JSONL, TensorBoard and W&B from global rank 0.
+
+    Args:
+        config: the sinks; ``None`` = a console line only.
+        topology: decides the writing rank (``None`` = this process writes).
+        run_config: a JSON-able dict stored with the W&B run (e.g. ``config.as_dict()``,
+            which leaves secrets out).
+
+    Example::
+
+        logger = MetricsLogger(LoggerConfig(log_dir="runs/1", use_tensorboard=True), topology=topo)
+        logger.log({"loss": 2.3, "learning_rate": 1e-3}, step=10)
+        logger.close()
+    """
+
+    def __init__(
+        self,
+        config: LoggerConfig | None = None,
+        topology: Topology | None = None,
+        run_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.config = config or LoggerConfig()
+        self.is_writer = topology is None or topology.global_rank == 0
+        self.logger = logging.getLogger(LOGGER_NAME)
+        self.logger.setLevel(self.config.log_level)
+        if not self.logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+            self.logger.addHandler(handler)
+            self.logger.propagate = False
+        self.sinks: list[Any] = []
+        if not self.is_writer:
+            return
+        self.sinks.append(ConsoleSink(self.logger))
+        cfg, log_dir = self.config, self.config.log_dir
+        if log_dir is None:
+            if cfg.use_tensorboard or cfg.use_wandb:
+                raise ValueError("LoggerConfig.log_dir=None but use_tensorboard/use_wandb is set; set log_dir")
+            return
+        if cfg.use_jsonl:
+            self.sinks.append(JsonlSink(log_dir / "metrics.jsonl"))
+        if cfg.use_tensorboard:
+            self.sinks.append(TensorBoardSink(log_dir / "tensorboard"))
+        if cfg.use_wandb:
+            self.sinks.append(
+                WandbSink(
+                    log_dir,
+                    cfg.wandb_project,
+                    cfg.wandb_entity,
+                    cfg.wandb_mode,
+                    cfg.wandb_run_name,
+                    dict(run_config or {}),
+                )
+            )
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Log scalar ``metrics`` at ``step`` to every sink (no-op off rank 0).
+
+        Non-numeric entries (e.g. a ``"step"`` counter) are dropped from the sinks.
+
+        Raises:
+            ValueError/TypeError: a metric is a multi-element tensor / not a number.
+        """
+        if not self.is_writer:
+            return
+        values = {k: _to_float(k, v) for k, v in metrics.items() if k != "step" and not isinstance(v, (str, bool))}
+        for sink in self.sinks:
+            sink.log(step, values)
+
+    def console(self, message: str) -> None:
+        """Print a one-off message on the writing rank (e.g. the MFU formula, a signal)."""
+        if self.is_writer:
+            self.logger.info(message)
+
+    def close(self) -> None:
+        """Flush and close every sink (finishes the W&B run); safe to call twice."""
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []

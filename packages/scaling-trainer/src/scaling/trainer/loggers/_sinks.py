@@ -1,0 +1,94 @@
+"""Metric sinks: console line, JSONL, TensorBoard, Weights & Biases (imported lazily)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+# Keys shown first, in this order, on the console line; the rest follow sorted.
+_CONSOLE_ORDER = (
+    "loss",
+    "evaluation/loss",
+    "learning_rate",
+    "grad_norm",
+    "loss_scale",
+    "step_duration",
+    "samples_per_second",
+    "tokens_per_second",
+)
+
+
+def _fmt(value: float) -> str:
+    if value == 0 or (1e-3 <= abs(value) < 1e5):
+        return f"{value:.4g}"
+    return f"{value:.3e}"
+
+
+def console_line(step: int, metrics: dict[str, float]) -> str:
+    keys = [k for k in _CONSOLE_ORDER if k in metrics] + sorted(k for k in metrics if k not in _CONSOLE_ORDER)
+    return f"step {step} | " + " | ".join(f"{k} {_fmt(metrics[k])}" for k in keys)
+
+
+class ConsoleSink:
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.logger.info(console_line(step, metrics))
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlSink:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "a")  # noqa: SIM115 - lives as long as the logger
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}
+        self.file.write(json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoardSink:
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """A W&B run. The API key is read by wandb from the environment; we never touch it."""
+
+    def __init__(
+        self, log_dir: Path, project: str, entity: str | None, mode: str, name: str | None, config: Any
+    ) -> None:
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError("use_wandb=True needs wandb: pip install 'scaling-trainer[wandb]'") from e
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=project, entity=entity, mode=mode, name=name, dir=str(log_dir), config=config, reinit="create_new"
+        )
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
