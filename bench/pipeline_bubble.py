@@ -1,0 +1,166 @@
+"""Pipeline bubble on real 2-stage pipelines, and our 1F1B against torch's Schedule1F1B.
+
+Each stage is one layer whose forward sleeps ``--forward-ms`` and whose backward sleeps
+``--backward-ms`` (a fixed cost that does not compete for the CPU), around a small
+Linear, so the busy time per stage is known exactly: ``m * (forward + backward)``.
+The measured bubble is ``1 - busy / step wall time``; theory is ``(p - 1) / (m + p - 1)``.
+
+The reference is ``torch.distributed.pipelining.Schedule1F1B`` on the same layers, the
+same micro-batches and the same two gloo ranks, timed in the same run; the ratio is
+ours / torch (below 1.0: we are faster).
+
+    python bench/pipeline_bubble.py
+    python bench/pipeline_bubble.py --forward-ms 10 --backward-ms 20 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+
+from scaling.nn import BaseLayer, LayerSpec
+from scaling.pipeline import ParallelModule
+from scaling.testing import make_topology, run_distributed
+
+WIDTH, BATCH = 64, 8
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class FixedCostLinear(torch.nn.Module):
+    def __init__(self, forward_s: float, backward_s: float) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+        self.forward_s, self.backward_s = forward_s, backward_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(self.linear(x), self.forward_s, self.backward_s)
+
+
+@dataclass
+class IO:
+    x: torch.Tensor
+
+
+class Layer(BaseLayer[IO, IO]):
+    def __init__(self, forward_s: float, backward_s: float) -> None:
+        super().__init__()
+        self.inner = FixedCostLinear(forward_s, backward_s)
+
+    def forward(self, x: IO) -> IO:
+        return IO(self.inner(x.x))
+
+
+@dataclass
+class Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def only_inputs(self) -> IO:
+        return IO(self.x)
+
+    def only_targets(self) -> Batch:
+        return self
+
+
+class _NoUpdate:
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def zero_grad(self) -> None:
+        self.module.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        return None
+
+
+def _loss(out: IO, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    return torch.nn.functional.mse_loss(out.x, batch.y), {}
+
+
+def worker(schedules: list[str], ms: list[int], forward_s: float, backward_s: float, repeats: int) -> dict:
+    topo = make_topology(pipe_parallel_size=2)
+    results: dict = {}
+    for m in ms:
+        batches = [Batch(torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)) for _ in range(m)]
+        for name in schedules:
+            spec = [LayerSpec(Layer, forward_s, backward_s) for _ in range(2)]
+            module = ParallelModule(spec, topo, schedule=name)
+            opt = _NoUpdate(module)
+            module.train_step(batches, opt, _loss)  # warm-up: handshakes, allocations
+            walls = []
+            for _ in range(repeats):
+                torch.distributed.barrier()
+                walls.append(module.train_step(batches, opt, _loss).step_duration)
+            results[(name, m)] = min(walls)
+        results[("torch_1f1b", m)] = _torch_1f1b(topo, batches, forward_s, backward_s, repeats)
+    return results
+
+
+def _torch_1f1b(topo, batches: list[Batch], forward_s: float, backward_s: float, repeats: int) -> float:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    stage_index = topo.pipe_parallel_rank
+    layer = FixedCostLinear(forward_s, backward_s)
+    stage = PipelineStage(layer, stage_index, 2, topo.device, group=topo.pipe_parallel_group)
+    schedule = Schedule1F1B(stage, len(batches), loss_fn=torch.nn.functional.mse_loss)
+    x = torch.cat([b.x for b in batches])
+    y = torch.cat([b.y for b in batches])
+
+    def step() -> None:
+        if stage_index == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=[])
+
+    step()
+    walls = []
+    for _ in range(repeats):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        step()
+        walls.append(time.perf_counter() - start)
+    return min(walls)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--forward-ms", type=float, default=10.0)
+    parser.add_argument("--backward-ms", type=float, default=20.0)
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8, 16])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    f, b = args.forward_ms / 1e3, args.backward_ms / 1e3
+    schedules = ["gpipe", "1f1b"]
+    per_rank = run_distributed(worker, 2, schedules, args.micro_batches, f, b, args.repeats, timeout_seconds=600)
+    print(f"2 stages, forward {args.forward_ms} ms, backward {args.backward_ms} ms per stage and micro-batch")
+    print(f"{'m':>3} {'theory':>7} {'gpipe':>7} {'1f1b':>7} {'ours 1f1b s':>12} {'torch 1f1b s':>13} {'ratio':>6}")
+    for m in args.micro_batches:
+        busy = m * (f + b)
+        wall = {k: max(r[(k, m)] for r in per_rank) for k in [*schedules, "torch_1f1b"]}
+        bubble = {k: 1 - busy / wall[k] for k in schedules}
+        print(
+            f"{m:>3} {1 / (m + 1):>7.3f} {bubble['gpipe']:>7.3f} {bubble['1f1b']:>7.3f} "
+            f"{wall['1f1b']:>12.4f} {wall['torch_1f1b']:>13.4f} {wall['1f1b'] / wall['torch_1f1b']:>6.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

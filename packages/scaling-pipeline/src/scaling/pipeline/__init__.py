@@ -1,0 +1,64 @@
+"""scaling.pipeline: ParallelModule, stage partitioning, schedules as data, simulator, executor."""
+
+from scaling.pipeline._executor import OptimizerLike, StageExecutor, TrainStepOutput
+from scaling.pipeline._instructions import (
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Exchange,
+    Forward,
+    Instruction,
+    LoadMicroBatch,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
+)
+from scaling.pipeline._parallel_module import SCHEDULES, ParallelModule
+from scaling.pipeline._partition import PARTITION_METHODS, count_parameters, partition_layers
+from scaling.pipeline._render import render_program_grid
+from scaling.pipeline._simulator import DEFAULT_COSTS, ScheduleError, SimulationResult, simulate, simulate_schedule
+from scaling.pipeline.schedules import (
+    forward_only_schedule,
+    gpipe_schedule,
+    interleaved_1f1b_schedule,
+    one_f_one_b_schedule,
+    zb_h1_schedule,
+)
+
+__all__ = [
+    "DEFAULT_COSTS",
+    "PARTITION_METHODS",
+    "SCHEDULES",
+    "Backward",
+    "BackwardInput",
+    "BackwardWeight",
+    "Exchange",
+    "Forward",
+    "Instruction",
+    "LoadMicroBatch",
+    "OptimizerLike",
+    "OptimizerStep",
+    "ParallelModule",
+    "RecvActivation",
+    "RecvGrad",
+    "ReduceTiedGrads",
+    "ScheduleError",
+    "SendActivation",
+    "SendGrad",
+    "SimulationResult",
+    "StageExecutor",
+    "TrainStepOutput",
+    "count_parameters",
+    "forward_only_schedule",
+    "gpipe_schedule",
+    "interleaved_1f1b_schedule",
+    "one_f_one_b_schedule",
+    "partition_layers",
+    "render_program_grid",
+    "simulate",
+    "simulate_schedule",
+    "zb_h1_schedule",
+]

@@ -1,0 +1,307 @@
+"""The executor: run one stage's instruction list with real tensors and real messages.
+
+Messages go through ``scaling.collectives.PipeTransport``, whose sends wait for the
+receiver (gloo and NCCL p2p): schedules are checked for that in the simulator's
+``rendezvous`` mode, and an ``Exchange`` runs as one batched send + receive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from scaling.collectives import PipeTransport, all_reduce, broadcast_pytree, tensors_requiring_grad
+from scaling.pipeline._instructions import (
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Exchange,
+    Forward,
+    Instruction,
+    LoadMicroBatch,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
+)
+from scaling.pipeline.schedules import forward_only_schedule
+
+if TYPE_CHECKING:
+    from scaling.pipeline._parallel_module import ParallelModule
+
+
+class OptimizerLike(Protocol):
+    """What ``train_step`` needs of an optimizer (``scaling.optim.Optimizer`` has it)."""
+
+    def zero_grad(self) -> None: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def step(self) -> Any: ...
+
+
+LossFunction = Callable[[Any, Any], tuple[torch.Tensor, dict[str, Any]]]
+MetricsAggregation = Callable[[Any, list[dict[str, Any]]], dict[str, Any]]
+SyncBatch = Callable[[Any, Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStepOutput:
+    """Result of one ``train_step`` / ``evaluation_step``, the same on every rank.
+
+    Attributes:
+        loss: mean loss over micro-batches and data-parallel ranks.
+        metrics: aggregated metrics (floats).
+        global_grad_norm: from the optimizer step (None in evaluation or if not reported).
+        learning_rates: per parameter group (empty in evaluation).
+        loss_scale: the loss scale after the step (None in evaluation).
+        step_duration: wall-clock seconds of the step on this rank.
+    """
+
+    loss: float
+    metrics: dict[str, float]
+    global_grad_norm: float | None
+    learning_rates: dict[str, float]
+    loss_scale: float | None
+    step_duration: float
+
+
+def _grad_leaves(obj: Any) -> list[torch.Tensor]:
+    # The transport's flatten order, so gradients line up with what the peer received.
+    return tensors_requiring_grad(obj)
+
+
+def _detach_for_next_chunk(obj: Any) -> Any:
+    """A copy whose float tensors are fresh leaves, as if the object had been sent."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().requires_grad_(obj.requires_grad)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(
+            obj, **{f.name: _detach_for_next_chunk(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        )
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_detach_for_next_chunk(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _detach_for_next_chunk(v) for k, v in obj.items()}
+    return obj
+
+
+class StageExecutor:
+    """Runs instructions for one stage; holds the per-(micro-batch, chunk) buffers."""
+
+    def __init__(
+        self,
+        module: ParallelModule,
+        micro_batches: Sequence[Any],
+        loss_function: LossFunction,
+        optimizer: OptimizerLike | None,
+        sync: SyncBatch | None,
+    ) -> None:
+        self.module, self.micro_batches, self.loss_function = module, micro_batches, loss_function
+        self.optimizer, self.sync = optimizer, sync
+        self.p, self.s = module.num_stages, module.stage
+        self.last_vs = self.p * module.num_virtual_stages - 1
+        self.batches: dict[int, Any] = {}
+        self.inputs: dict[tuple[int, int], Any] = {}
+        self.outputs: dict[tuple[int, int], Any] = {}
+        self.grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}  # gradient w.r.t. each output
+        self.grads_in: dict[tuple[int, int], list[torch.Tensor]] = {}  # gradient w.r.t. each input
+        self.losses: dict[int, torch.Tensor] = {}
+        self.metrics: dict[int, dict[str, Any]] = {}
+        self.step_output: Any = None
+        self.transport: Any = None
+        if self.p > 1:
+            topo = module.topology
+            self.transport = PipeTransport(topo.previous_pipe_rank, topo.next_pipe_rank, topo.device)
+
+    def _vs(self, chunk: int) -> int:
+        return chunk * self.p + self.s
+
+    def run(self, instructions: Sequence[Instruction]) -> None:
+        """Execute ``instructions`` in order."""
+        for ins in instructions:
+            getattr(self, f"_{type(ins).__name__}")(ins)
+
+    # ---------------------------------------------------------------- data
+    def _LoadMicroBatch(self, ins: LoadMicroBatch) -> None:
+        batch = self.micro_batches[ins.micro_batch]
+        if self.sync is not None:
+            batch = self.sync(self.module.topology, batch)
+        self.batches[ins.micro_batch] = batch
+
+    # ---------------------------------------------------------------- compute
+    def _Forward(self, ins: Forward) -> None:
+        key, vs = (ins.micro_batch, ins.chunk), self._vs(ins.chunk)
+        if vs == 0:
+            batch = self.batches[ins.micro_batch]
+            x = batch.only_inputs() if hasattr(batch, "only_inputs") else batch
+        elif self.p == 1:
+            x = _detach_for_next_chunk(self.outputs[(ins.micro_batch, ins.chunk - 1)])
+        else:
+            x = self.inputs[key]
+        self.inputs[key] = x
+        out = self.module.forward_chunk(ins.chunk, x)
+        if vs == self.last_vs:
+            batch = self.batches[ins.micro_batch]
+            targets = batch.only_targets() if hasattr(batch, "only_targets") else batch
+            loss, metrics = self.loss_function(out, targets)
+            num = len(self.micro_batches)
+            self.losses[ins.micro_batch] = loss.detach()
+            self.metrics[ins.micro_batch] = metrics
+            out = loss / num  # gradient accumulation: the step's loss is the mean over micro-batches
+        self.outputs[key] = out
+
+    def _roots(self, key: tuple[int, int], scaled: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        vs = self._vs(key[1])
+        if vs == self.last_vs:
+            scale = float(getattr(getattr(self.optimizer, "loss_scaler", None), "scale", 1.0)) if scaled else 1.0
+            return [self.outputs[key] * scale], None
+        if self.p == 1:
+            return _grad_leaves(self.outputs[key]), self.grads_in.pop((key[0], key[1] + 1))
+        return _grad_leaves(self.outputs[key]), self.grads_out.pop(key)
+
+    def _Backward(self, ins: Backward) -> None:
+        key = (ins.micro_batch, ins.chunk)
+        if self._vs(ins.chunk) == self.last_vs and self.optimizer is not None:
+            self.optimizer.backward(self.outputs[key])  # applies the loss scale
+        else:
+            roots, grads = self._roots(key, scaled=True)
+            torch.autograd.backward(roots, grads)
+        leaves = _grad_leaves(self.inputs.pop(key))
+        self.grads_in[key] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+        self.outputs.pop(key)
+
+    def _BackwardInput(self, ins: BackwardInput) -> None:
+        key = (ins.micro_batch, ins.chunk)
+        roots, grads = self._roots(key, scaled=True)
+        leaves = _grad_leaves(self.inputs[key])
+        got = torch.autograd.grad(roots, leaves, grads, retain_graph=True, allow_unused=True) if leaves else ()
+        self.grads_in[key] = [g if g is not None else torch.zeros_like(t) for g, t in zip(got, leaves)]
+        # The weight pass reuses the graph with the same output gradients.
+        self.inputs[key] = (roots, grads)
+
+    def _BackwardWeight(self, ins: BackwardWeight) -> None:
+        key = (ins.micro_batch, ins.chunk)
+        roots, grads = self.inputs.pop(key)
+        self.outputs.pop(key)
+        params = [
+            p for i in self.module.chunks[ins.chunk] for p in self.module.layers[str(i)].parameters() if p.requires_grad
+        ]
+        got = torch.autograd.grad(roots, params, grads, allow_unused=True)
+        for param, g in zip(params, got):
+            if g is not None:
+                param.grad = g if param.grad is None else param.grad + g
+
+    # ---------------------------------------------------------------- messages
+    def _SendActivation(self, ins: SendActivation) -> None:
+        self.transport.send_forward(self.outputs[(ins.micro_batch, ins.chunk)])
+
+    def _RecvActivation(self, ins: RecvActivation) -> None:
+        self.inputs[(ins.micro_batch, ins.chunk)] = self.transport.recv_forward()
+
+    def _SendGrad(self, ins: SendGrad) -> None:
+        self.transport.send_backward(self.grads_in.pop((ins.micro_batch, ins.chunk)))
+
+    def _RecvGrad(self, ins: RecvGrad) -> None:
+        self.grads_out[(ins.micro_batch, ins.chunk)] = list(self.transport.recv_backward())
+
+    def _Exchange(self, ins: Exchange) -> None:
+        send, recv = ins.ops
+        if isinstance(send, SendActivation) and isinstance(recv, RecvGrad):
+            grads = self.transport.send_forward_recv_backward(self.outputs[(send.micro_batch, send.chunk)])
+            self.grads_out[(recv.micro_batch, recv.chunk)] = list(grads)
+        elif isinstance(send, SendGrad) and isinstance(recv, RecvActivation):
+            grads_in = self.grads_in.pop((send.micro_batch, send.chunk))
+            self.inputs[(recv.micro_batch, recv.chunk)] = self.transport.send_backward_recv_forward(grads_in)
+        else:
+            raise NotImplementedError(f"{ins!r}: PipeTransport has no batched call for this pair")
+
+    # ---------------------------------------------------------------- step
+    def _ReduceTiedGrads(self, ins: ReduceTiedGrads) -> None:
+        self.module.reduce_tied_gradients()
+
+    def _OptimizerStep(self, ins: OptimizerStep) -> None:
+        assert self.optimizer is not None
+        self.step_output = self.optimizer.step()
+
+
+def _default_aggregation(topology: Any, metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    if not metrics:
+        return {}
+    return {k: sum(float(m[k]) for m in metrics) / len(metrics) for k in metrics[0]}
+
+
+def _gather_results(ex: StageExecutor, aggregate: MetricsAggregation | None) -> tuple[float, dict[str, float]]:
+    """Loss and metrics from the last stage, broadcast over the pipe group, averaged over DP."""
+    topo = ex.module.topology
+    result: Any = None
+    if topo.is_last_pipe_stage:
+        mb = sorted(ex.losses)
+        loss = sum(float(ex.losses[i]) for i in mb) / len(mb)
+        metrics = (aggregate or _default_aggregation)(topo, [ex.metrics[i] for i in mb])
+        result = {"loss": loss, "metrics": {k: float(v) for k, v in metrics.items()}}
+    if ex.p > 1:
+        result = broadcast_pytree(
+            result, topo.rank_of(ex.p - 1, topo.data_parallel_rank, topo.model_parallel_rank), topo.pipe_parallel_group
+        )
+    if topo.data_parallel_size > 1:
+        values = torch.tensor([result["loss"], *result["metrics"].values()], dtype=torch.float64, device=topo.device)
+        all_reduce(values, topo.data_parallel_group)
+        values /= topo.data_parallel_size
+        result = {"loss": float(values[0]), "metrics": dict(zip(result["metrics"], values[1:].tolist()))}
+    return float(result["loss"]), dict(result["metrics"])
+
+
+def run_train_step(
+    module: ParallelModule,
+    micro_batches: Sequence[Any],
+    optimizer: OptimizerLike,
+    loss_function: LossFunction,
+    aggregate: MetricsAggregation | None,
+    sync: SyncBatch | None,
+) -> TrainStepOutput:
+    """See :meth:`ParallelModule.train_step`."""
+    start = time.perf_counter()
+    module.train()
+    optimizer.zero_grad()
+    ex = StageExecutor(module, list(micro_batches), loss_function, optimizer, sync)
+    extra = (module.num_virtual_stages,) if module.schedule_name == "interleaved_1f1b" else ()
+    ex.run(module.schedule_fn(module.num_stages, len(ex.micro_batches), module.stage, *extra))
+    loss, metrics = _gather_results(ex, aggregate)
+    out = ex.step_output
+    return TrainStepOutput(
+        loss=loss,
+        metrics=metrics,
+        global_grad_norm=getattr(out, "global_grad_norm", None),
+        learning_rates=dict(getattr(out, "learning_rates", {}) or {}),
+        loss_scale=getattr(out, "current_loss_scale", getattr(out, "loss_scale", None)),
+        step_duration=time.perf_counter() - start,
+    )
+
+
+def run_evaluation_step(
+    module: ParallelModule,
+    micro_batches: Sequence[Any],
+    loss_function: LossFunction,
+    aggregate: MetricsAggregation | None,
+    sync: SyncBatch | None,
+) -> TrainStepOutput:
+    """See :meth:`ParallelModule.evaluation_step`."""
+    start = time.perf_counter()
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            ex = StageExecutor(module, list(micro_batches), loss_function, None, sync)
+            schedule = forward_only_schedule(
+                module.num_stages, len(ex.micro_batches), module.stage, module.num_virtual_stages
+            )
+            ex.run(schedule)
+            loss, metrics = _gather_results(ex, aggregate)
+    finally:
+        module.train(was_training)
+    return TrainStepOutput(loss, metrics, None, {}, None, time.perf_counter() - start)

@@ -1,0 +1,202 @@
+"""Pipeline instructions: the small frozen actions a schedule is made of.
+
+A schedule is a list of these per stage. ``micro_batch`` counts from 0; ``chunk`` is the
+local model chunk (0 unless the schedule interleaves virtual stages): on stage ``s`` of
+``p``, chunk ``c`` holds virtual stage ``c * p + s``. ``peer`` is the pipeline stage a
+message goes to or comes from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """Base class of every pipeline instruction."""
+
+    @property
+    def short(self) -> str:
+        """A 2-5 character label for grids (``F3``, ``B3.1`` ...)."""
+        raise NotImplementedError
+
+    @property
+    def is_communication(self) -> bool:
+        return False
+
+    @property
+    def is_compute(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True, repr=False)
+class _MicroBatchInstruction(Instruction):
+    micro_batch: int
+    chunk: int = 0
+
+    _letter = "?"
+
+    @property
+    def short(self) -> str:
+        return f"{self._letter}{self.micro_batch}" + (f".{self.chunk}" if self.chunk else "")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(mb={self.micro_batch}, chunk={self.chunk})"
+
+
+@dataclass(frozen=True, repr=False)
+class LoadMicroBatch(Instruction):
+    """Take micro-batch ``micro_batch`` (inputs on the first stage, targets on the last)."""
+
+    micro_batch: int
+
+    @property
+    def short(self) -> str:
+        return f"L{self.micro_batch}"
+
+    def __repr__(self) -> str:
+        return f"LoadMicroBatch(mb={self.micro_batch})"
+
+
+@dataclass(frozen=True, repr=False)
+class Forward(_MicroBatchInstruction):
+    """Run the forward pass of ``chunk`` on ``micro_batch`` (the loss too on the last virtual stage)."""
+
+    _letter = "F"
+
+    @property
+    def is_compute(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True, repr=False)
+class Backward(_MicroBatchInstruction):
+    """Full backward of ``chunk`` for ``micro_batch``: input and weight gradients together."""
+
+    _letter = "B"
+
+    @property
+    def is_compute(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True, repr=False)
+class BackwardInput(_MicroBatchInstruction):
+    """Zero-bubble split, part 1: gradient w.r.t. the chunk's input only (what the previous stage waits for)."""
+
+    _letter = "I"
+
+    @property
+    def is_compute(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True, repr=False)
+class BackwardWeight(_MicroBatchInstruction):
+    """Zero-bubble split, part 2: gradient w.r.t. the chunk's parameters (deferrable into bubbles)."""
+
+    _letter = "W"
+
+    @property
+    def is_compute(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True, repr=False)
+class _Message(Instruction):
+    micro_batch: int
+    chunk: int
+    peer: int
+
+    _arrow = "?"
+
+    @property
+    def short(self) -> str:
+        return f"{self._arrow}{self.micro_batch}" + (f".{self.chunk}" if self.chunk else "")
+
+    @property
+    def is_communication(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        direction = "to" if isinstance(self, (SendActivation, SendGrad)) else "from"
+        return f"{type(self).__name__}(mb={self.micro_batch}, chunk={self.chunk}, {direction}={self.peer})"
+
+
+@dataclass(frozen=True, repr=False)
+class SendActivation(_Message):
+    """Send the output of ``chunk`` for ``micro_batch`` to stage ``peer`` (non-blocking)."""
+
+    _arrow = "sa"
+
+
+@dataclass(frozen=True, repr=False)
+class RecvActivation(_Message):
+    """Receive the input of ``chunk`` for ``micro_batch`` from stage ``peer`` (blocking)."""
+
+    _arrow = "ra"
+
+
+@dataclass(frozen=True, repr=False)
+class SendGrad(_Message):
+    """Send the gradient w.r.t. the input of ``chunk`` for ``micro_batch`` to stage ``peer``."""
+
+    _arrow = "sg"
+
+
+@dataclass(frozen=True, repr=False)
+class RecvGrad(_Message):
+    """Receive the gradient w.r.t. the output of ``chunk`` for ``micro_batch`` from stage ``peer``."""
+
+    _arrow = "rg"
+
+
+@dataclass(frozen=True, repr=False)
+class ReduceTiedGrads(Instruction):
+    """All-reduce the gradients of tied parameters over their tied groups."""
+
+    @property
+    def short(self) -> str:
+        return "TIE"
+
+    def __repr__(self) -> str:
+        return "ReduceTiedGrads()"
+
+
+@dataclass(frozen=True, repr=False)
+class OptimizerStep(Instruction):
+    """Run the optimizer step (DP reduction, clipping, update) after all micro-batches."""
+
+    @property
+    def short(self) -> str:
+        return "OPT"
+
+    def __repr__(self) -> str:
+        return "OptimizerStep()"
+
+
+COMPUTE_TYPES = (Forward, Backward, BackwardInput, BackwardWeight)
+
+
+@dataclass(frozen=True, repr=False)
+class Exchange(Instruction):
+    """A send and a receive with the same peer posted as one batched transfer.
+
+    Schedules emit it where both neighbours exchange at the same point (the 1F1B steady
+    state: ``SendActivation`` + ``RecvGrad`` on one side, ``SendGrad`` +
+    ``RecvActivation`` on the other); posted separately, the two blocking sends would
+    wait for each other.
+    """
+
+    ops: tuple[Instruction, ...]
+
+    @property
+    def short(self) -> str:
+        return "+".join(op.short for op in self.ops)
+
+    @property
+    def is_communication(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"Exchange({', '.join(map(repr, self.ops))})"

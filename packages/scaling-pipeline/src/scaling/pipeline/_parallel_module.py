@@ -1,0 +1,278 @@
+"""ParallelModule: build this pipeline stage's layers from the model's LayerSpec list."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scaling.collectives import all_reduce, broadcast
+from scaling.nn import ParameterMeta, get_parameter_meta, set_layer_index
+from scaling.pipeline._executor import (
+    LossFunction,
+    MetricsAggregation,
+    OptimizerLike,
+    SyncBatch,
+    TrainStepOutput,
+    run_evaluation_step,
+    run_train_step,
+)
+from scaling.pipeline._partition import count_parameters, partition_layers
+from scaling.pipeline.schedules import (
+    gpipe_schedule,
+    interleaved_1f1b_schedule,
+    one_f_one_b_schedule,
+    zb_h1_schedule,
+)
+from scaling.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+SCHEDULES: dict[str, Callable[..., list[Any]]] = {
+    "gpipe": gpipe_schedule,
+    "1f1b": one_f_one_b_schedule,
+    "interleaved_1f1b": interleaved_1f1b_schedule,
+    "zb_h1": zb_h1_schedule,
+}
+
+
+class ParallelModule(torch.nn.Module):
+    """The local pipeline stage of a model declared as a list of ``LayerSpec``s.
+
+    Only the layers of this rank's stage are built. Before building layer ``i`` the
+    default torch generator is seeded with ``seed + i`` (inside ``fork_rng``, so the
+    caller's stream is untouched): every layout starts from the same weights. Parameter
+    names are layout-independent: ``layers.{i}.{name inside the layer}``.
+
+    Args:
+        layer_specs: the whole model, in order (``LayerSpec`` / ``TiedLayerSpec``).
+        topology: ranks and process groups; ``pipe_parallel_size`` stages.
+        partition_method: ``"uniform"``, ``"parameters"``, ``"cost"`` or ``"explicit"``
+            (see :func:`partition_layers`).
+        partition_boundaries: layer indices for ``"explicit"``.
+        layer_costs: per-layer cost estimates for ``"cost"`` (FLOPs or a measured profile).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"zb_h1"``.
+        num_virtual_stages: model chunks per stage (``> 1`` only with ``"interleaved_1f1b"``).
+        seed: base seed of the per-layer initialisation.
+
+    Raises:
+        ValueError: unknown schedule, virtual stages without interleaving, or a bad partition.
+
+    Example::
+
+        module = ParallelModule(layer_specs=specs, topology=topology, schedule="1f1b")
+        out = module.train_step(micro_batches, optimizer, loss_function)
+    """
+
+    def __init__(
+        self,
+        layer_specs: Sequence[Any],
+        topology: Topology,
+        *,
+        partition_method: str = "uniform",
+        partition_boundaries: Sequence[int] | None = None,
+        layer_costs: Sequence[float] | None = None,
+        schedule: str = "1f1b",
+        num_virtual_stages: int = 1,
+        seed: int = 42,
+    ) -> None:
+        super().__init__()
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r} is unknown; choose one of {sorted(SCHEDULES)}")
+        if schedule == "interleaved_1f1b" and topology.pipe_parallel_size > 1:
+            raise ValueError(
+                f"schedule='interleaved_1f1b' with pipe_parallel_size={topology.pipe_parallel_size} needs "
+                "send_forward_recv_forward / send_backward_recv_backward and a ring (last stage -> first) in "
+                "scaling.collectives.PipeTransport, which it does not offer yet; use '1f1b' or 'zb_h1' (the "
+                "interleaved schedule itself is available for simulation)"
+            )
+        if num_virtual_stages != 1 and schedule != "interleaved_1f1b":
+            raise ValueError(
+                f"num_virtual_stages={num_virtual_stages} needs schedule='interleaved_1f1b' (got {schedule!r})"
+            )
+        self.topology = topology
+        self.schedule_name = schedule
+        self.schedule_fn = SCHEDULES[schedule]
+        self.num_stages = topology.pipe_parallel_size
+        self.stage = topology.pipe_parallel_rank
+        self.num_virtual_stages = num_virtual_stages
+        self.layer_specs = list(layer_specs)
+        weights = count_parameters(self.layer_specs) if partition_method == "parameters" else layer_costs
+        self.partition = partition_layers(
+            len(self.layer_specs),
+            self.num_stages,
+            partition_method,
+            num_virtual=num_virtual_stages,
+            weights=weights,
+            boundaries=partition_boundaries,
+        )
+        if topology.global_rank == 0:
+            logger.info("pipeline partition (virtual stage -> layers): %s", self.describe_partition())
+        self.chunks: list[range] = [self.partition[c * self.num_stages + self.stage] for c in range(num_virtual_stages)]
+        self.layers = torch.nn.ModuleDict()
+        for r in self.chunks:
+            for i in r:
+                self.layers[str(i)] = self._build_layer(i, seed)
+        self._tie_local_copies()
+        self._tied_groups = self._make_tied_groups()
+        self._sync_tied_initialisation()
+
+    # ------------------------------------------------------------ building
+    def _build_layer(self, index: int, seed: int) -> torch.nn.Module:
+        device = self.topology.device
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed + index)
+            module = self.layer_specs[index].initialize()
+        set_layer_index(module, index)
+        return module.to(device)
+
+    def describe_partition(self) -> str:
+        """``"stage 0: layers 0-2 | stage 1: layers 3-5"`` (virtual stages as ``stage s.c``)."""
+        parts = []
+        for vs, r in enumerate(self.partition):
+            c, s = divmod(vs, self.num_stages)
+            name = f"stage {s}" + (f".{c}" if self.num_virtual_stages > 1 else "")
+            parts.append(f"{name}: layers {r.start}-{r.stop - 1}")
+        return " | ".join(parts)
+
+    def _tied_params(self) -> dict[str, list[torch.nn.Parameter]]:
+        tied: dict[str, list[torch.nn.Parameter]] = {}
+        for _, param, meta in self.named_parameters_with_meta():
+            if meta.tied_key is not None:
+                tied.setdefault(meta.tied_key, []).append(param)
+        return tied
+
+    def _tie_local_copies(self) -> None:
+        # Copies of one tied weight on the same stage become one Parameter, so autograd
+        # sums their gradients exactly as in a one-process model.
+        first: dict[tuple[str, str], torch.nn.Parameter] = {}
+        for i, module in self.layers.items():
+            spec = self.layer_specs[int(i)]
+            for path in getattr(spec, "tied_weight_attributes", []):
+                owner_path, _, attr = path.rpartition(".")
+                owner = module.get_submodule(owner_path) if owner_path else module
+                key = (spec.key, path)
+                if key in first:
+                    setattr(owner, attr, first[key])
+                else:
+                    first[key] = getattr(owner, attr)
+
+    def _tied_stage_map(self) -> dict[str, list[int]]:
+        stages: dict[str, list[int]] = {}
+        for vs, r in enumerate(self.partition):
+            for i in r:
+                key = getattr(self.layer_specs[i], "key", None)
+                if key is not None and vs % self.num_stages not in stages.setdefault(key, []):
+                    stages[key].append(vs % self.num_stages)
+        return {k: sorted(v) for k, v in stages.items() if len(v) > 1}
+
+    def _make_tied_groups(self) -> dict[str, tuple[Any, int]]:
+        """Per tied key held on several stages: (process group, global rank of its first holder)."""
+        groups: dict[str, tuple[Any, int]] = {}
+        topo = self.topology
+        for key, stages in sorted(self._tied_stage_map().items()):
+            # new_group is collective over the default group: every rank creates every group.
+            for dp in range(topo.data_parallel_size):
+                for tp in range(topo.model_parallel_size):
+                    ranks = [topo.rank_of(s, dp, tp) for s in stages]
+                    group = dist.new_group(ranks)
+                    if topo.global_rank in ranks:
+                        groups[key] = (group, ranks[0])
+        return groups
+
+    @torch.no_grad()
+    def _sync_tied_initialisation(self) -> None:
+        tied = self._tied_params()
+        for key, (group, src) in self._tied_groups.items():
+            for param in tied[key]:
+                broadcast(param.data, src, group)
+
+    def reduce_tied_gradients(self) -> None:
+        """Sum the gradients of tied weights over the stages that hold a copy."""
+        tied = self._tied_params()
+        for key, (group, _) in self._tied_groups.items():
+            for param in tied[key]:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                all_reduce(param.grad, group)
+
+    # ------------------------------------------------------------ parameters
+    def named_parameters_with_meta(self) -> Iterator[tuple[str, torch.nn.Parameter, ParameterMeta]]:
+        """Yield ``(f"layers.{i}.{name}", parameter, meta)`` for this stage's parameters (shared ones once)."""
+        for name, param in self.named_parameters():
+            yield name, param, get_parameter_meta(param)
+
+    # ------------------------------------------------------------ forward
+    def forward_chunk(self, chunk: int, x: Any) -> Any:
+        """Run the layers of local ``chunk`` on ``x`` (a LayerIO)."""
+        for i in self.chunks[chunk]:
+            x = self.layers[str(i)](x)
+        return x
+
+    def forward(self, batch: Any) -> Any:
+        """Whole-model forward in one process (``pipe_parallel_size == 1`` only).
+
+        Raises:
+            RuntimeError: with more than one pipeline stage; use :meth:`train_step` or
+                :meth:`evaluation_step` there.
+        """
+        if self.num_stages != 1:
+            raise RuntimeError(
+                f"ParallelModule.forward runs the whole model and needs pipe_parallel_size=1 "
+                f"(got {self.num_stages}); use train_step or evaluation_step"
+            )
+        x = batch.only_inputs() if hasattr(batch, "only_inputs") else batch
+        for c in range(self.num_virtual_stages):
+            x = self.forward_chunk(c, x)
+        return x
+
+    # ------------------------------------------------------------ steps
+    def train_step(
+        self,
+        micro_batches: Sequence[Any],
+        optimizer: OptimizerLike,
+        loss_function: LossFunction,
+        metrics_aggregation_fn: MetricsAggregation | None = None,
+        sync_batch_to_model_parallel: SyncBatch | None = None,
+    ) -> TrainStepOutput:
+        """Run the configured schedule over ``micro_batches`` and the optimizer step.
+
+        Args:
+            micro_batches: one batch per micro-batch (``len`` is the number of
+                micro-batches on every rank; stages other than the first and last never
+                read them, so they may hold ``None`` there).
+            optimizer: has ``zero_grad()``, ``backward(loss)`` (applies the loss scale)
+                and ``step()`` (e.g. ``scaling.optim.Optimizer``).
+            loss_function: ``(last_layer_output, batch.only_targets()) -> (loss, metrics)``.
+            metrics_aggregation_fn: ``(topology, [metrics per micro-batch]) -> metrics``;
+                default: mean per key over micro-batches and data-parallel ranks.
+            sync_batch_to_model_parallel: ``(topology, batch) -> batch``, applied to each
+                micro-batch a stage loads (broadcast from TP rank 0).
+
+        Returns:
+            :class:`TrainStepOutput`, identical on every rank.
+        """
+        return run_train_step(
+            self, micro_batches, optimizer, loss_function, metrics_aggregation_fn, sync_batch_to_model_parallel
+        )
+
+    @torch.no_grad()
+    def evaluation_step(
+        self,
+        micro_batches: Sequence[Any],
+        loss_function: LossFunction,
+        metrics_aggregation_fn: MetricsAggregation | None = None,
+        sync_batch_to_model_parallel: SyncBatch | None = None,
+    ) -> TrainStepOutput:
+        """Forward-only pass over ``micro_batches``: loss and metrics on every rank, no update.
+
+        Returns:
+            :class:`TrainStepOutput` whose optimizer fields are ``None``/empty.
+        """
+        return run_evaluation_step(
+            self, micro_batches, loss_function, metrics_aggregation_fn, sync_batch_to_model_parallel
+        )

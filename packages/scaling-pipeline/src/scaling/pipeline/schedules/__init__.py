@@ -1,0 +1,15 @@
+"""Pipeline schedules: pure functions ``(num_stages, num_microbatches, stage[, num_virtual])``."""
+
+from scaling.pipeline.schedules.forward_only import forward_only_schedule
+from scaling.pipeline.schedules.gpipe import gpipe_schedule
+from scaling.pipeline.schedules.interleaved import interleaved_1f1b_schedule
+from scaling.pipeline.schedules.one_f_one_b import one_f_one_b_schedule
+from scaling.pipeline.schedules.zero_bubble import zb_h1_schedule
+
+__all__ = [
+    "forward_only_schedule",
+    "gpipe_schedule",
+    "interleaved_1f1b_schedule",
+    "one_f_one_b_schedule",
+    "zb_h1_schedule",
+]

@@ -1,0 +1,188 @@
+"""Shared by every schedule: argument checks and turning a compute order into instructions.
+
+A schedule decides only the order of its stage's compute (forward, backward, or the
+zero-bubble split of backward); :func:`lower` adds the loads and messages around it:
+a receive right before the compute that needs it, a send right after the compute that
+produced it. Sends never wait for the receiver; receives block (see the simulator).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable
+
+from scaling.pipeline._instructions import (
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Exchange,
+    Forward,
+    Instruction,
+    LoadMicroBatch,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
+)
+
+
+def check_arguments(num_stages: int, num_microbatches: int, stage: int, num_virtual: int = 1) -> None:
+    """Raise ``ValueError`` naming the value when a schedule's arguments are out of range."""
+    for name, value in (
+        ("num_stages", num_stages),
+        ("num_microbatches", num_microbatches),
+        ("num_virtual", num_virtual),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1")
+    if not isinstance(stage, int) or not 0 <= stage < num_stages:
+        raise ValueError(f"stage={stage!r} must be in [0, num_stages={num_stages})")
+
+
+def virtual_stage(stage: int, chunk: int, num_stages: int) -> int:
+    """Position of ``chunk`` of ``stage`` in the model: ``chunk * num_stages + stage``."""
+    return chunk * num_stages + stage
+
+
+def lower(
+    compute: Iterable[Instruction],
+    num_stages: int,
+    stage: int,
+    num_virtual: int = 1,
+    *,
+    train: bool = True,
+) -> list[Instruction]:
+    """Wrap a stage's compute order with loads, receives and sends.
+
+    Args:
+        compute: ``Forward``/``Backward``/``BackwardInput``/``BackwardWeight`` in run order.
+        num_stages: pipeline stages ``p``.
+        stage: this stage.
+        num_virtual: chunks per stage ``v``.
+        train: append ``ReduceTiedGrads`` and ``OptimizerStep``.
+    """
+    last_vs = num_stages * num_virtual - 1
+    prev_stage = (stage - 1) % num_stages
+    next_stage = (stage + 1) % num_stages
+    out: list[Instruction] = []
+    loaded: set[int] = set()
+    for ins in compute:
+        assert isinstance(ins, (Forward, Backward, BackwardInput, BackwardWeight)), ins
+        vs = virtual_stage(stage, ins.chunk, num_stages)
+        mb, chunk = ins.micro_batch, ins.chunk
+        if isinstance(ins, Forward):
+            # With one stage the previous virtual stage is local: no message.
+            if vs > 0 and num_stages > 1:
+                # Receive before any weight-gradient passes that directly follow a
+                # SendGrad, so the SendGrad + RecvActivation pair stays adjacent (ZB-H1).
+                at = len(out)
+                while at > 0 and isinstance(out[at - 1], BackwardWeight):
+                    at -= 1
+                if at == len(out) or (at > 0 and isinstance(out[at - 1], SendGrad)):
+                    out.insert(at, RecvActivation(mb, chunk, prev_stage))
+                else:
+                    out.append(RecvActivation(mb, chunk, prev_stage))
+            # Loading after the receive keeps a SendGrad + RecvActivation pair adjacent.
+            if (vs == 0 or vs == last_vs) and mb not in loaded:
+                loaded.add(mb)
+                out.append(LoadMicroBatch(mb))
+            out.append(ins)
+            if vs < last_vs and num_stages > 1:
+                out.append(SendActivation(mb, chunk, next_stage))
+        elif isinstance(ins, BackwardWeight):
+            out.append(ins)
+        else:
+            if vs < last_vs and num_stages > 1:
+                out.append(RecvGrad(mb, chunk, next_stage))
+            out.append(ins)
+            if vs > 0 and num_stages > 1:
+                out.append(SendGrad(mb, chunk, prev_stage))
+    if train:
+        out += [ReduceTiedGrads(), OptimizerStep()]
+    return out
+
+
+def _label(ins: Instruction, stage: int, num_stages: int) -> tuple[str, int, int, int, int]:
+    """(kind, micro-batch, receiving virtual stage, sender, receiver): equal on a send and its receive."""
+    vs = ins.chunk * num_stages + stage  # type: ignore[attr-defined]
+    peer = ins.peer  # type: ignore[attr-defined]
+    if isinstance(ins, SendActivation):
+        return ("activation", ins.micro_batch, vs + 1, stage, peer)
+    if isinstance(ins, RecvActivation):
+        return ("activation", ins.micro_batch, vs, peer, stage)
+    if isinstance(ins, SendGrad):
+        return ("grad", ins.micro_batch, vs - 1, stage, peer)
+    assert isinstance(ins, RecvGrad)
+    return ("grad", ins.micro_batch, vs, peer, stage)
+
+
+_PAIRS = ((SendActivation, RecvGrad), (SendGrad, RecvActivation))
+
+
+def fuse_exchanges(programs: list[list[Instruction]], num_stages: int) -> list[list[Instruction]]:
+    """Turn adjacent send + receive pairs into :class:`Exchange` where the peer mirrors them.
+
+    Stage ``s`` fuses ``SendActivation(x) , RecvGrad(y)`` with peer ``t`` only when ``t``
+    has ``SendGrad(y) , RecvActivation(x)`` adjacent too (and the other way round), so
+    both sides post the same batched transfer.
+    """
+    where: dict[tuple[str, int, int, int, int], tuple[int, int]] = {}
+    for s, prog in enumerate(programs):
+        for k, ins in enumerate(prog):
+            if isinstance(ins, (SendActivation, SendGrad, RecvActivation, RecvGrad)):
+                role = "send" if isinstance(ins, (SendActivation, SendGrad)) else "recv"
+                where[(role, *_label(ins, s, num_stages))] = (s, k)  # type: ignore[index]
+    starts: list[set[int]] = [set() for _ in programs]
+    for s, prog in enumerate(programs):
+        for k in range(len(prog) - 1):
+            a, b = prog[k], prog[k + 1]
+            if not any(isinstance(a, x) and isinstance(b, y) for x, y in _PAIRS) or a.peer != b.peer:  # type: ignore[attr-defined]
+                continue
+            recv_of_a = where.get(("recv", *_label(a, s, num_stages)))  # type: ignore[arg-type]
+            send_of_b = where.get(("send", *_label(b, s, num_stages)))  # type: ignore[arg-type]
+            if recv_of_a and send_of_b and recv_of_a[0] == send_of_b[0] and recv_of_a[1] == send_of_b[1] + 1:
+                starts[s].add(k)
+    fused = []
+    for s, prog in enumerate(programs):
+        out: list[Instruction] = []
+        k = 0
+        while k < len(prog):
+            if k in starts[s]:
+                out.append(Exchange((prog[k], prog[k + 1])))
+                k += 2
+            else:
+                out.append(prog[k])
+                k += 1
+        fused.append(out)
+    return fused
+
+
+def build(
+    compute_order: Callable[[int], Iterable[Instruction]],
+    num_stages: int,
+    stage: int,
+    num_virtual: int = 1,
+    *,
+    train: bool = True,
+    cache_key: Hashable = None,
+) -> list[Instruction]:
+    """Lower every stage's compute order, fuse mirrored exchanges, return ``stage``'s list.
+
+    Fusing needs every stage's list, so all are built; with ``cache_key`` (the schedule
+    and its arguments) they are kept, and asking for each stage in turn costs one build.
+    """
+    key = (cache_key, num_stages, num_virtual, train)
+    programs = _CACHE.get(key) if cache_key is not None else None
+    if programs is None:
+        lowered = [lower(compute_order(s), num_stages, s, num_virtual, train=train) for s in range(num_stages)]
+        programs = tuple(tuple(p) for p in fuse_exchanges(lowered, num_stages))
+        if cache_key is not None:
+            if len(_CACHE) >= _CACHE_SIZE:
+                _CACHE.pop(next(iter(_CACHE)))
+            _CACHE[key] = programs
+    return list(programs[stage])
+
+
+_CACHE_SIZE = 512
+_CACHE: dict[Hashable, tuple[tuple[Instruction, ...], ...]] = {}

@@ -1,0 +1,157 @@
+"""Schedules checked offline by the simulator: no deadlock, exact peaks, bubbles equal theory."""
+
+from __future__ import annotations
+
+import pytest
+
+from scaling.pipeline import (
+    Backward,
+    Forward,
+    LoadMicroBatch,
+    RecvActivation,
+    ScheduleError,
+    SendActivation,
+    forward_only_schedule,
+    gpipe_schedule,
+    interleaved_1f1b_schedule,
+    one_f_one_b_schedule,
+    simulate,
+    simulate_schedule,
+    zb_h1_schedule,
+)
+from scaling.pipeline.schedules.interleaved import group_size
+
+STAGES = range(1, 9)
+MICRO_BATCHES = range(1, 17)
+
+
+@pytest.mark.parametrize("p", STAGES)
+def test_gpipe_peak_is_m_and_bubble_matches_theory(p: int) -> None:
+    for m in MICRO_BATCHES:
+        r = simulate_schedule(gpipe_schedule, p, m)
+        assert r.peak_activations == (m,) * p
+        assert r.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("p", STAGES)
+def test_1f1b_peak_is_p_minus_stage_and_bubble_matches_theory(p: int) -> None:
+    for m in MICRO_BATCHES:
+        r = simulate_schedule(one_f_one_b_schedule, p, m)
+        assert r.peak_activations == tuple(min(m, p - s) for s in range(p))
+        assert r.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("p", STAGES)
+def test_interleaved_halves_the_bubble(p: int) -> None:
+    v = 2
+    costs = {"forward": 1.0 / v, "backward": 2.0 / v}  # a chunk holds 1/v of the stage's layers
+    for m in MICRO_BATCHES:
+        if m % group_size(p, m):
+            with pytest.raises(ValueError, match=f"num_microbatches={m} does not split"):
+                interleaved_1f1b_schedule(p, m, 0, v)
+            continue
+        # Interleaving needs sends that do not wait for the receiver (see the next test).
+        r = simulate_schedule(interleaved_1f1b_schedule, p, m, v, costs=costs, send_semantics="buffered")
+        plain = (p - 1) / (m + p - 1)
+        if m >= p:
+            assert r.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+        else:  # fewer micro-batches than stages: still no worse than 1F1B
+            assert r.bubble_fraction <= plain + 1e-12
+        assert max(r.peak_activations) <= v * m
+
+
+def test_interleaved_deadlocks_with_blocking_sends() -> None:
+    # Why ParallelModule refuses interleaving across processes: with sends that wait for
+    # the receiver and only the two 1F1B exchange pairs, the ring cycle blocks.
+    with pytest.raises(ScheduleError, match=r"deadlock(.|\n)*stage 1: ra0\s+F0\s+\[sa0\]"):
+        simulate_schedule(interleaved_1f1b_schedule, 2, 2, 2)
+
+
+@pytest.mark.parametrize("p", STAGES)
+def test_zb_h1_beats_1f1b_with_the_same_memory(p: int) -> None:
+    split = {"forward": 1.0, "backward_input": 1.0, "backward_weight": 1.0}
+    for m in MICRO_BATCHES:
+        zb = simulate_schedule(zb_h1_schedule, p, m, costs=split)
+        ref = simulate_schedule(one_f_one_b_schedule, p, m, costs={"forward": 1.0, "backward": 2.0})
+        assert zb.peak_activations == tuple(min(m, p - s) for s in range(p))
+        if p > 1:
+            assert zb.bubble_fraction < ref.bubble_fraction
+        # Lower bound: even a perfect schedule waits (p - 1) forwards + input-grads.
+        assert zb.bubble_fraction >= (p - 1) / (3 * m + p - 1) - 1e-12
+
+
+@pytest.mark.parametrize("p", STAGES)
+def test_forward_only_has_no_backward(p: int) -> None:
+    for m in (1, 5):
+        r = simulate_schedule(forward_only_schedule, p, m)
+        assert all(type(i) is Forward for row in r.timeline for _, _, i in row)
+
+
+def test_instruction_reprs_are_precise() -> None:
+    prog = one_f_one_b_schedule(2, 2, 0)
+    assert repr(prog[:3]) == "[LoadMicroBatch(mb=0), Forward(mb=0, chunk=0), SendActivation(mb=0, chunk=0, to=1)]"
+    assert repr(prog[-2:]) == "[ReduceTiedGrads(), OptimizerStep()]"
+    assert [i.short for i in interleaved_1f1b_schedule(2, 2, 0) if i.is_compute][:4] == ["F0", "F1", "F0.1", "F1.1"]
+
+
+def test_render_shows_stage_by_time_grid() -> None:
+    text = simulate_schedule(gpipe_schedule, 2, 2).render()
+    # stage 1 runs B0 at t=3..5, so stage 0 waits until t=5 for its gradient
+    assert text.splitlines()[1] == "stage 0: F0   F1   .    .    .    B0   -    B1   -"
+    assert text.splitlines()[2] == "stage 1: .    F0   F1   B0   -    B1   -    .    ."
+
+
+def test_deadlock_is_reported_with_the_grid() -> None:
+    # Both stages wait for the other before sending: a cycle.
+    stage0 = [RecvActivation(0, 1, 1), Forward(0, 0), SendActivation(0, 0, 1)]
+    stage1 = [RecvActivation(0, 0, 0), Forward(0, 0), SendActivation(0, 0, 0)]
+    with pytest.raises(ScheduleError, match=r"deadlock(.|\n)*stage 0: \[ra0.1\]"):
+        simulate([stage0, stage1])
+
+
+def test_message_order_mismatch_is_reported() -> None:
+    stage0 = [
+        LoadMicroBatch(0),
+        Forward(0),
+        SendActivation(0, 0, 1),
+        LoadMicroBatch(1),
+        Forward(1),
+        SendActivation(1, 0, 1),
+    ]
+    stage1 = [RecvActivation(1, 0, 0), Forward(1), RecvActivation(0, 0, 0), Forward(0)]
+    with pytest.raises(ScheduleError, match=r"expects \('activation', 1, 1\) but stage 0 sends \('activation', 0, 1\)"):
+        simulate([stage0, stage1])
+    with pytest.raises(
+        ScheduleError, match=r"expects \('activation', 1, 1\) but the next message is \('activation', 0"
+    ):
+        simulate([stage0, stage1], send_semantics="buffered")
+
+
+def test_backward_before_forward_is_reported() -> None:
+    with pytest.raises(ScheduleError, match=r"Backward\(mb=0, chunk=0\) runs before its input"):
+        simulate([[Backward(0), Forward(0)]])
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((0, 1, 0), "num_stages=0 must be an int >= 1"),
+        ((2, 0, 0), "num_microbatches=0"),
+        ((2, 2, 2), r"stage=2 must be in \[0, num_stages=2\)"),
+    ],
+)
+def test_bad_schedule_arguments(args: tuple[int, int, int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        one_f_one_b_schedule(*args)
+
+
+def test_png_needs_matplotlib(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    result = simulate_schedule(one_f_one_b_schedule, 2, 2)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match=r"save_png needs matplotlib; pip install 'scaling-pipeline\[plot\]'"):
+            result.save_png(str(tmp_path / "grid.png"))
+    else:
+        result.save_png(str(tmp_path / "grid.png"))
+        assert (tmp_path / "grid.png").read_bytes()[:4] == b"\x89PNG"
