@@ -1,5 +1,69 @@
 """scaling.nn: parallel layers, LayerSpec, ParameterMeta, LoRA and checkpointing."""
 
+from scaling.nn._adapters import BottleneckAdapter, apply_bottleneck_adapters, mark_only_bias_trainable
+from scaling.nn._attention import ParallelSelfAttention, valid_model_parallel_sizes
+from scaling.nn._checkpoint import checkpoint_layer, checkpoint_sequential_layers, tracker_checkpoint_context
+from scaling.nn._embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy, vocab_range
+from scaling.nn._layer import (
+    BaseLayer,
+    LayerSpec,
+    TiedLayerSpec,
+    attach_parameter_metas,
+    named_parameters_with_meta,
+    set_layer_index,
+)
+from scaling.nn._linear import ColumnParallelLinear, RowParallelLinear
+from scaling.nn._lora import (
+    LoRAConfig,
+    apply_lora,
+    lora_modules,
+    lora_state_dict,
+    mark_only_lora_trainable,
+    merge_lora,
+    unmerge_lora,
+)
 from scaling.nn._meta import ParameterMeta, get_parameter_meta
+from scaling.nn._mlp import ParallelMLP, ParallelSwiGLUMLP
+from scaling.nn._norm import LayerNorm, RMSNorm, reduce_sequence_parallel_gradients
+from scaling.nn._peft import export_peft_adapter, load_peft_adapter
+from scaling.nn._rotary import KVCache, RotaryEmbedding
 
-__all__ = ["ParameterMeta", "get_parameter_meta"]
+__all__ = [
+    "BaseLayer",
+    "BottleneckAdapter",
+    "ColumnParallelLinear",
+    "KVCache",
+    "LayerNorm",
+    "LayerSpec",
+    "LoRAConfig",
+    "ParallelMLP",
+    "ParallelSelfAttention",
+    "ParallelSwiGLUMLP",
+    "ParameterMeta",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "RowParallelLinear",
+    "TiedLayerSpec",
+    "VocabParallelEmbedding",
+    "apply_bottleneck_adapters",
+    "apply_lora",
+    "attach_parameter_metas",
+    "checkpoint_layer",
+    "checkpoint_sequential_layers",
+    "export_peft_adapter",
+    "get_parameter_meta",
+    "load_peft_adapter",
+    "lora_modules",
+    "lora_state_dict",
+    "mark_only_bias_trainable",
+    "mark_only_lora_trainable",
+    "merge_lora",
+    "named_parameters_with_meta",
+    "reduce_sequence_parallel_gradients",
+    "set_layer_index",
+    "tracker_checkpoint_context",
+    "unmerge_lora",
+    "valid_model_parallel_sizes",
+    "vocab_parallel_cross_entropy",
+    "vocab_range",
+]

@@ -55,7 +55,9 @@ class ParameterMeta:
         return param
 
     def __repr__(self) -> str:
-        split = "replicated" if self.parallel_dim is None else f"split dim {self.parallel_dim}/{self.model_parallel_size}"
+        split = (
+            "replicated" if self.parallel_dim is None else f"split dim {self.parallel_dim}/{self.model_parallel_size}"
+        )
         return f"ParameterMeta({self.key}, {list(self.logical_shape)}, {split}, tied={self.tied_key})"
 
 

@@ -54,7 +54,12 @@ def _run_task(task: dict[str, Any]) -> Any:
             world_size=world_size,
             timeout=datetime.timedelta(seconds=task["pg_timeout"]),
         )
-        return fn(*args, **kwargs)
+        result = fn(*args, **kwargs)
+        # Every rank finishes before any tears its groups down: a rank that returns early
+        # would otherwise close connections a slower peer is still opening (gloo's
+        # connectFullMesh fails on the peer).
+        dist.barrier()
+        return result
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

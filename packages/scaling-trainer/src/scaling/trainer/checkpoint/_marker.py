@@ -122,9 +122,9 @@ def step_folders(save_dir: Path) -> dict[int, Path]:
     return out
 
 
-def committed_steps(save_dir: Path) -> list[int]:
+def committed_steps(save_dir: str | Path) -> list[int]:
     """Steps whose folder has a commit marker, ascending."""
-    return sorted(s for s, p in step_folders(save_dir).items() if (p / MARKER).is_file())
+    return sorted(s for s, p in step_folders(Path(save_dir)).items() if (p / MARKER).is_file())
 
 
 def read_latest(save_dir: Path) -> int:

@@ -1,0 +1,38 @@
+"""Shared pieces of the MLP app tests: a small config and a worker that trains with it."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import yaml
+
+from scaling.mlp import train
+from scaling.mlp.__main__ import DEFAULT_CONFIG
+
+
+def small_config(tp: int = 1, pp: int = 1, dp: int = 1, steps: int = 20, **sections: dict[str, Any]) -> dict[str, Any]:
+    """The bundled config at another layout and length, with no saving or evaluation."""
+    cfg = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    cfg["topology"].update(model_parallel_size=tp, pipe_parallel_size=pp, data_parallel_size=dp)
+    cfg["topology"].update(global_batch_size=60, micro_batch_size=30 // dp if dp <= 2 else 5, timeout_seconds=60)
+    cfg["runner"]["nproc_per_node"] = tp * pp * dp
+    cfg["trainer"].update(train_iterations=steps, eval_interval=None, save_dir=None, save_interval=None, log_interval=10)
+    cfg["logger"].update(log_dir=None)
+    cfg["learning_rate_scheduler"]["learning_rate_decay_iters"] = steps
+    for name, values in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **values}
+    return copy.deepcopy(cfg)
+
+
+def train_worker(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Runs on every rank of scaling.testing.run_distributed; returns the metric history."""
+    return train.main(cfg)
+
+
+def losses(history: list[dict[str, Any]]) -> list[float]:
+    return [m["training/loss"] for m in history if "training/loss" in m]
+
+
+def final_accuracy(history: list[dict[str, Any]]) -> float:
+    return [m["evaluation/accuracy"] for m in history if "evaluation/accuracy" in m][-1]

@@ -1,0 +1,29 @@
+"""The same config on every layout gives the one-process losses (fp32, 1e-5 relative)."""
+
+import pytest
+
+from scaling.testing import assert_parity, run_distributed
+
+from ._helpers import losses, small_config, train_worker
+
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def reference_losses():
+    (history,) = run_distributed(train_worker, 1, small_config(steps=STEPS), timeout_seconds=180)
+    out = losses(history)
+    assert len(out) == STEPS and out[-1] < out[0]  # it trains
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("tp", "pp", "dp"),
+    [(1, 1, 2), (2, 1, 1), (1, 2, 1), pytest.param(2, 2, 2, marks=pytest.mark.slow)],
+    ids=["dp2", "tp2", "pp2", "dp2-pp2-tp2"],
+)
+def test_layout_matches_one_process(reference_losses, tp, pp, dp):
+    results = run_distributed(train_worker, tp * pp * dp, small_config(tp, pp, dp, steps=STEPS), timeout_seconds=300)
+    for rank, history in enumerate(results):
+        assert_parity(losses(history), reference_losses, rtol=1e-5, name=f"rank {rank} losses at tp={tp} pp={pp} dp={dp}")

@@ -1,0 +1,280 @@
+"""Tensor-parallel self-attention: MHA, GQA and MQA on ``F.scaled_dot_product_attention``.
+
+Shape legend: b batch, s sequence, h hidden, n heads, d head dim.
+
+Heads are split over TP ranks. Key/value heads are split too when the TP size divides
+their number; when it does not (fewer kv heads than ranks, TP a multiple of them), every
+rank keeps the full, replicated key/value weights and uses the one kv head its query
+heads belong to; those weights enter the TP region through
+``copy_to_model_parallel_region`` so their gradient is summed over the ranks in the
+backward and stays replicated.
+
+Fused QKV weight layout (rows of ``qkv.weight``), per kv head ``g``: the ``n_q / n_kv``
+query heads of group ``g``, then key ``g``, then value ``g``. Contiguous TP slices of
+that layout hold whole groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from scaling.collectives import copy_to_model_parallel_region, gather_from_sequence_parallel_region
+from scaling.nn._checkpoint import tracker_checkpoint_context
+from scaling.nn._init import InitMethod, check_dtype, default_bias_init, default_weight_init, sharded_parameter, tp_info
+from scaling.nn._linear import ColumnParallelLinear, RowParallelLinear
+from scaling.nn._rotary import KVCache, RotaryEmbedding, document_ids_and_positions, packed_attention_mask
+
+
+def valid_model_parallel_sizes(num_attention_heads: int, num_kv_heads: int, fused_qkv: bool) -> list[int]:
+    """TP sizes that can shard these heads (kv heads split, or replicated when fewer than ranks)."""
+    return [
+        t
+        for t in range(1, num_attention_heads + 1)
+        if num_attention_heads % t == 0 and (num_kv_heads % t == 0 or (not fused_qkv and t % num_kv_heads == 0))
+    ]
+
+
+class _ReplicatedLinear(torch.nn.Module):
+    """Key or value projection kept whole on every rank; this rank uses rows ``[start, end)``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: Any, dtype: torch.dtype, init: Any):
+        super().__init__()
+        self._tp = tp
+        self.weight = sharded_parameter((out_features, in_features), init, tp, None, dtype, "weight")
+        self.bias = (
+            sharded_parameter((out_features,), default_bias_init(in_features), tp, None, dtype, "bias")
+            if bias
+            else None
+        )
+        self.rows = (0, out_features)
+
+    def forward(self, x_full: torch.Tensor) -> torch.Tensor:
+        # Identity forward, all-reduce backward: sums the per-rank partial weight gradients.
+        group = self._tp.group
+        weight = copy_to_model_parallel_region(self.weight, group)[self.rows[0] : self.rows[1]]
+        bias = (
+            None if self.bias is None else copy_to_model_parallel_region(self.bias, group)[self.rows[0] : self.rows[1]]
+        )
+        return F.linear(x_full, weight, bias)
+
+
+class ParallelSelfAttention(torch.nn.Module):
+    """Multi-head / grouped-query / multi-query self-attention, tensor-parallel over heads.
+
+    Args:
+        hidden_size: model width ``h``.
+        num_attention_heads: query heads.
+        num_kv_heads: key/value heads (default: ``num_attention_heads``; 1 is MQA).
+        topology: a :class:`scaling.topology.Topology` or ``None`` (one device).
+        head_dim: channels per head (default ``hidden_size // num_attention_heads``).
+        bias: biases on the QKV and output projections.
+        dtype: parameter dtype.
+        fused_qkv: one ``qkv`` projection (layout in the module docstring) instead of
+            ``query``, ``key``, ``value``.
+        causal: causal (decoder) or bidirectional attention.
+        rotary_percentage: fraction of each head rotated by RoPE; 0 disables RoPE.
+        rotary_base: RoPE frequency base.
+        rotary_interleaved: interleaved instead of half-split RoPE channel pairs.
+        qk_norm: RMS-normalise queries and keys per head (weights ``q_norm``, ``k_norm``).
+        attention_dropout: dropout on the attention probabilities (training only).
+        rng_tracker: a :class:`scaling.topology.RNGTracker`; dropout draws from its
+            ``"model-parallel-rng"`` stream (each TP rank holds different heads).
+        sequence_parallel: input and output split along dim 1 over TP.
+        checkpoint_core_attention: recompute softmax(QK^T)V in the backward (selective
+            activation checkpointing); dropout masks are reproduced.
+        init_method, output_init_method: weight initialisers (default ``torch.nn.Linear``'s).
+
+    Raises:
+        ValueError: when heads, kv heads or ``hidden_size`` do not fit the TP size; the
+            message lists the valid TP sizes.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        num_kv_heads: int | None = None,
+        topology: Any = None,
+        head_dim: int | None = None,
+        bias: bool = True,
+        dtype: torch.dtype = torch.float32,
+        fused_qkv: bool = True,
+        causal: bool = True,
+        rotary_percentage: float = 1.0,
+        rotary_base: float = 10000.0,
+        rotary_interleaved: bool = False,
+        qk_norm: bool = False,
+        attention_dropout: float = 0.0,
+        rng_tracker: Any = None,
+        sequence_parallel: bool = False,
+        checkpoint_core_attention: bool = False,
+        init_method: InitMethod | None = None,
+        output_init_method: InitMethod | None = None,
+    ) -> None:
+        super().__init__()
+        check_dtype(dtype, "ParallelSelfAttention")
+        tp = self._tp = tp_info(topology)
+        nq, nkv = num_attention_heads, num_kv_heads or num_attention_heads
+        if head_dim is None and hidden_size % nq != 0:
+            raise ValueError(
+                f"ParallelSelfAttention: num_attention_heads={nq} does not divide hidden_size={hidden_size}; "
+                "pass head_dim or choose a head count dividing hidden_size"
+            )
+        if nq % nkv != 0:
+            raise ValueError(
+                f"ParallelSelfAttention: num_kv_heads={nkv} does not divide num_attention_heads={nq}; "
+                f"choose num_kv_heads in {[k for k in range(1, nq + 1) if nq % k == 0]}"
+            )
+        valid = valid_model_parallel_sizes(nq, nkv, fused_qkv)
+        if tp.size not in valid:
+            raise ValueError(
+                f"ParallelSelfAttention: model_parallel_size={tp.size} cannot shard num_attention_heads={nq}, "
+                f"num_kv_heads={nkv} (fused_qkv={fused_qkv}); choose model_parallel_size in {valid}"
+                + (" or fused_qkv=False" if fused_qkv and tp.size in valid_model_parallel_sizes(nq, nkv, False) else "")
+            )
+        if attention_dropout > 0.0 and tp.size > 1 and rng_tracker is None:
+            raise ValueError(
+                f"ParallelSelfAttention: attention_dropout={attention_dropout} with model_parallel_size={tp.size} "
+                "needs rng_tracker (scaling.topology.seed_all(...)) so each TP rank draws its own heads' masks"
+            )
+        self.hidden_size, self.num_attention_heads, self.num_kv_heads = hidden_size, nq, nkv
+        d = self.head_dim = head_dim or hidden_size // nq
+        self.num_local_heads = nq // tp.size
+        self.kv_replicated = nkv % tp.size != 0
+        self.num_local_kv_heads = 1 if self.kv_replicated else nkv // tp.size
+        self.fused_qkv, self.causal, self.sequence_parallel = fused_qkv, causal, sequence_parallel
+        self.attention_dropout, self.rng_tracker = attention_dropout, rng_tracker
+        self.checkpoint_core_attention = checkpoint_core_attention
+        init = init_method or default_weight_init
+        column: dict[str, Any] = dict(
+            bias=bias, topology=topology, dtype=dtype, init_method=init, sequence_parallel=sequence_parallel
+        )
+        if fused_qkv:
+            self.qkv = ColumnParallelLinear(hidden_size, (nq + 2 * nkv) * d, **column)
+        else:
+            self.query = ColumnParallelLinear(hidden_size, nq * d, **column)
+            if self.kv_replicated:
+                self.key: torch.nn.Module = _ReplicatedLinear(hidden_size, nkv * d, bias, tp, dtype, init)
+                self.value: torch.nn.Module = _ReplicatedLinear(hidden_size, nkv * d, bias, tp, dtype, init)
+                group_index = tp.rank * nkv // tp.size
+                for proj in (self.key, self.value):
+                    proj.rows = (group_index * d, (group_index + 1) * d)  # type: ignore[assignment]
+            else:
+                self.key = ColumnParallelLinear(hidden_size, nkv * d, **column)
+                self.value = ColumnParallelLinear(hidden_size, nkv * d, **column)
+        self.rotary = (
+            RotaryEmbedding(d, rotary_percentage, rotary_base, rotary_interleaved) if rotary_percentage > 0 else None
+        )
+        if qk_norm:
+            self.q_norm = sharded_parameter((d,), torch.nn.init.ones_, tp, None, dtype, "q_norm")
+            self.k_norm = sharded_parameter((d,), torch.nn.init.ones_, tp, None, dtype, "k_norm")
+        self.qk_norm = qk_norm
+        self.dense = RowParallelLinear(
+            nq * d,
+            hidden_size,
+            bias=bias,
+            topology=topology,
+            dtype=dtype,
+            init_method=output_init_method or init,
+            sequence_parallel=sequence_parallel,
+        )
+
+    def _project(self, x_bsh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b = x_bsh.shape[0]
+        d, nq, nkv = self.head_dim, self.num_local_heads, self.num_local_kv_heads
+        if self.fused_qkv:
+            qkv = self.qkv(x_bsh)
+            s = qkv.shape[1]
+            groups = qkv.view(b, s, nkv, nq // nkv + 2, d)
+            return groups[:, :, :, :-2].reshape(b, s, nq, d), groups[:, :, :, -2], groups[:, :, :, -1]
+        q = self.query(x_bsh)
+        if self.kv_replicated:
+            group = self._tp.group
+            x_full = (
+                gather_from_sequence_parallel_region(x_bsh, group)
+                if self.sequence_parallel
+                else copy_to_model_parallel_region(x_bsh, group)
+            )
+            k, v = self.key(x_full), self.value(x_full)
+        else:
+            k, v = self.key(x_bsh), self.value(x_bsh)
+        s = q.shape[1]
+        return q.view(b, s, nq, d), k.view(b, s, nkv, d), v.view(b, s, nkv, d)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, is_causal: bool) -> torch.Tensor:
+        p = self.attention_dropout if self.training else 0.0
+        fork = self.rng_tracker.fork() if (p > 0.0 and self.rng_tracker is not None) else contextlib.nullcontext()
+        with fork:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal, enable_gqa=q.shape[1] != k.shape[1]
+            )
+
+    def forward(
+        self,
+        x_bsh: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Attend over ``x_bsh`` (``[b, s, h]``; ``[b, s/tp, h]`` under sequence parallelism).
+
+        Args:
+            cu_seqlens: packed sequences: cumulative document lengths over the flattened
+                ``b * s`` tokens; attention stays within a document and positions restart.
+            position_ids: ``[b, s]`` or ``[s]`` RoPE positions (default ``0..s-1``).
+            kv_cache: generation: keys/values of earlier tokens are read from it and the
+                new ones appended; positions continue from its length.
+
+        Raises:
+            ValueError: for ``cu_seqlens`` together with a KV cache, a KV cache on a
+                bidirectional layer, or malformed ``cu_seqlens``.
+        """
+        if kv_cache is not None and not self.causal:
+            raise ValueError(
+                "ParallelSelfAttention: kv_cache needs causal=True (a bidirectional layer lets earlier tokens "
+                "attend to later ones, so cached keys would go stale)"
+            )
+        q, k, v = self._project(x_bsh)
+        b, s = q.shape[0], q.shape[1]
+        if self.qk_norm:
+            group = self._tp.group
+            q = F.rms_norm(q, (self.head_dim,), copy_to_model_parallel_region(self.q_norm, group), 1e-6)
+            k = F.rms_norm(k, (self.head_dim,), copy_to_model_parallel_region(self.k_norm, group), 1e-6)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, n, s, d]
+        mask: torch.Tensor | None = None
+        is_causal = self.causal
+        offset = kv_cache.seq_len if kv_cache is not None else 0
+        if cu_seqlens is not None:
+            if kv_cache is not None:
+                raise ValueError("ParallelSelfAttention: cu_seqlens (packed sequences) cannot be used with kv_cache")
+            doc_ids, positions = document_ids_and_positions(cu_seqlens, b, s)
+            mask, is_causal = packed_attention_mask(doc_ids, self.causal), False
+        else:
+            positions = position_ids if position_ids is not None else torch.arange(offset, offset + s, device=q.device)
+        if self.rotary is not None:
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
+            if self.causal and offset > 0:
+                total = k.shape[2]
+                rows = torch.arange(offset, offset + s, device=q.device).unsqueeze(-1)
+                mask, is_causal = rows >= torch.arange(total, device=q.device), False
+        if self.checkpoint_core_attention and torch.is_grad_enabled():
+            out = checkpoint(
+                self._core,
+                q,
+                k,
+                v,
+                mask,
+                is_causal,
+                use_reentrant=False,
+                context_fn=tracker_checkpoint_context(self.rng_tracker),
+            )
+        else:
+            out = self._core(q, k, v, mask, is_causal)
+        return self.dense(out.transpose(1, 2).reshape(b, s, self.num_local_heads * self.head_dim))

@@ -1,0 +1,67 @@
+"""Activation checkpointing (non-reentrant) that reproduces dropout masks.
+
+``torch.utils.checkpoint`` restores the default generators before recomputing; dropout
+on TP-sharded activations draws from the RNG tracker's streams instead, so their states
+are captured at the forward and put back for the recomputation (then advanced again, so
+the stream continues as if nothing had been recomputed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def tracker_checkpoint_context(rng_tracker: Any) -> Callable[[], tuple[Any, Any]]:
+    """A ``context_fn`` for ``torch.utils.checkpoint`` that replays ``rng_tracker``'s streams."""
+    if rng_tracker is None:
+        return lambda: (contextlib.nullcontext(), contextlib.nullcontext())
+
+    def context_fn() -> tuple[Any, Any]:
+        saved: dict[str, torch.Tensor] = {}
+
+        @contextlib.contextmanager
+        def forward_context() -> Iterator[None]:
+            saved.update(rng_tracker.state_dict())
+            yield
+
+        @contextlib.contextmanager
+        def recompute_context() -> Iterator[None]:
+            current = rng_tracker.state_dict()
+            rng_tracker.load_state_dict(saved)
+            try:
+                yield
+            finally:
+                rng_tracker.load_state_dict(current)
+
+        return forward_context(), recompute_context()
+
+    return context_fn
+
+
+def checkpoint_layer(layer: Callable[..., Any], *inputs: Any, rng_tracker: Any = None) -> Any:
+    """Run ``layer(*inputs)`` keeping only its inputs; recompute the rest in the backward.
+
+    Inputs and outputs may be LayerIO dataclasses. Dropout masks (default generator and
+    ``rng_tracker`` streams) are the same in the recomputation, so losses and gradients
+    equal those without checkpointing. Without grad mode it is a plain call.
+    """
+    if not torch.is_grad_enabled():
+        return layer(*inputs)
+    return checkpoint(layer, *inputs, use_reentrant=False, context_fn=tracker_checkpoint_context(rng_tracker))
+
+
+def checkpoint_sequential_layers(layers: Sequence[Callable[[Any], Any]], x: Any, rng_tracker: Any = None) -> Any:
+    """Run ``layers`` one after another inside one checkpoint (a whole pipeline stage):
+    only the stage input is kept."""
+
+    def run(inp: Any) -> Any:
+        for layer in layers:
+            inp = layer(inp)
+        return inp
+
+    return checkpoint_layer(run, x, rng_tracker=rng_tracker)

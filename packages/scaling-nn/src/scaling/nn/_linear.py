@@ -1,0 +1,184 @@
+"""Column- and row-parallel linear layers (Megatron-LM semantics).
+
+Activations are batch-first ``[b, s, h]``; under sequence parallelism they are split
+along ``s`` (dim 1) outside the tensor-parallel region.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from scaling.collectives import (
+    copy_to_model_parallel_region,
+    gather_from_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_model_parallel_region,
+)
+from scaling.nn._init import (
+    InitMethod,
+    check_divisible,
+    check_dtype,
+    default_bias_init,
+    default_weight_init,
+    sharded_parameter,
+    tp_info,
+)
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """``y = x W^T + b`` with ``W`` split along its output dim over the TP ranks.
+
+    Args:
+        in_features: size of the input's last dim.
+        out_features: full output size; must be divisible by the TP size.
+        bias: add a (TP-split) bias.
+        parallel_output: keep the output split over TP (``[..., out/tp]``) for a following
+            :class:`RowParallelLinear`; ``False`` all-gathers it to ``[..., out]``.
+        topology: a :class:`scaling.topology.Topology`; ``None`` means one device on CPU.
+        dtype: parameter dtype.
+        init_method: fills the full ``[out, in]`` weight in place (default: ``torch.nn.Linear``'s).
+        sequence_parallel: the input is split along dim 1 (sequence) and is all-gathered
+            here instead of being copied into the TP region.
+        bias_init_method: fills the full bias (default: ``torch.nn.Linear``'s).
+
+    Raises:
+        ValueError: when the TP size does not divide ``out_features``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        parallel_output: bool = True,
+        topology: Any = None,
+        dtype: torch.dtype = torch.float32,
+        init_method: InitMethod | None = None,
+        sequence_parallel: bool = False,
+        bias_init_method: InitMethod | None = None,
+    ) -> None:
+        super().__init__()
+        self._tp = tp_info(topology)
+        check_divisible("out_features", out_features, self._tp.size, "ColumnParallelLinear")
+        check_dtype(dtype, "ColumnParallelLinear")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.parallel_output = parallel_output
+        self.sequence_parallel = sequence_parallel
+        self.weight = sharded_parameter(
+            (out_features, in_features), init_method or default_weight_init, self._tp, 0, dtype, "weight"
+        )
+        if bias:
+            init = bias_init_method or default_bias_init(in_features)
+            self.bias: torch.nn.Parameter | None = sharded_parameter((out_features,), init, self._tp, 0, dtype, "bias")
+        else:
+            self.register_parameter("bias", None)
+
+    @property
+    def model_parallel_group(self) -> Any:
+        """The TP process group (None without TP)."""
+        return self._tp.group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[..., in]`` (``[b, s/tp, in]`` under sequence parallelism)."""
+        group = self._tp.group
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, group)
+        else:
+            x = copy_to_model_parallel_region(x, group)
+        y = F.linear(x, self.weight, self.bias)
+        if not self.parallel_output:
+            y = gather_from_model_parallel_region(y, group)
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"parallel_output={self.parallel_output}, model_parallel_size={self._tp.size}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class RowParallelLinear(torch.nn.Module):
+    """``y = x W^T + b`` with ``W`` split along its input dim over the TP ranks.
+
+    The partial products are summed over TP (all-reduce, or reduce-scatter along the
+    sequence under sequence parallelism); the replicated bias is added after that sum so
+    it is counted once. Under sequence parallelism the bias sees only this rank's
+    sequence shard, so its meta has ``reduce_over_tp=True``.
+
+    Args:
+        in_features: full input size; must be divisible by the TP size.
+        out_features: output size.
+        bias: add a replicated bias.
+        parallel_input: the input is already split over TP (``[..., in/tp]``, e.g. from a
+            :class:`ColumnParallelLinear`); ``False`` splits a full input here.
+        topology, dtype, init_method, sequence_parallel, bias_init_method: as for
+            :class:`ColumnParallelLinear`; with ``sequence_parallel`` the output is split
+            along dim 1.
+
+    Raises:
+        ValueError: when the TP size does not divide ``in_features``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        parallel_input: bool = True,
+        topology: Any = None,
+        dtype: torch.dtype = torch.float32,
+        init_method: InitMethod | None = None,
+        sequence_parallel: bool = False,
+        bias_init_method: InitMethod | None = None,
+    ) -> None:
+        super().__init__()
+        self._tp = tp_info(topology)
+        check_divisible("in_features", in_features, self._tp.size, "RowParallelLinear")
+        check_dtype(dtype, "RowParallelLinear")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.parallel_input = parallel_input
+        self.sequence_parallel = sequence_parallel
+        self.weight = sharded_parameter(
+            (out_features, in_features), init_method or default_weight_init, self._tp, 1, dtype, "weight"
+        )
+        if bias:
+            init = bias_init_method or default_bias_init(in_features)
+            self.bias: torch.nn.Parameter | None = sharded_parameter(
+                (out_features,), init, self._tp, None, dtype, "bias", reduce_over_tp=sequence_parallel
+            )
+        else:
+            self.register_parameter("bias", None)
+
+    @property
+    def model_parallel_group(self) -> Any:
+        """The TP process group (None without TP)."""
+        return self._tp.group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[..., in/tp]`` (or ``[..., in]`` with ``parallel_input=False``)."""
+        group = self._tp.group
+        if not self.parallel_input:
+            x = scatter_to_model_parallel_region(x, group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, group)
+        else:
+            y = reduce_from_model_parallel_region(y, group)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"parallel_input={self.parallel_input}, model_parallel_size={self._tp.size}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )

@@ -1,0 +1,91 @@
+"""Tensor-parallel feed-forward blocks: GELU MLP and SwiGLU MLP.
+
+Column-parallel up projection(s), element-wise activation on the TP shard (no
+communication), row-parallel down projection: one all-reduce (or reduce-scatter under
+sequence parallelism) per block in the forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from scaling.nn._init import InitMethod, check_divisible, tp_info
+from scaling.nn._linear import ColumnParallelLinear, RowParallelLinear
+
+
+class ParallelMLP(torch.nn.Module):
+    """``fc2(gelu(fc1(x)))`` with ``fc1`` column- and ``fc2`` row-parallel.
+
+    Args:
+        hidden_size: input and output size.
+        intermediate_size: inner size; must be divisible by the TP size.
+        bias: biases on both projections.
+        topology: a :class:`scaling.topology.Topology` or ``None`` (one device).
+        dtype: parameter dtype.
+        sequence_parallel: input and output split along dim 1 over TP.
+        gelu_approximate: ``"none"`` or ``"tanh"``, as in ``torch.nn.functional.gelu``.
+        init_method, output_init_method: weight initialisers of ``fc1`` and ``fc2``.
+
+    Raises:
+        ValueError: when the TP size does not divide ``intermediate_size``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = True,
+        topology: Any = None,
+        dtype: torch.dtype = torch.float32,
+        sequence_parallel: bool = False,
+        gelu_approximate: str = "none",
+        init_method: InitMethod | None = None,
+        output_init_method: InitMethod | None = None,
+    ) -> None:
+        super().__init__()
+        check_divisible("intermediate_size", intermediate_size, tp_info(topology).size, "ParallelMLP")
+        if gelu_approximate not in ("none", "tanh"):
+            raise ValueError(f"ParallelMLP: gelu_approximate={gelu_approximate!r}; choose 'none' or 'tanh'")
+        self.gelu_approximate = gelu_approximate
+        self.hidden_size = hidden_size
+        common: dict[str, Any] = dict(bias=bias, topology=topology, dtype=dtype, sequence_parallel=sequence_parallel)
+        self.fc1 = ColumnParallelLinear(hidden_size, intermediate_size, init_method=init_method, **common)
+        self.fc2 = RowParallelLinear(intermediate_size, hidden_size, init_method=output_init_method, **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate=self.gelu_approximate))
+
+
+class ParallelSwiGLUMLP(torch.nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` (Llama's MLP), tensor-parallel.
+
+    Args: as for :class:`ParallelMLP` (``bias`` defaults to False, as in Llama).
+
+    Raises:
+        ValueError: when the TP size does not divide ``intermediate_size``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        topology: Any = None,
+        dtype: torch.dtype = torch.float32,
+        sequence_parallel: bool = False,
+        init_method: InitMethod | None = None,
+        output_init_method: InitMethod | None = None,
+    ) -> None:
+        super().__init__()
+        check_divisible("intermediate_size", intermediate_size, tp_info(topology).size, "ParallelSwiGLUMLP")
+        self.hidden_size = hidden_size
+        common: dict[str, Any] = dict(bias=bias, topology=topology, dtype=dtype, sequence_parallel=sequence_parallel)
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, init_method=init_method, **common)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, init_method=init_method, **common)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, init_method=output_init_method, **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,134 @@
+"""Rotary position embeddings, the KV cache, and masks for packed sequences.
+
+Shape legend: b batch, h heads, s query length, k key length, d head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Rotary position embedding on the first ``rotary_dim`` channels of each head.
+
+    Args:
+        head_dim: channels per head.
+        rotary_percentage: fraction of ``head_dim`` that is rotated (GPT-NeoX's
+            ``rotary_pct``); rounded down to an even number of channels.
+        base: frequency base (``theta``).
+        interleaved: rotate channel pairs ``(0, 1), (2, 3), ...`` (GPT-J / Meta Llama
+            checkpoints) instead of the half-split pairs ``(i, i + r/2)`` (GPT-NeoX / HF Llama).
+
+    Raises:
+        ValueError: when ``rotary_percentage`` is outside ``(0, 1]`` or leaves no channel.
+    """
+
+    def __init__(
+        self, head_dim: int, rotary_percentage: float = 1.0, base: float = 10000.0, interleaved: bool = False
+    ) -> None:
+        super().__init__()
+        rotary_dim = int(head_dim * rotary_percentage)
+        rotary_dim -= rotary_dim % 2
+        if not 0.0 < rotary_percentage <= 1.0 or rotary_dim == 0:
+            raise ValueError(
+                f"RotaryEmbedding: rotary_percentage={rotary_percentage} with head_dim={head_dim} rotates "
+                f"{rotary_dim} channels; choose a value in (0, 1] that leaves at least 2 channels"
+            )
+        self.rotary_dim = rotary_dim
+        self.interleaved = interleaved
+        self.base = base
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, x_bhsd: torch.Tensor, positions_bs: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x_bhsd`` by the angles of ``positions_bs`` (``[b, s]`` or ``[s]`` ints)."""
+        if positions_bs.dim() == 1:
+            positions_bs = positions_bs.unsqueeze(0)
+        angles = positions_bs.to(self.inv_freq.device, torch.float32).unsqueeze(-1) * self.inv_freq
+        cos = angles.cos().unsqueeze(1)  # [b, 1, s, r/2]
+        sin = angles.sin().unsqueeze(1)
+        r = self.rotary_dim
+        x_rot, x_pass = x_bhsd[..., :r].float(), x_bhsd[..., r:]
+        if self.interleaved:
+            x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+            rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        else:
+            x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2 :]
+            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return torch.cat((rotated.to(x_bhsd.dtype), x_pass), dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"rotary_dim={self.rotary_dim}, base={self.base}, interleaved={self.interleaved}"
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, for one attention layer during generation.
+
+    Example::
+
+        caches = [KVCache() for _ in layers]
+        out = attention(prompt_bsh, kv_cache=caches[i])      # prefill
+        out = attention(next_token_b1h, kv_cache=caches[i])  # one token at a time
+    """
+
+    def __init__(self) -> None:
+        self.key: torch.Tensor | None = None
+        self.value: torch.Tensor | None = None
+
+    @property
+    def seq_len(self) -> int:
+        """Number of cached positions."""
+        return 0 if self.key is None else int(self.key.shape[2])
+
+    def update(self, key_bhsd: torch.Tensor, value_bhsd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new keys/values and return all of them."""
+        if self.key is None or self.value is None:
+            self.key, self.value = key_bhsd, value_bhsd
+        else:
+            self.key = torch.cat((self.key, key_bhsd), dim=2)
+            self.value = torch.cat((self.value, value_bhsd), dim=2)
+        return self.key, self.value
+
+    def reset(self) -> None:
+        """Forget every cached position."""
+        self.key = self.value = None
+
+    def __repr__(self) -> str:
+        return f"KVCache(seq_len={self.seq_len})"
+
+
+def document_ids_and_positions(
+    cu_seqlens: torch.Tensor, batch_size: int, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token document index and position-in-document (``[b, s]`` each) of packed sequences.
+
+    ``cu_seqlens`` holds cumulative document lengths over the flattened ``b * s`` tokens,
+    as in flash-attention's varlen API: ``[0, len_0, len_0 + len_1, ..., b * s]``.
+
+    Raises:
+        ValueError: when ``cu_seqlens`` does not start at 0, end at ``b * s``, increase,
+            or a document crosses a row of the batch.
+    """
+    cu = cu_seqlens.detach().to("cpu", torch.long).reshape(-1)
+    total = batch_size * seq_len
+    boundaries = set(cu.tolist())
+    crossing = [r * seq_len for r in range(1, batch_size) if r * seq_len not in boundaries]
+    if cu.numel() < 2 or cu[0] != 0 or cu[-1] != total or bool((cu[1:] < cu[:-1]).any()) or crossing:
+        raise ValueError(
+            f"cu_seqlens={cu.tolist()} must increase from 0 to batch_size * seq_len = {total} and contain "
+            f"every row start (multiples of seq_len={seq_len}); rows crossed by a document: {crossing}"
+        )
+    lengths = cu[1:] - cu[:-1]
+    doc = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    positions = torch.arange(total) - cu[:-1][doc]
+    device = cu_seqlens.device
+    return doc.view(batch_size, seq_len).to(device), positions.view(batch_size, seq_len).to(device)
+
+
+def packed_attention_mask(doc_ids_bs: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Boolean ``[b, 1, s, s]`` mask (True = may attend): same document, and earlier if causal."""
+    mask = doc_ids_bs.unsqueeze(-1) == doc_ids_bs.unsqueeze(-2)
+    if causal:
+        s = doc_ids_bs.shape[-1]
+        mask = mask & torch.ones(s, s, dtype=torch.bool, device=mask.device).tril()
+    return mask.unsqueeze(1)

@@ -1,0 +1,50 @@
+import scaling.nn
+
+EXPECTED = [
+    "BaseLayer",
+    "BottleneckAdapter",
+    "ColumnParallelLinear",
+    "KVCache",
+    "LayerNorm",
+    "LayerSpec",
+    "LoRAConfig",
+    "ParallelMLP",
+    "ParallelSelfAttention",
+    "ParallelSwiGLUMLP",
+    "ParameterMeta",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "RowParallelLinear",
+    "TiedLayerSpec",
+    "VocabParallelEmbedding",
+    "apply_bottleneck_adapters",
+    "apply_lora",
+    "attach_parameter_metas",
+    "checkpoint_layer",
+    "checkpoint_sequential_layers",
+    "export_peft_adapter",
+    "get_parameter_meta",
+    "load_peft_adapter",
+    "lora_modules",
+    "lora_state_dict",
+    "mark_only_bias_trainable",
+    "mark_only_lora_trainable",
+    "merge_lora",
+    "named_parameters_with_meta",
+    "reduce_sequence_parallel_gradients",
+    "set_layer_index",
+    "tracker_checkpoint_context",
+    "unmerge_lora",
+    "valid_model_parallel_sizes",
+    "vocab_parallel_cross_entropy",
+    "vocab_range",
+]
+
+
+def test_all_is_pinned():
+    assert scaling.nn.__all__ == EXPECTED
+
+
+def test_every_name_is_importable():
+    for name in EXPECTED:
+        assert getattr(scaling.nn, name) is not None, name
