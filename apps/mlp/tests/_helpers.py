@@ -17,9 +17,13 @@ def small_config(tp: int = 1, pp: int = 1, dp: int = 1, steps: int = 20, **secti
     cfg["topology"].update(model_parallel_size=tp, pipe_parallel_size=pp, data_parallel_size=dp)
     cfg["topology"].update(global_batch_size=60, micro_batch_size=30 // dp if dp <= 2 else 5, timeout_seconds=60)
     cfg["runner"]["nproc_per_node"] = tp * pp * dp
-    cfg["trainer"].update(train_iterations=steps, eval_interval=None, save_dir=None, save_interval=None, log_interval=10)
+    cfg["trainer"].update(
+        train_iterations=steps, eval_interval=None, save_dir=None, save_interval=None, log_interval=10
+    )
     cfg["logger"].update(log_dir=None)
-    cfg["learning_rate_scheduler"]["learning_rate_decay_iters"] = steps
+    cfg["learning_rate_scheduler"].update(
+        learning_rate_decay_iters=steps, learning_rate_warmup_steps=min(10, steps // 2)
+    )
     for name, values in sections.items():
         cfg[name] = {**cfg.get(name, {}), **values}
     return copy.deepcopy(cfg)

@@ -26,4 +26,6 @@ def reference_losses():
 def test_layout_matches_one_process(reference_losses, tp, pp, dp):
     results = run_distributed(train_worker, tp * pp * dp, small_config(tp, pp, dp, steps=STEPS), timeout_seconds=300)
     for rank, history in enumerate(results):
-        assert_parity(losses(history), reference_losses, rtol=1e-5, name=f"rank {rank} losses at tp={tp} pp={pp} dp={dp}")
+        assert_parity(
+            losses(history), reference_losses, rtol=1e-5, name=f"rank {rank} losses at tp={tp} pp={pp} dp={dp}"
+        )

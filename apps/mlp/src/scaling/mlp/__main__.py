@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from scaling.mlp.config import MLPConfig
+from scaling.mlp.data import MNISTDataset
 from scaling.runner import runner_main
 
 DEFAULT_CONFIG = Path(__file__).with_name("config.yml")
@@ -30,6 +31,10 @@ def load_config(path: str | Path, overrides: list[str]) -> MLPConfig:
                 f"{config.topology.data_parallel_size}); set runner.nproc_per_node={config.topology.world_size} "
                 "or change the topology"
             )
+    if config.data.mnist_path is not None:
+        # Read (and so check) the IDX files here, not in eight processes after launch.
+        for train in (True, False):
+            MNISTDataset(train=train, mnist_path=config.data.mnist_path)
     return config
 
 

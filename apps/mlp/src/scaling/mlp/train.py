@@ -18,7 +18,6 @@ from scaling.pipeline import ParallelModule
 from scaling.runner import load_payload
 from scaling.topology import Topology
 from scaling.trainer import BaseTrainer
-from scaling.trainer.loggers import MetricsLogger
 
 
 def build_trainer(config: MLPConfig, topology: Topology) -> BaseTrainer[MLPContext]:
@@ -58,7 +57,6 @@ def build_trainer(config: MLPConfig, topology: Topology) -> BaseTrainer[MLPConte
         sync_batch_to_model_parallel=dataset.sync_batch_to_model_parallel,
         metrics_aggregation_fn=metrics_aggregation_fn,
         loss_function=loss_function,
-        metrics_logger=MetricsLogger(config.logger, topology=topology),
     )
 
 

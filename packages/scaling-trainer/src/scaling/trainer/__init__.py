@@ -15,7 +15,7 @@ from scaling.trainer.checkpoint import (
     new_checkpoint_group,
     save_checkpoint,
 )
-from scaling.trainer.loggers import LoggerConfig, MetricsLogger
+from scaling.trainer.loggers import LoggerConfig, MetricsLogger, logger
 
 __all__ = [
     "HANDLED_SIGNALS",
@@ -33,5 +33,6 @@ __all__ = [
     "load_model_state_dict",
     "model_state_dict",
     "new_checkpoint_group",
+    "logger",
     "save_checkpoint",
 ]

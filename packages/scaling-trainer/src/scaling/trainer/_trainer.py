@@ -19,7 +19,7 @@ from scaling.trainer._config import TrainerConfig
 from scaling.trainer._context import BaseContext
 from scaling.trainer._signals import SignalWatcher, exit_code_for
 from scaling.trainer._state import TrainerCheckpointer
-from scaling.trainer.loggers import MetricsLogger
+from scaling.trainer.loggers import LoggerConfig, MetricsLogger
 
 ContextT = TypeVar("ContextT", bound=BaseContext[Any])
 
@@ -38,7 +38,8 @@ class BaseTrainer(Generic[ContextT]):
             (usually ``dataset.sync_batch_to_model_parallel``).
         metrics_aggregation_fn: combines per-micro-batch metrics across ranks, or None.
         loss_function: ``loss_function(output, batch) -> (loss, metrics)``.
-        metrics_logger: where metrics go; default: a console line on rank 0.
+        metrics_logger: where metrics go; default: the sinks of ``context.config.logger``
+            when the app config has that section, else a console line on rank 0.
 
     Example::
 
@@ -72,7 +73,11 @@ class BaseTrainer(Generic[ContextT]):
         self.metrics_aggregation_fn = metrics_aggregation_fn
         self.loss_function = loss_function
         topology = context.topology
-        self.metrics_logger = metrics_logger or MetricsLogger(None, topology=topology)
+        if metrics_logger is None:
+            # The app config's `logger` section (as in the walkthrough's configs), if any.
+            section = getattr(context.config, "logger", None)
+            metrics_logger = MetricsLogger(section if isinstance(section, LoggerConfig) else None, topology=topology)
+        self.metrics_logger = metrics_logger
         self.loader = DataLoader(
             dataset, seed=config.seed, topology=topology, num_workers=config.dataloader_num_workers
         )
@@ -109,7 +114,7 @@ class BaseTrainer(Generic[ContextT]):
             "runtime/samples_per_second": gbs / duration if duration > 0 else 0.0,
             "training/loss_spike": self._is_spike(loss),
         }
-        return metrics
+        return {k: v for k, v in metrics.items() if v is not None}
 
     def _is_spike(self, loss: float) -> bool:
         if not torch.isfinite(torch.tensor(loss)):

@@ -1,0 +1,73 @@
+"""Bad input is refused before anything launches, with the field, the value and the fix."""
+
+import pytest
+import yaml
+
+from scaling.mlp.__main__ import DEFAULT_CONFIG, main
+from scaling.mlp.config import MLPConfig
+
+from .test_data import _write_mnist
+
+
+def _run(capsys, *args):
+    code = main([str(DEFAULT_CONFIG), *args])
+    return code, capsys.readouterr().err
+
+
+def test_layout_not_matching_process_count(capsys):
+    code, err = _run(capsys, "runner.nproc_per_node=4")
+    assert code == 2
+    assert "runner.nproc_per_node=4 processes do not match topology.world_size=8" in err
+    assert "set runner.nproc_per_node=8" in err
+
+
+def test_topology_arithmetic_named(capsys):
+    code, err = _run(capsys, "topology.world_size=6")
+    assert (
+        code == 2
+        and "world_size=6 does not equal model_parallel_size=2 × pipe_parallel_size=2 × data_parallel_size=2" in err
+    )
+
+
+def test_hidden_size_not_divisible_by_tp(capsys):
+    code, err = _run(capsys, "architecture.hidden_size=255")
+    assert code == 2 and "architecture.hidden_size=255 is not divisible by topology.model_parallel_size=2" in err
+
+
+def test_missing_mnist_path(capsys, tmp_path):
+    code, err = _run(capsys, f"data.mnist_path={tmp_path / 'missing'}")
+    assert code == 2 and "is not a directory; set it to the folder holding MNIST's IDX files" in err
+
+
+def test_corrupt_idx_file(capsys, tmp_path):
+    _write_mnist(tmp_path)
+    labels = tmp_path / "t10k-labels-idx1-ubyte"
+    labels.write_bytes(labels.read_bytes()[:-1])
+    code, err = _run(capsys, f"data.mnist_path={tmp_path}")
+    assert code == 2 and "t10k-labels-idx1-ubyte: header says shape [6]" in err
+
+
+def test_unknown_key(capsys):
+    code, err = _run(capsys, "trainer.train_iters=5")
+    assert code == 2 and "trainer.train_iters\n  Extra inputs are not permitted" in err
+
+
+def test_template_lists_every_section(capsys):
+    assert main(["--template"]) == 0
+    template = yaml.safe_load(capsys.readouterr().out)
+    assert set(template) == set(MLPConfig.model_fields)
+
+
+def test_default_config_is_3d_parallel():
+    cfg = MLPConfig.from_yaml(DEFAULT_CONFIG)
+    t = cfg.topology
+    assert (t.data_parallel_size, t.pipe_parallel_size, t.model_parallel_size) == (2, 2, 2)
+    assert cfg.runner.nproc_per_node == 8 and cfg.runner.script.endswith("scaling/mlp/train.py")
+
+
+@pytest.mark.parametrize(
+    "bad", ["topology.pipe_parallel_size=8 topology.data_parallel_size=1 runner.nproc_per_node=16"]
+)
+def test_more_stages_than_layers(capsys, bad):
+    code, err = _run(capsys, *bad.split())
+    assert code == 2 and "topology.pipe_parallel_size=8 exceeds the model's 4 layers" in err
