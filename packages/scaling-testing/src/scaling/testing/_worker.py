@@ -10,7 +10,25 @@ import pickle
 import queue
 import sys
 import traceback
+import types
 from typing import Any
+
+
+def _register_parents(name: str, module_file: str) -> None:
+    """Make ``a.b`` importable for a module ``a.b.c`` loaded by path (pytest's importlib mode).
+
+    pickle resolves classes with ``__import__(module)``, which needs every parent package
+    in ``sys.modules``; test folders are rarely importable packages on ``sys.path``.
+    """
+    parts = name.split(".")
+    folder = os.path.dirname(module_file)
+    for depth in range(len(parts) - 1, 0, -1):
+        parent = ".".join(parts[:depth])
+        if parent not in sys.modules:
+            package = types.ModuleType(parent)
+            package.__path__ = [folder]
+            sys.modules[parent] = package
+        folder = os.path.dirname(folder)
 
 
 def _resolve(task: dict[str, Any]) -> Any:
@@ -27,6 +45,7 @@ def _resolve(task: dict[str, Any]) -> Any:
         if spec is None or spec.loader is None:
             raise
         module = importlib.util.module_from_spec(spec)
+        _register_parents(name, task["module_file"])
         sys.modules[name] = module
         spec.loader.exec_module(module)
     obj: Any = module
