@@ -1,0 +1,81 @@
+"""Model-state bytes per rank for fp32 AdamW at DP = 2, ZeRO 0-3, against the ZeRO paper's theory.
+
+Run: python bench/model_state_bytes.py [--hidden 256] [--layers 4]
+
+Two gloo ranks train an MLP for one step per ZeRO stage. After ``backward`` (gradients
+present, before ``step``) each rank sums the storage bytes (not RSS) of
+
+- parameters: each parameter's storage (0 once ZeRO-3 has freed it) plus ZeRO-3's owned shard,
+- gradients: ``param.grad`` plus the ZeRO-2/3 reduced gradient shards,
+- optimizer state: Adam moments and (bf16/fp16 runs only) fp32 master weights,
+
+and prints them in units of Ψ (the parameter count) next to the theory for fp32 AdamW
+at DP = 2: 4+4+8 = 16Ψ replicated, 4+4+4 = 12Ψ ZeRO-1, 4+2+4 = 10Ψ ZeRO-2, 2+2+4 = 8Ψ
+ZeRO-3. Transient communication buffers (bounded by the bucket size) are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from scaling.nn import ParameterMeta
+from scaling.optim import Optimizer, OptimizerConfig, OptimizerParamGroup, OptimizerParamGroupConfig
+from scaling.testing import make_topology, run_distributed
+
+THEORY = {0: 16.0, 1: 12.0, 2: 10.0, 3: 8.0}
+
+
+def _bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+def measure(zero: int, hidden: int, layers: int) -> dict[str, float]:
+    topo = make_topology()
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.GELU()) for _ in range(layers)]
+    model = torch.nn.Sequential(*blocks)
+    triples = []
+    for index, block in enumerate(blocks):
+        for name, p in block.named_parameters():
+            meta = ParameterMeta(name, tuple(p.shape), layer_index=index).attach(p).parameter_meta
+            triples.append((meta.key, p, meta))
+    psi = sum(p.numel() for p in model.parameters())
+    opt = Optimizer(
+        config=OptimizerConfig(zero_stage=zero),
+        parameter_groups=[OptimizerParamGroup(triples, OptimizerParamGroupConfig(name="all"))],
+        topology=topo,
+        zero3_modules=blocks if zero == 3 else None,
+    )
+    opt.zero_grad()
+    opt.backward(model(torch.randn(8, hidden)).pow(2).mean())
+    params = sum(_bytes(p) for p in model.parameters()) + sum(_bytes(s.param_shard) for s in opt.slots)
+    grads = sum(_bytes(p.grad) for p in model.parameters()) + sum(_bytes(s.grad_shard) for s in opt.slots)
+    state = sum(_bytes(t) for s in opt.slots for t in [*s.state.values(), s.master])
+    opt.step()
+    return {"psi": psi, "params": params / psi, "grads": grads / psi, "state": state / psi}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    args = parser.parse_args()
+    print("fp32 AdamW, DP=2, bytes per rank in units of Ψ (parameter count)")
+    print(f"{'ZeRO':>4} {'rank':>4} {'params':>8} {'grads':>8} {'state':>8} {'total':>8} {'theory':>7} {'error':>8}")
+    worst = 0.0
+    for zero in range(4):
+        for rank, r in enumerate(run_distributed(measure, 2, zero, args.hidden, args.layers, timeout_seconds=300)):
+            total = r["params"] + r["grads"] + r["state"]
+            err = total / THEORY[zero] - 1
+            worst = max(worst, abs(err))
+            print(
+                f"{zero:>4} {rank:>4} {r['params']:>7.3f}Ψ {r['grads']:>7.3f}Ψ {r['state']:>7.3f}Ψ "
+                f"{total:>7.3f}Ψ {THEORY[zero]:>6.0f}Ψ {err:>+8.4%}"
+            )
+    print(f"Ψ = {int(r['psi']):,}; worst deviation from theory {worst:.4%} (goal: within 1%)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""scaling.optim: optimizer, parameter groups, mixed precision, loss scaling, ZeRO, LR schedules."""
+
+from scaling.optim._config import (
+    LearningRateSchedulerConfig,
+    LossScalerConfig,
+    OptimizerConfig,
+    OptimizerParamGroupConfig,
+)
+from scaling.optim._loss_scaler import LossScaler
+from scaling.optim._lr_scheduler import LearningRateScheduler
+from scaling.optim._optimizer import Optimizer, OptimizerStepOutput
+from scaling.optim._param_group import OptimizerParamGroup, build_parameter_groups
+
+__all__ = [
+    "LearningRateScheduler",
+    "LearningRateSchedulerConfig",
+    "LossScaler",
+    "LossScalerConfig",
+    "Optimizer",
+    "OptimizerConfig",
+    "OptimizerParamGroup",
+    "OptimizerParamGroupConfig",
+    "OptimizerStepOutput",
+    "build_parameter_groups",
+]

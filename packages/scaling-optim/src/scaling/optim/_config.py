@@ -1,0 +1,160 @@
+"""Configs of the optimizer, its parameter groups, the LR schedule and the loss scaler."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from scaling.config import BaseConfig
+
+OptimizerMethod = Literal["adamw", "adam", "sgd"]
+LearningRateDecayStyle = Literal["constant", "linear", "cosine", "inverse_sqrt"]
+NonFinitePolicy = Literal["skip", "fail"]
+
+
+class LearningRateSchedulerConfig(BaseConfig):
+    """A learning-rate schedule: warmup delay, linear warmup, then a decay to a minimum.
+
+    Steps are counted in applied optimizer updates starting at 1; steps skipped for a
+    non-finite gradient do not advance the schedule. For update ``k``:
+
+    - ``k <= learning_rate_warmup_delay_steps``: LR 0;
+    - the next ``learning_rate_warmup_steps`` updates: linear warmup up to ``learning_rate``;
+    - then the decay style, reaching ``learning_rate_minimum`` at
+      ``learning_rate_decay_iters`` (counted from step 0, delay and warmup included) and
+      staying there (``inverse_sqrt`` decays as ``1/sqrt(k)`` and never goes below the minimum).
+    """
+
+    learning_rate: float = Field(0.0001, ge=0.0, description="Peak learning rate after warmup; >= 0.")
+    learning_rate_minimum: float = Field(0.0, ge=0.0, description="Floor the decay ends at; >= 0 and <= learning_rate.")
+    learning_rate_decay_style: LearningRateDecayStyle = Field(
+        "constant", description="Decay after warmup: 'constant', 'linear', 'cosine' or 'inverse_sqrt'."
+    )
+    learning_rate_decay_iters: int = Field(
+        0,
+        ge=0,
+        description="Update at which the decay reaches learning_rate_minimum, counted from step 0 including "
+        "delay and warmup; ignored for 'constant' and 'inverse_sqrt'.",
+    )
+    learning_rate_warmup_steps: int = Field(0, ge=0, description="Updates of linear warmup from 0; 0 = no warmup.")
+    learning_rate_warmup_delay_steps: int = Field(
+        0, ge=0, description="Updates at LR 0 before warmup starts (e.g. to warm up optimizer moments); 0 = none."
+    )
+
+    @field_validator("learning_rate", "learning_rate_minimum", mode="before")
+    @classmethod
+    def _non_negative(cls, value: object, info: object) -> object:
+        if isinstance(value, (int, float)) and value < 0:
+            name = getattr(info, "field_name", "learning_rate")
+            raise ValueError(f"{name}={value} is negative; a learning rate must be >= 0")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> LearningRateSchedulerConfig:
+        if self.learning_rate_minimum > self.learning_rate:
+            raise ValueError(
+                f"learning_rate_minimum={self.learning_rate_minimum} is above learning_rate={self.learning_rate}; "
+                "lower learning_rate_minimum"
+            )
+        if self.learning_rate_decay_style in ("linear", "cosine"):
+            ramp = self.learning_rate_warmup_delay_steps + self.learning_rate_warmup_steps
+            if ramp >= self.learning_rate_decay_iters:
+                raise ValueError(
+                    f"learning_rate_warmup_delay_steps={self.learning_rate_warmup_delay_steps} + "
+                    f"learning_rate_warmup_steps={self.learning_rate_warmup_steps} = {ramp} is not shorter than "
+                    f"learning_rate_decay_iters={self.learning_rate_decay_iters} for decay style "
+                    f"'{self.learning_rate_decay_style}'; warmup longer than the schedule: raise "
+                    "learning_rate_decay_iters or shorten the warmup"
+                )
+        return self
+
+
+class LossScalerConfig(BaseConfig):
+    """Dynamic loss scaling (for fp16): scale the loss, skip and shrink on overflow, grow after a window."""
+
+    enable: bool = Field(False, description="Scale the loss dynamically; needed for fp16, optional for bf16.")
+    initial_scale: float = Field(2.0**16, gt=0.0, description="Loss scale of the first step; > 0.")
+    window: int = Field(1000, ge=1, description="Overflow-free steps after which the scale grows by factor; >= 1.")
+    hysteresis: int = Field(
+        2, ge=1, description="Overflows tolerated before the scale shrinks (reset on growth); 1 = shrink at once."
+    )
+    consecutive_hysteresis: bool = Field(
+        False, description="Refill the hysteresis budget after every overflow-free step, not only on growth."
+    )
+    min_scale: float = Field(1.0, gt=0.0, description="The scale never shrinks below this; > 0.")
+    factor: float = Field(2.0, gt=1.0, description="Multiplier for growth and divisor for shrinking; > 1.")
+
+    @model_validator(mode="after")
+    def _check(self) -> LossScalerConfig:
+        if self.min_scale > self.initial_scale:
+            raise ValueError(f"min_scale={self.min_scale} is above initial_scale={self.initial_scale}; lower min_scale")
+        return self
+
+
+class OptimizerParamGroupConfig(BaseConfig):
+    """Settings of one parameter group."""
+
+    name: str = Field("default", min_length=1, description="Unique group name (keys LRs in logs and checkpoints).")
+    weight_decay: float = Field(0.0, ge=0.0, description="Weight decay coefficient; >= 0; 0 = off.")
+    independent_weight_decay: bool = Field(
+        False,
+        description="Decay by weight_decay per step independent of the LR (p *= 1 - wd) instead of p *= 1 - lr*wd.",
+    )
+    # mypy without the pydantic plugin infers Never for a class as default_factory.
+    learning_rate_scheduler: LearningRateSchedulerConfig = Field(
+        default_factory=LearningRateSchedulerConfig,  # type: ignore[arg-type]
+        description="LR schedule of this group.",
+    )
+    parameters_include: tuple[str, ...] = Field(
+        (".*",),
+        description="Regexes (re.search) over parameter names selecting this group's parameters in "
+        "build_parameter_groups; unused when a group is built by hand.",
+    )
+    parameters_exclude: tuple[str, ...] = Field(
+        (), description="Regexes removing parameters from parameters_include's matches in build_parameter_groups."
+    )
+
+
+class OptimizerConfig(BaseConfig):
+    """The optimizer: update rule, ZeRO stage, clipping, precision and the non-finite policy."""
+
+    method: OptimizerMethod = Field("adamw", description="Update rule: 'adamw', 'adam' (L2 in the grad) or 'sgd'.")
+    beta1: float = Field(0.9, ge=0.0, lt=1.0, description="Adam first-moment decay, in [0, 1).")
+    beta2: float = Field(0.999, ge=0.0, lt=1.0, description="Adam second-moment decay, in [0, 1).")
+    eps: float = Field(1e-8, gt=0.0, description="Adam denominator epsilon; > 0.")
+    momentum: float = Field(0.0, ge=0.0, lt=1.0, description="SGD momentum, in [0, 1); 0 = plain SGD.")
+    gradient_clipping: float = Field(
+        0.0, ge=0.0, description="Clip the global gradient L2 norm to this value; 0 = no clipping."
+    )
+    zero_stage: int = Field(
+        0,
+        ge=0,
+        le=3,
+        description="ZeRO stage over the data-parallel group: 0 replicated, 1 shards master weights and "
+        "optimizer state, 2 also gradients, 3 also parameters.",
+    )
+    allreduce_bucket_size: int = Field(
+        25_000_000, gt=0, description="Bytes per gradient communication bucket; bounds transient buffers; > 0."
+    )
+    master_weights: bool = Field(
+        True,
+        description="For bf16/fp16 parameters keep fp32 master weights and fp32 optimizer state (fp32 "
+        "parameters are their own master).",
+    )
+    loss_scaler: LossScalerConfig = Field(
+        default_factory=LossScalerConfig,  # type: ignore[arg-type]  # see learning_rate_scheduler
+        description="Dynamic loss scaling (fp16).",
+    )
+    non_finite_policy: NonFinitePolicy = Field(
+        "skip",
+        description="On a non-finite loss or gradient (outside loss-scaler overflow): 'skip' the update on every "
+        "rank, or 'fail' (raise FloatingPointError on every rank).",
+    )
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _method(cls, value: object) -> object:
+        if isinstance(value, str) and value not in ("adamw", "adam", "sgd"):
+            raise ValueError(f"unknown optimizer method={value!r}; choose 'adamw', 'adam' or 'sgd'")
+        return value

@@ -1,0 +1,79 @@
+"""Global gradient norm over TP, PP and DP, and the non-finite verdict every rank shares."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from scaling.optim._comm import group_size
+from scaling.optim._slots import ParamSlot
+from scaling.topology import Topology
+
+
+def mark_norm_owners(slots: Sequence[ParamSlot], topology: Topology) -> None:
+    """Decide which rank counts each parameter in the global norm, so each counts once.
+
+    A TP-replicated parameter (not ``meta.is_model_parallel``) has the same gradient on
+    every TP rank: only TP rank 0 counts it. A tied parameter (``meta.tied_key``) held by
+    several pipeline stages counts only on the lowest stage holding that key.
+    """
+    tp_rank = topology.model_parallel_rank
+    for slot in slots:
+        slot.counts_in_norm = slot.meta.is_model_parallel or tp_rank == 0
+    if topology.pipe_parallel_size == 1:
+        return
+    local_keys = sorted({s.meta.tied_key for s in slots if s.meta.tied_key is not None})
+    gathered: list[list[str] | None] = [None] * topology.pipe_parallel_size
+    dist.all_gather_object(gathered, local_keys, group=topology.pipe_parallel_group)
+    first_stage: dict[str, int] = {}
+    for stage, keys in enumerate(gathered):
+        for key in keys or []:
+            first_stage.setdefault(key, stage)
+    for slot in slots:
+        tied = slot.meta.tied_key
+        if tied is not None and first_stage[tied] != topology.pipe_parallel_rank:
+            slot.counts_in_norm = False
+
+
+def global_norm_squared(
+    slots: Sequence[ParamSlot],
+    grads: Sequence[torch.Tensor],
+    loss_non_finite: torch.Tensor,
+    topology: Topology,
+    sharded: bool,
+) -> tuple[float, bool]:
+    """The squared global L2 norm of ``grads`` and whether any rank saw a non-finite value.
+
+    Args:
+        slots: the parameters, aligned with ``grads``.
+        grads: each slot's owned (DP-reduced, still loss-scaled) gradient.
+        loss_non_finite: a 0-dim tensor, > 0 when a loss passed to ``backward`` on this
+            rank was non-finite.
+        topology: for the model-pipe (TP × PP) and DP groups.
+        sharded: True when DP ranks own disjoint gradient pieces (ZeRO >= 1); else the
+            reduced gradients are DP replicas and only DP rank 0 contributes.
+
+    Returns:
+        ``(norm_squared, non_finite)``, identical on every rank.
+    """
+    device = topology.device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for slot, grad in zip(slots, grads):
+        if slot.counts_in_norm and grad.numel():
+            # Per-tensor norm in the gradient's dtype (as clip_grad_norm_), summed in fp64:
+            # an fp64 copy of every gradient would cost more than the update itself.
+            total += torch.linalg.vector_norm(grad).double() ** 2
+    non_finite = loss_non_finite.to(device=device, dtype=torch.float64).reshape(())
+    # Count non-finite values separately: a NaN is kept apart from the sum that the DP
+    # replicas zero out below, so every rank sees it.
+    vec = torch.stack([total, non_finite + (~torch.isfinite(total)).double()])
+    if group_size(topology.model_pipe_parallel_group) > 1:
+        dist.all_reduce(vec, group=topology.model_pipe_parallel_group)
+    if group_size(topology.data_parallel_group) > 1:
+        if not sharded and topology.data_parallel_rank != 0:
+            vec[0] = 0.0
+        dist.all_reduce(vec, group=topology.data_parallel_group)
+    norm_sq, flag = vec.tolist()
+    return norm_sq, bool(flag > 0) or not torch.isfinite(torch.tensor(norm_sq)).item()

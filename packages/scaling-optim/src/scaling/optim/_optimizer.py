@@ -1,0 +1,310 @@
+"""Optimizer: DP/TP gradient reduction, loss scaling, global norm, clipping, ZeRO 0-3, update."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from scaling.optim._comm import all_gather_chunks, all_reduce_, group_size, reduce_scatter_mean
+from scaling.optim._config import OptimizerConfig
+from scaling.optim._grad_norm import global_norm_squared, mark_norm_owners
+from scaling.optim._loss_scaler import LossScaler
+from scaling.optim._param_group import OptimizerParamGroup
+from scaling.optim._reducer import GradientReducer
+from scaling.optim._slots import ParamSlot
+from scaling.optim._state import load_optimizer_state, optimizer_state
+from scaling.optim._update import apply_update, state_names
+from scaling.optim._zero3 import ParameterGatherer, check_own_storage, check_zero3, free_storage
+from scaling.topology import Topology
+
+
+@dataclass(frozen=True)
+class OptimizerStepOutput:
+    """What one :meth:`Optimizer.step` did; identical on every rank.
+
+    Attributes:
+        global_grad_norm: L2 norm of the unscaled gradient over all ranks (TP replicas
+            and tied copies counted once) before clipping; None when not finite.
+        global_grad_norm_clipped: the norm after clipping (equal to the above without
+            clipping); None when the step was skipped.
+        learning_rates: LR of each group for this step, by group name (for a skipped
+            step, the LR the update would have used; the schedule does not advance).
+        overflow: a non-finite loss or gradient was seen on some rank.
+        skipped: the update was not applied (overflow or the ``skip`` policy).
+        no_overflow_steps: consecutive overflow-free steps of the loss scaler.
+        current_loss_scale: the loss scale after this step's scaler update.
+        step: number of updates applied so far.
+    """
+
+    global_grad_norm: float | None
+    global_grad_norm_clipped: float | None
+    learning_rates: dict[str, float] = field(default_factory=dict)
+    overflow: bool = False
+    skipped: bool = False
+    no_overflow_steps: int = 0
+    current_loss_scale: float = 1.0
+    step: int = 0
+
+
+class Optimizer:
+    """Mixed-precision, ZeRO-sharded optimizer over :class:`OptimizerParamGroup`\\ s.
+
+    Args:
+        config: update rule, ZeRO stage, clipping, loss scaler and non-finite policy.
+        parameter_groups: the groups; each trainable parameter in exactly one.
+        topology: an initialised :class:`~scaling.topology.Topology`; gradients are
+            averaged over its ``data_parallel_group``, ``reduce_over_tp`` gradients summed
+            over its ``model_parallel_group``, and the norm reduced over
+            ``model_pipe_parallel_group`` and the DP group.
+        zero3_modules: with ``zero_stage=3`` only: the layers in forward order. Their
+            trained parameters are freed at once and gathered around each layer's forward
+            and backward; use :meth:`full_parameters` to read them outside a forward.
+
+    Raises:
+        ValueError: duplicate group names, a parameter in two groups, ``zero_stage=3`` without
+            ``zero3_modules`` or with pipeline parallelism, or a ZeRO-3 parameter sharing storage.
+
+    Example::
+
+        opt = Optimizer(config=OptimizerConfig(), parameter_groups=groups, topology=topology)
+        opt.zero_grad()
+        opt.backward(loss)
+        out = opt.step()  # OptimizerStepOutput
+    """
+
+    def __init__(
+        self,
+        config: OptimizerConfig,
+        parameter_groups: Sequence[OptimizerParamGroup],
+        topology: Topology,
+        zero3_modules: Sequence[torch.nn.Module] | None = None,
+    ) -> None:
+        check_zero3(config.zero_stage, topology.pipe_parallel_size, zero3_modules)
+        names = [g.name for g in parameter_groups]
+        if len(set(names)) != len(names):
+            raise ValueError(f"parameter group names must be unique, got {names}")
+        self.config = config
+        self.parameter_groups = list(parameter_groups)
+        self.topology = topology
+        self.loss_scaler = LossScaler(config.loss_scaler)
+        self.step_count = 0
+        dp = group_size(topology.data_parallel_group)
+        self._shard_world = dp if config.zero_stage >= 1 else 1
+        # Without ZeRO every DP rank owns the whole parameter.
+        self._dp_rank = topology.data_parallel_rank if self._shard_world > 1 else 0
+        self.slots: list[ParamSlot] = []
+        owner: dict[int, str] = {}
+        for gi, group in enumerate(self.parameter_groups):
+            for name, param, meta in group.trainable():
+                if id(param) in owner:
+                    raise ValueError(
+                        f"parameter {name!r} is in groups {owner[id(param)]!r} and {group.name!r}; put it in one"
+                    )
+                owner[id(param)] = group.name
+                slot = ParamSlot(
+                    name,
+                    param,
+                    meta,
+                    gi,
+                    self._shard_world,
+                    self._dp_rank,
+                    config.master_weights,
+                    state_names(config),
+                )
+                self.slots.append(slot)
+        mark_norm_owners(self.slots, topology)
+        self._loss_non_finite = torch.zeros((), device=topology.device)
+        # Hooks last: a constructor that raises leaves no hook behind on the parameters.
+        self.gatherer: ParameterGatherer | None = None
+        if config.zero_stage == 3:
+            assert zero3_modules is not None
+            for slot in self.slots:
+                check_own_storage(slot)
+                slot.param_shard = slot.flat_param()[slot.start : slot.end].clone()
+            self.gatherer = ParameterGatherer(zero3_modules, self.slots, topology.data_parallel_group)
+        self._hooks: list[Any] = []
+        if config.zero_stage >= 2:
+            for slot in self.slots:
+                self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(slot)))
+        if self.gatherer is not None:
+            self.gatherer.free_all()
+        self.reducer: GradientReducer | None = None
+        if config.zero_stage < 2 and group_size(topology.data_parallel_group) > 1:
+            self.reducer = GradientReducer(self.slots, topology.data_parallel_group, config.allreduce_bucket_size)
+
+    # ----------------------------------------------------------------- backward
+    def zero_grad(self) -> None:
+        """Drop the gradients (``param.grad = None``) and any ZeRO-2 gradient shards."""
+        if self.reducer is not None:
+            self.reducer.discard()
+        for slot in self.slots:
+            slot.param.grad = None
+            slot.grad_shard = None
+        self._loss_non_finite.zero_()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate ``loss`` multiplied by the current loss scale.
+
+        Call once per micro-batch; gradients accumulate until :meth:`step`. A
+        non-finite loss is remembered (without a host sync) and makes the next step
+        follow the non-finite policy on every rank.
+        """
+        self._loss_non_finite += (~torch.isfinite(loss.detach())).to(self._loss_non_finite.dtype).sum()
+        scale = self.loss_scaler.scale
+        (loss * scale if scale != 1.0 else loss).backward()
+
+    def _make_grad_hook(self, slot: ParamSlot) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            # ZeRO-2/3: reduce-scatter each gradient as soon as it is accumulated, keep only
+            # the owned shard and free the full gradient (ZeRO-3: and the parameter).
+            assert param.grad is not None
+            shard = reduce_scatter_mean(slot.padded_flat(param.grad), self.topology.data_parallel_group)
+            shard = shard[: slot.length].to(slot.compute_dtype)
+            slot.grad_shard = shard if slot.grad_shard is None else slot.grad_shard.add_(shard)
+            param.grad = None
+            if self.gatherer is not None:
+                free_storage(slot)
+
+        return hook
+
+    # --------------------------------------------------------------------- step
+    def _reduced_grads(self) -> list[torch.Tensor]:
+        topo, bucket = self.topology, self.config.allreduce_bucket_size
+        if self.config.zero_stage < 2:
+            if self.reducer is not None:
+                self.reducer.finish()  # DP averages, mostly overlapped with backward already
+            for slot in self.slots:
+                if slot.param.grad is None:
+                    slot.param.grad = torch.zeros_like(slot.param)
+            tp_grads = [s.param.grad for s in self.slots if s.meta.reduce_over_tp and s.param.grad is not None]
+            all_reduce_(tp_grads, topo.model_parallel_group, bucket, average=False)
+            return [s.owned_grad() for s in self.slots]
+        grads = [s.owned_grad() for s in self.slots]
+        # Summing over TP commutes with the DP reduce-scatter, so it runs on the shards.
+        tp_grads = [g for s, g in zip(self.slots, grads) if s.meta.reduce_over_tp]
+        all_reduce_(tp_grads, topo.model_parallel_group, bucket, average=False)
+        return grads
+
+    @torch.no_grad()
+    def step(self) -> OptimizerStepOutput:
+        """Reduce gradients, unscale, clip, apply the non-finite policy, update, advance the LR.
+
+        Returns:
+            :class:`OptimizerStepOutput`, the same on every rank.
+
+        Raises:
+            FloatingPointError: on every rank, when a loss or gradient is non-finite,
+                the loss scaler is off and ``non_finite_policy='fail'``.
+        """
+        if self.gatherer is not None:
+            self.gatherer.discard_pending()
+        grads = self._reduced_grads()
+        norm_sq, non_finite = global_norm_squared(
+            self.slots, grads, self._loss_non_finite, self.topology, sharded=self._shard_world > 1
+        )
+        scale = self.loss_scaler.scale
+        lrs = {g.name: g.scheduler.get_lr(self.step_count + 1) for g in self.parameter_groups}
+        if non_finite:
+            self._clear_grad_shards()
+            if not self.loss_scaler.enabled and self.config.non_finite_policy == "fail":
+                raise FloatingPointError(
+                    f"non-finite loss or gradient at step {self.step_count + 1} (seen on at least one rank; "
+                    "non_finite_policy='fail'); lower the learning rate, enable the loss scaler for fp16, or set "
+                    "non_finite_policy='skip'"
+                )
+            self.loss_scaler.update(overflow=True)
+            return self._output(None, None, lrs, overflow=True)
+        norm = math.sqrt(norm_sq) / scale
+        factor = 1.0 / scale
+        clipped = norm
+        if self.config.gradient_clipping > 0:
+            coef = min(self.config.gradient_clipping / (norm + 1e-6), 1.0)
+            factor *= coef
+            clipped = norm * coef
+        self.step_count += 1
+        for slot, grad in zip(self.slots, grads):
+            if factor != 1.0:
+                grad.mul_(factor)
+            group = self.parameter_groups[slot.group_index]
+            apply_update(
+                self.config,
+                slot.work_param(),
+                grad,
+                slot.state,
+                self.step_count,
+                lrs[group.name],
+                group.config.weight_decay,
+                group.config.independent_weight_decay,
+            )
+        self._write_back()
+        self._clear_grad_shards()
+        for group in self.parameter_groups:
+            group.scheduler.step()
+        self.loss_scaler.update(overflow=False)
+        return self._output(norm, clipped, lrs, overflow=False)
+
+    def _write_back(self) -> None:
+        """Copy updated shards into the parameters; with ZeRO, all-gather them over DP."""
+        if self.gatherer is not None:
+            # ZeRO-3: parameters stay sharded; the next forward gathers the new values.
+            for slot in self.slots:
+                if slot.master is not None and slot.param_shard is not None:
+                    slot.param_shard.copy_(slot.master)
+            return
+        if self._shard_world == 1:
+            for slot in self.slots:
+                if slot.master is not None:
+                    slot.flat_param().copy_(slot.master)
+            return
+        chunks = [slot.padded_chunk(slot.work_param()) for slot in self.slots]
+        outputs = [slot.flat_param() for slot in self.slots]
+        all_gather_chunks(chunks, outputs, self.topology.data_parallel_group, self.config.allreduce_bucket_size)
+
+    def _clear_grad_shards(self) -> None:
+        for slot in self.slots:
+            slot.grad_shard = None
+        self._loss_non_finite.zero_()
+
+    def _output(
+        self, norm: float | None, clipped: float | None, lrs: dict[str, float], overflow: bool
+    ) -> OptimizerStepOutput:
+        return OptimizerStepOutput(
+            global_grad_norm=norm,
+            global_grad_norm_clipped=clipped,
+            learning_rates=lrs,
+            overflow=overflow,
+            skipped=overflow,
+            no_overflow_steps=self.loss_scaler.no_overflow_steps,
+            current_loss_scale=self.loss_scaler.scale,
+            step=self.step_count,
+        )
+
+    # --------------------------------------------------------------- accessors
+    @property
+    def learning_rates(self) -> dict[str, float]:
+        """LR the next update of each group uses, by group name."""
+        return {g.name: g.scheduler.get_lr(self.step_count + 1) for g in self.parameter_groups}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state keyed by ``meta.key`` (see :func:`optimizer_state`)."""
+        return optimizer_state(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state from :meth:`state_dict` (same layout)."""
+        load_optimizer_state(self, state)
+
+    def full_parameters(self) -> AbstractContextManager[None]:
+        """Context in which every parameter is whole (ZeRO-3 gathers them; otherwise a no-op)."""
+        return self.gatherer.full_parameters() if self.gatherer is not None else nullcontext()
+
+    def __repr__(self) -> str:
+        return (
+            f"Optimizer({self.config.method}, zero_stage={self.config.zero_stage}, groups="
+            f"{[g.name for g in self.parameter_groups]}, {len(self.slots)} trainable, step={self.step_count}, "
+            f"{self.loss_scaler!r})"
+        )

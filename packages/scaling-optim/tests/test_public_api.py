@@ -1,0 +1,44 @@
+import inspect
+
+import scaling.optim
+from scaling.optim import Optimizer, OptimizerStepOutput
+
+
+def test_public_api():
+    assert sorted(scaling.optim.__all__) == [
+        "LearningRateScheduler",
+        "LearningRateSchedulerConfig",
+        "LossScaler",
+        "LossScalerConfig",
+        "Optimizer",
+        "OptimizerConfig",
+        "OptimizerParamGroup",
+        "OptimizerParamGroupConfig",
+        "OptimizerStepOutput",
+        "build_parameter_groups",
+    ]
+
+
+def test_call_shapes_others_code_against():
+    assert list(inspect.signature(Optimizer).parameters) == [
+        "config",
+        "parameter_groups",
+        "topology",
+        "zero3_modules",
+    ]
+    assert list(inspect.signature(scaling.optim.OptimizerParamGroup).parameters) == [
+        "named_parameters_with_meta",
+        "config",
+    ]
+    for method in ("zero_grad", "backward", "step", "state_dict", "load_state_dict", "full_parameters"):
+        assert callable(getattr(Optimizer, method))
+    assert [f for f in OptimizerStepOutput.__dataclass_fields__] == [
+        "global_grad_norm",
+        "global_grad_norm_clipped",
+        "learning_rates",
+        "overflow",
+        "skipped",
+        "no_overflow_steps",
+        "current_loss_scale",
+        "step",
+    ]

@@ -1,0 +1,93 @@
+"""ZeRO-3 mechanics: storage freed between uses, prefetch of the next layer, refusals.
+
+Numerical parity of ZeRO-3 with one process (DP=2, also with TP=2) is in test_parity.py.
+"""
+
+import pytest
+import torch
+
+from scaling.nn import ParameterMeta
+from scaling.optim import Optimizer, OptimizerConfig, OptimizerParamGroup, OptimizerParamGroupConfig
+from scaling.testing import make_topology, run_distributed
+
+
+def model():
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    for index, layer in enumerate(layers):
+        for name, p in layer.named_parameters():
+            ParameterMeta(name, tuple(p.shape), layer_index=index).attach(p)
+    triples = [(p.parameter_meta.key, p, p.parameter_meta) for p in layers.parameters()]
+    return layers, [OptimizerParamGroup(triples, OptimizerParamGroupConfig(name="all"))]
+
+
+def _lifecycle():
+    topo = make_topology()
+    layers, groups = model()
+    full_bytes = sum(p.numel() * 4 for p in layers.parameters())
+    opt = Optimizer(
+        config=OptimizerConfig(zero_stage=3),
+        parameter_groups=groups,
+        topology=topo,
+        zero3_modules=[layers[0], layers[2]],
+    )
+    seen = {}
+
+    def inside_first(module, args, output):
+        # runs after the gatherer's own post-hook: layer 0 freed, layer 2 already prefetching
+        seen["prefetching"] = sorted(opt.gatherer._pending)
+        seen["first_freed"] = all(p.untyped_storage().nbytes() == 0 for p in layers[0].parameters())
+
+    def inside_last(module, args):
+        seen["last_whole"] = all(p.untyped_storage().nbytes() == p.numel() * 4 for p in layers[2].parameters())
+
+    layers[0].register_forward_hook(inside_first)
+    layers[2].register_forward_pre_hook(inside_last)
+    stored = lambda: sum(p.untyped_storage().nbytes() for p in layers.parameters())  # noqa: E731
+    after_init = stored()
+    for _ in range(2):
+        opt.zero_grad()
+        opt.backward(layers(torch.randn(4, 6)).pow(2).mean())
+        after_backward = stored()
+        out = opt.step()
+    shard_bytes = sum(s.param_shard.numel() * 4 for s in opt.slots)
+    with opt.full_parameters():
+        whole = stored()
+    return after_init, after_backward, stored(), whole, full_bytes, shard_bytes, seen, out.step
+
+
+@pytest.mark.distributed
+def test_parameters_freed_between_uses_and_next_layer_prefetched():
+    for init, backward, after_step, whole, full, shard, seen, steps in run_distributed(
+        _lifecycle, 2, timeout_seconds=60
+    ):
+        assert init == backward == after_step == 0, "a ZeRO-3 parameter stayed whole outside its layer"
+        assert whole == full and steps == 2
+        assert shard == pytest.approx(full / 2, abs=4 * 4)  # each of 4 tensors pads at most one element
+        assert seen == {"prefetching": [1], "first_freed": True, "last_whole": True}
+
+
+def _refusals():
+    topo = make_topology(pipe_parallel_size=2)
+    layers, groups = model()
+    with pytest.raises(ValueError, match=r"zero_stage=3 with pipe_parallel_size=2 is not supported"):
+        Optimizer(
+            config=OptimizerConfig(zero_stage=3), parameter_groups=groups, topology=topo, zero3_modules=list(layers)
+        )
+    topo = make_topology(pipe_parallel_size=1)
+    with pytest.raises(ValueError, match=r"zero_stage=3 needs zero3_modules=\[layer, ...\]"):
+        Optimizer(config=OptimizerConfig(zero_stage=3), parameter_groups=groups, topology=topo)
+    with pytest.raises(ValueError, match=r"parameters \['layers.2.weight', 'layers.2.bias'\] belong to none"):
+        Optimizer(
+            config=OptimizerConfig(zero_stage=3), parameter_groups=groups, topology=topo, zero3_modules=[layers[0]]
+        )
+    with pytest.raises(ValueError, match=r"zero3_modules is only used with zero_stage=3, got zero_stage=1"):
+        Optimizer(
+            config=OptimizerConfig(zero_stage=1), parameter_groups=groups, topology=topo, zero3_modules=list(layers)
+        )
+    return True
+
+
+@pytest.mark.distributed
+def test_refusals():
+    assert run_distributed(_refusals, 2, timeout_seconds=60) == [True, True]
