@@ -23,6 +23,9 @@ ROOT = Path(__file__).parent
 LOCAL_TORCH = "2.13.0"
 TORCH_LEGS = ["2.6.0", "2.10.0", LOCAL_TORCH, "newest"]
 TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2", "hypothesis>=6"]
+# Optional extras some packages' tests exercise (PEFT interop, the tokenizer build command,
+# the W&B sink, schedule plots).
+TEST_EXTRAS = {"scaling-nn": "test", "scaling-data": "build", "scaling-trainer": "wandb", "scaling-pipeline": "plot"}
 
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
@@ -54,6 +57,16 @@ def _sibling_closure(name: str, dists: dict[str, Path]) -> list[str]:
     return seen
 
 
+def _requirement(name: str, path: Path, editable: bool) -> list[str]:
+    extra = TEST_EXTRAS.get(name)
+    spec = f"{path}[{extra}]" if extra else str(path)
+    return ["-e", spec] if editable else [spec]
+
+
+def _all_editable(dists: dict[str, Path]) -> list[str]:
+    return [arg for name, path in dists.items() for arg in _requirement(name, path, editable=True)]
+
+
 def _install_torch(session: nox.Session, version: str = LOCAL_TORCH) -> None:
     session.install(f"torch=={version}" if version != "newest" else "torch")
 
@@ -70,8 +83,7 @@ def tests(session: nox.Session) -> None:
     """The whole suite with every package installed editable in one environment."""
     dists = _dists()
     _install_torch(session)
-    session.install(*TEST_TOOLS)
-    session.install(*[arg for p in dists.values() for arg in ("-e", str(p))])
+    session.install(*TEST_TOOLS, *_all_editable(dists))
     session.run("python", "-m", "pytest", *_test_paths(dists), *session.posargs)
 
 
@@ -88,7 +100,7 @@ def package_tests(session: nox.Session, package: str) -> None:
     for extra in _sibling_closure("scaling-testing", dists):
         if extra not in closure:
             closure.append(extra)
-    session.install(*[str(dists[d]) for d in closure])
+    session.install(*[arg for d in closure for arg in _requirement(d, dists[d], editable=False)])
     tests_dir = dists[package] / "tests"
     if tests_dir.is_dir():
         session.run("python", "-m", "pytest", str(tests_dir), "-p", "no:cacheprovider", *session.posargs)
@@ -105,7 +117,7 @@ def torch_matrix(session: nox.Session, torch: str) -> None:
         session.skip(f"torch {torch}: pass `-- all` to run the non-local legs (they download torch)")
     dists = _dists()
     _install_torch(session, torch)
-    session.install(*TEST_TOOLS, *[arg for p in dists.values() for arg in ("-e", str(p))])
+    session.install(*TEST_TOOLS, *_all_editable(dists))
     session.run("python", "-c", "import torch; print('torch', torch.__version__)")
     session.run("python", "-m", "pytest", *_test_paths(dists), "-x", "-q", *[a for a in session.posargs if a != "all"])
 
@@ -121,7 +133,7 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     dists = _dists()
     _install_torch(session)
-    session.install("mypy", "types-PyYAML", *[arg for p in dists.values() for arg in ("-e", str(p))])
+    session.install("mypy", "types-PyYAML", *_all_editable(dists))
     srcs = [str(p / "src") for p in dists.values()]
     session.run("mypy", *srcs)
 
