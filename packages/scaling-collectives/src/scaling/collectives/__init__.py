@@ -1,3 +1,71 @@
-"""scaling.collectives: communication for every parallel feature."""
+"""scaling.collectives: communication for every parallel feature.
 
-__all__: list[str] = []
+Autograd-aware tensor/sequence-parallel regions, pytree broadcast and pipeline
+transport, data-parallel gradient reduction, and thin collective wrappers that record
+every call so a hang or a mismatched collective is reported with the ranks at fault.
+"""
+
+from scaling.collectives._broadcast import broadcast_pytree
+from scaling.collectives._diagnosis import check_consistency
+from scaling.collectives._errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
+from scaling.collectives._gradients import (
+    GradientBucketer,
+    all_gather_flat,
+    all_reduce_gradients,
+    reduce_scatter_flat,
+)
+from scaling.collectives._ops import (
+    all_gather,
+    all_reduce,
+    barrier,
+    batch_send_recv,
+    broadcast,
+    broadcast_object,
+    recv,
+    reduce_scatter,
+    send,
+)
+from scaling.collectives._pipe import PipeTransport, tensors_requiring_grad
+from scaling.collectives._recorder import CollectiveRecord, CollectiveRecorder, get_recorder
+from scaling.collectives._regions import (
+    copy_to_model_parallel_region,
+    gather_from_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+
+__all__ = [
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveRecord",
+    "CollectiveRecorder",
+    "CollectiveTimeoutError",
+    "GradientBucketer",
+    "PipeTransport",
+    "all_gather",
+    "all_gather_flat",
+    "all_reduce",
+    "all_reduce_gradients",
+    "barrier",
+    "batch_send_recv",
+    "broadcast",
+    "broadcast_object",
+    "broadcast_pytree",
+    "check_consistency",
+    "copy_to_model_parallel_region",
+    "gather_from_model_parallel_region",
+    "gather_from_sequence_parallel_region",
+    "get_recorder",
+    "recv",
+    "reduce_from_model_parallel_region",
+    "reduce_scatter",
+    "reduce_scatter_flat",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_model_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "send",
+    "tensors_requiring_grad",
+]

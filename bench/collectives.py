@@ -1,0 +1,141 @@
+"""scaling.collectives wrappers against raw torch.distributed calls, in the same run.
+
+Run: python bench/collectives.py [--world-size 2] [--max-mib 64]
+Spawns ``--world-size`` gloo ranks on this machine (``file://`` rendezvous in a temp
+dir) and times fp32 all_reduce and all_gather from 1 KiB to ``--max-mib`` MiB. Raw and
+wrapper calls alternate one by one (ABBA), so both see the same interference from
+other processes; the table shows the median wall time of each and their ratio, the
+extra CPU time the wrapper spends in the calling thread (median difference of
+``time.thread_time``: immune to other processes taking the cores) and the ratio that
+extra time implies (``(raw + cpu) / raw``), and the bus bandwidth of the wrapper.
+
+Raw baselines are what a user writes for the same result: ``dist.all_reduce(x)``, and
+for all_gather an output allocation plus ``all_gather_into_tensor`` (the wrapper
+allocates its output too). Bus bandwidth follows nccl-tests: all_reduce
+``bytes / t * 2 (n - 1) / n``, all_gather ``n * bytes / t * (n - 1) / n``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from scaling.collectives import all_gather, all_reduce, get_recorder
+
+_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _raw_all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> None:
+    dist.all_reduce(x, group=group)
+
+
+def _ours_all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> None:
+    all_reduce(x, group)
+
+
+def _raw_all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> None:
+    out = torch.empty(dist.get_world_size(group) * x.numel(), dtype=x.dtype)
+    _gather_single(out, x, group=group)
+
+
+def _ours_all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> None:
+    all_gather(x, group)
+
+
+OPS = {
+    "all_reduce": (_raw_all_reduce, _ours_all_reduce, lambda n: 2 * (n - 1) / n),
+    "all_gather": (_raw_all_gather, _ours_all_gather, lambda n: float(n - 1)),
+}
+
+
+def _interleaved(raw, ours, x: torch.Tensor, group: dist.ProcessGroup, pairs: int) -> torch.Tensor:
+    """Time ``pairs`` raw and wrapper calls alternately (ABBA...), one by one.
+
+    Returns ``[2 (raw, ours), 2 (wall, cpu), pairs]`` seconds. Alternating call by call
+    exposes both to the same interference; a call's wall time is the slowest rank's (a
+    collective is as slow as its last rank). CPU time is the calling thread's: gloo runs
+    the transfer on its own threads, so the difference is what the wrapper adds, and
+    other processes competing for the cores do not inflate it.
+    """
+    times = torch.zeros(2, 2, pairs, dtype=torch.float64)
+    dist.barrier(group=group)
+    for i in range(pairs):
+        for j in (0, 1) if i % 2 == 0 else (1, 0):
+            fn = raw if j == 0 else ours
+            wall, cpu = time.perf_counter(), time.thread_time()
+            fn(x, group)
+            times[j, 1, i] = time.thread_time() - cpu
+            times[j, 0, i] = time.perf_counter() - wall
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return times
+
+
+def _recorder_overhead(x: torch.Tensor, group: dist.ProcessGroup, n: int = 20000) -> float:
+    """Seconds per call the recorder adds (ring append, counters, call site), measured alone."""
+    recorder = get_recorder()
+    start = time.perf_counter()
+    for _ in range(n):
+        recorder.record("bench", group, (x,))
+    return (time.perf_counter() - start) / n
+
+
+def _human(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def _worker(rank: int, world_size: int, init_file: str, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    group = dist.group.WORLD
+    sizes = [1 << e for e in range(10, 21 + (args.max_mib.bit_length() - 1) + 1, 2)]
+    rows = []
+    for op, (raw, ours, bus_factor) in OPS.items():
+        for nbytes in sizes:
+            x = torch.zeros(nbytes // 4)  # zeros: repeated in-place sums stay finite
+            pairs = max(16, min(400, (256 << 20) // nbytes))
+            raw(x, group), ours(x, group)  # warm up connections and allocator
+            times = _interleaved(raw, ours, x, group, pairs)
+            t_raw, t_ours = times[0, 0].median().item(), times[1, 0].median().item()
+            cpu_extra = times[1, 1].median().item() - times[0, 1].median().item()
+            busbw = nbytes / t_ours * bus_factor(world_size) / 1e9
+            rows.append((op, nbytes, pairs, t_raw, t_ours, cpu_extra, busbw))
+    overhead = _recorder_overhead(torch.zeros(4), group)
+    if rank == 0:
+        print(f"torch {torch.__version__}, gloo, {world_size} ranks on one host, fp32, medians of interleaved calls")
+        print(
+            "| op | size | calls each | raw median (us) | scaling median (us) | wall ratio | "
+            "wrapper CPU (us/call) | ratio from CPU | busbw (GB/s) |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
+        for op, nbytes, pairs, t_raw, t_ours, cpu_extra, busbw in rows:
+            print(
+                f"| {op} | {_human(nbytes)} | {pairs} | {t_raw * 1e6:,.1f} | {t_ours * 1e6:,.1f} | "
+                f"{t_ours / t_raw:.3f} | {cpu_extra * 1e6:.1f} | {(t_raw + cpu_extra) / t_raw:.3f} | {busbw:.2f} |"
+            )
+        big = [(t_ours / t_raw, (t_raw + cpu) / t_raw) for _, n, _, t_raw, t_ours, cpu, _ in rows if n >= 1 << 20]
+        print(
+            f"sizes >= 1 MiB (goal <= 1.05): max wall ratio {max(w for w, _ in big):.3f}, "
+            f"max ratio from the wrapper's CPU time {max(c for _, c in big):.3f}"
+        )
+        print(f"recorder cost per call, measured alone: {overhead * 1e6:.1f} us")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--max-mib", type=int, default=64, help="largest size in MiB (a power of 4: 1, 4, 16, 64)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="scaling-bench-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        mp.spawn(_worker, args=(args.world_size, init_file, args), nprocs=args.world_size, join=True)
+
+
+if __name__ == "__main__":
+    main()

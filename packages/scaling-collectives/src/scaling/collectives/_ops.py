@@ -1,0 +1,205 @@
+"""Thin wrappers over ``torch.distributed`` that every Scaling package uses.
+
+Each collective takes its process group explicitly; ``None`` or a group of one rank
+makes it the identity (no communication). Every call goes through the recorder (a
+ring append and a counter: microseconds), in debug mode through a cross-rank check
+first, and a failure (timeout, closed connection) is turned into an error that names
+the group, the op and the ranks that diverged or did not arrive.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from scaling.collectives import _compat, _diagnosis
+from scaling.collectives._errors import CollectiveTimeoutError
+from scaling.collectives._recorder import CollectiveRecord, get_recorder
+
+ProcessGroup = dist.ProcessGroup
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """Number of ranks in ``group``; 1 for ``None`` (the identity group)."""
+    return 1 if group is None else group.size()
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    """This rank's index inside ``group``; 0 for ``None``."""
+    return 0 if group is None else group.rank()
+
+
+def _check_divisible(x: torch.Tensor, dim: int, world: int, what: str) -> int:
+    size = x.shape[dim]
+    if size % world != 0:
+        raise ValueError(
+            f"{what}: tensor of shape {list(x.shape)} has size {size} in dim={dim}, which is not divisible "
+            f"by the group size {world}; pad dim {dim} to a multiple of {world} or use a group whose size divides it"
+        )
+    return size // world
+
+
+def _collective(
+    op: str, group: ProcessGroup, tensors: tuple[torch.Tensor, ...], run: Callable[[], object], peer: int | None = None
+) -> None:
+    recorder = get_recorder()
+    state, rec = recorder.record(op, group, tensors, peer)
+    if recorder.debug:
+        _diagnosis.pre_check(group, state, rec)
+    try:
+        run()
+    except RuntimeError as exc:  # gloo/NCCL timeouts and transport errors (DistError is a RuntimeError)
+        raise _diagnosis.diagnose_failure(group, state, rec, exc) from exc
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: ProcessGroup | None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> torch.Tensor:
+    """All-reduce ``tensor`` in place over ``group`` and return it.
+
+    Args:
+        tensor: reduced in place.
+        group: the process group; ``None`` or one rank returns ``tensor`` untouched.
+        op: the reduction (``SUM`` by default; average explicitly by dividing after).
+
+    Raises:
+        CollectiveMismatchError: ranks called different collectives (named).
+        CollectiveTimeoutError: a rank did not arrive within the group timeout (named).
+    """
+    if group_size(group) == 1:
+        return tensor
+    assert group is not None
+    _collective("all_reduce", group, (tensor,), lambda: dist.all_reduce(tensor, op=op, group=group))
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim`` in group-rank order (a new tensor).
+
+    Every rank must pass the same shape. ``None`` or one rank returns ``tensor``.
+    """
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    assert group is not None
+    dim = dim % tensor.dim()
+    moved = tensor.contiguous() if dim == 0 else tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((world * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    _collective("all_gather", group, (tensor,), lambda: _compat.all_gather_single(out, moved, group=group))
+    return out.movedim(0, dim).contiguous() if dim != 0 else out
+
+
+def reduce_scatter(
+    tensor: torch.Tensor, group: ProcessGroup | None, dim: int = 0, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> torch.Tensor:
+    """Reduce ``tensor`` over ``group`` and return this rank's equal chunk along ``dim``.
+
+    Raises:
+        ValueError: when ``tensor.shape[dim]`` is not divisible by the group size.
+    """
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    assert group is not None
+    dim = dim % tensor.dim()
+    _check_divisible(tensor, dim, world, "reduce_scatter")
+    moved = tensor.contiguous() if dim == 0 else tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // world, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    _collective(
+        "reduce_scatter", group, (tensor,), lambda: _compat.reduce_scatter_single(out, moved, op=op, group=group)
+    )
+    return out.movedim(0, dim).contiguous() if dim != 0 else out
+
+
+def split(tensor: torch.Tensor, group: ProcessGroup | None, dim: int = -1) -> torch.Tensor:
+    """This rank's equal chunk of ``tensor`` along ``dim`` (no communication), contiguous."""
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    dim = dim % tensor.dim()
+    _check_divisible(tensor, dim, world, "split")
+    return tensor.chunk(world, dim=dim)[group_rank(group)].contiguous()
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Broadcast ``tensor`` in place from global rank ``src`` to every rank of ``group``."""
+    if group_size(group) == 1:
+        return tensor
+    assert group is not None
+    _collective("broadcast", group, (tensor,), lambda: dist.broadcast(tensor, src=src, group=group), peer=src)
+    return tensor
+
+
+def broadcast_object(obj: object, src: int, group: ProcessGroup | None, device: torch.device | None = None) -> object:
+    """Broadcast a picklable object from global rank ``src``; returns it on every rank."""
+    if group_size(group) == 1:
+        return obj
+    assert group is not None
+    box = [obj]
+    _collective(
+        "broadcast_object", group, (), lambda: dist.broadcast_object_list(box, src=src, group=group, device=device), src
+    )
+    return box[0]
+
+
+def barrier(group: ProcessGroup | None) -> None:
+    """Block until every rank of ``group`` arrives."""
+    if group_size(group) == 1:
+        return
+    assert group is not None
+    _collective("barrier", group, (), lambda: dist.barrier(group=group))
+
+
+def _p2p_failed(recs: list[CollectiveRecord], group: ProcessGroup | None, exc: BaseException) -> CollectiveTimeoutError:
+    timeout = _compat.group_timeout(group).total_seconds()
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    elapsed = time.time() - recs[0].start_time
+    lines = [
+        f"point-to-point transfer failed on rank {dist.get_rank()} after {elapsed:.1f}s (timeout {timeout:.1f}s): {reason}"
+    ]
+    for rec in recs:
+        partner = "did not receive it" if rec.op == "send" else "did not send it"
+        lines.append(f"  {rec.describe()} (p2p #{rec.seq} at {rec.call_site}): rank {rec.peer} {partner}")
+    peers = sorted({rec.peer for rec in recs if rec.peer is not None})
+    return CollectiveTimeoutError("\n".join(lines), "p2p", recs[0].op, recs[0].seq, missing=peers)
+
+
+def batch_send_recv(ops: Sequence[tuple[str, torch.Tensor, int]], group: ProcessGroup | None = None) -> None:
+    """Post every ``("send" | "recv", tensor, peer)`` at once and wait for all of them.
+
+    The ops go through ``torch.distributed.batch_isend_irecv``, so two ranks that send
+    to each other in the same call cannot deadlock. Peers are global ranks.
+
+    Raises:
+        ValueError: on an op other than ``"send"``/``"recv"``.
+        CollectiveTimeoutError: a transfer did not complete in time; names the peers.
+    """
+    if not ops:
+        return
+    for kind, _, peer in ops:
+        if kind not in ("send", "recv"):
+            raise ValueError(f"batch_send_recv: op {kind!r} (peer {peer}) is not one of 'send', 'recv'")
+    recorder = get_recorder()
+    p2p_ops, recs = [], []
+    for kind, tensor, peer in ops:
+        recs.append(recorder.record(kind, None, (tensor,), peer)[1])
+        p2p_ops.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer, group))
+    try:
+        for work in dist.batch_isend_irecv(p2p_ops):
+            work.wait()
+    except RuntimeError as exc:
+        raise _p2p_failed(recs, group, exc) from exc
+
+
+def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> None:
+    """Send ``tensor`` to global rank ``dst`` (blocking until the transfer is done)."""
+    batch_send_recv([("send", tensor, dst)], group)
+
+
+def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> torch.Tensor:
+    """Receive into ``tensor`` from global rank ``src``; returns ``tensor``."""
+    batch_send_recv([("recv", tensor, src)], group)
+    return tensor

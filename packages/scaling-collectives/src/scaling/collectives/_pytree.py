@@ -1,0 +1,140 @@
+"""Flatten a pytree of tensors into a picklable spec plus tensors, and pack them into bytes.
+
+Supported nodes: dataclasses (all fields, frozen ones too), tuples, namedtuples, lists
+and dicts; supported leaves: tensors, ``None``, ``bool``, ``int``, ``float``, ``str``,
+``bytes``, ``torch.dtype`` and ``torch.device``. Non-tensor leaves travel inside the spec. The spec and the tensor
+metadata are plain data, so comparing two of them tells whether a cached handshake
+still holds.
+
+Packing puts every tensor, whatever its dtype (bool included), into one ``uint8``
+buffer at 16-byte-aligned offsets, so a whole pytree moves in one transfer and the
+receiver rebuilds each tensor as a typed view of its slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import torch
+
+_ALIGN = 16
+_SCALARS = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device)
+
+
+class TensorMeta(NamedTuple):
+    """Shape, dtype and ``requires_grad`` of one flattened tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for s in self.shape:
+            numel *= s
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+# Spec nodes are tuples: ("t", index) | ("v", value) | ("list"|"tuple", children)
+# | ("namedtuple", cls, children) | ("dict", keys, children) | ("dc", cls, names, children).
+Spec = tuple[Any, ...]
+
+
+def flatten(obj: Any, path: str = "obj") -> tuple[Spec, list[torch.Tensor]]:
+    """Split ``obj`` into a spec and its tensors in depth-first order.
+
+    Raises:
+        TypeError: on a leaf type that is not supported; the message names its path.
+    """
+    tensors: list[torch.Tensor] = []
+    return _flatten(obj, tensors, path), tensors
+
+
+def _flatten(obj: Any, tensors: list[torch.Tensor], path: str) -> Spec:
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return ("t", len(tensors) - 1)
+    if isinstance(obj, _SCALARS):
+        return ("v", obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = tuple(f.name for f in dataclasses.fields(obj))
+        children = tuple(_flatten(getattr(obj, n), tensors, f"{path}.{n}") for n in names)
+        return ("dc", type(obj), names, children)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return ("namedtuple", type(obj), tuple(_flatten(v, tensors, f"{path}.{n}") for n, v in zip(obj._fields, obj)))
+    if isinstance(obj, (list, tuple)):
+        kind = "list" if isinstance(obj, list) else "tuple"
+        return (kind, tuple(_flatten(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)))
+    if isinstance(obj, dict):
+        keys = tuple(obj)
+        for k in keys:
+            if not isinstance(k, _SCALARS):
+                raise TypeError(
+                    f"{path}: dict key {k!r} of type {type(k).__name__} is not supported; use str or int keys"
+                )
+        return ("dict", keys, tuple(_flatten(obj[k], tensors, f"{path}[{k!r}]") for k in keys))
+    raise TypeError(
+        f"{path}: a {type(obj).__name__} cannot be sent; supported are tensors, None, bool, int, float, str, "
+        "bytes and dataclasses, tuples, namedtuples, lists and dicts of them"
+    )
+
+
+def unflatten(spec: Spec, tensors: list[Any]) -> Any:
+    """Rebuild the object ``spec`` describes, with ``tensors`` in flatten order."""
+    kind = spec[0]
+    if kind == "t":
+        return tensors[spec[1]]
+    if kind == "v":
+        return spec[1]
+    if kind == "list":
+        return [unflatten(c, tensors) for c in spec[1]]
+    if kind == "tuple":
+        return tuple(unflatten(c, tensors) for c in spec[1])
+    if kind == "namedtuple":
+        return spec[1](*(unflatten(c, tensors) for c in spec[2]))
+    if kind == "dict":
+        return {k: unflatten(c, tensors) for k, c in zip(spec[1], spec[2])}
+    if kind == "dc":
+        # Set fields directly: no __init__/__post_init__ re-runs, frozen classes work.
+        obj = spec[1].__new__(spec[1])
+        for name, child in zip(spec[2], spec[3]):
+            object.__setattr__(obj, name, unflatten(child, tensors))
+        return obj
+    raise AssertionError(f"unknown spec node {kind!r}")
+
+
+def tensor_metas(tensors: list[torch.Tensor]) -> tuple[TensorMeta, ...]:
+    return tuple(TensorMeta(tuple(t.shape), t.dtype, bool(t.requires_grad)) for t in tensors)
+
+
+def offsets(metas: tuple[TensorMeta, ...]) -> tuple[list[int], int]:
+    """Byte offset of each tensor in the packed buffer, and the buffer's size."""
+    out, pos = [], 0
+    for m in metas:
+        out.append(pos)
+        pos += -(-m.nbytes // _ALIGN) * _ALIGN
+    return out, pos
+
+
+def pack(tensors: list[torch.Tensor], metas: tuple[TensorMeta, ...], device: torch.device) -> torch.Tensor:
+    """Copy ``tensors`` into one ``uint8`` buffer on ``device`` (detached)."""
+    starts, total = offsets(metas)
+    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    for t, start, m in zip(tensors, starts, metas):
+        if m.nbytes:
+            buffer[start : start + m.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return buffer
+
+
+def unpack(buffer: torch.Tensor, metas: tuple[TensorMeta, ...]) -> list[torch.Tensor]:
+    """Typed views of ``buffer`` for each tensor (no copy)."""
+    starts, _ = offsets(metas)
+    out = []
+    for start, m in zip(starts, metas):
+        if m.nbytes:
+            out.append(buffer[start : start + m.nbytes].view(m.dtype).view(m.shape))
+        else:
+            out.append(torch.empty(m.shape, dtype=m.dtype, device=buffer.device))
+    return out
