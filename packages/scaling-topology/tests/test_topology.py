@@ -1,4 +1,5 @@
 import itertools
+import time
 
 import pytest
 import torch
@@ -114,3 +115,25 @@ def test_process_groups_on_real_ranks(tp, dp, pp):
         assert mesh == torch.arange(world).view(pp, dp, tp).tolist()
         assert list(coord) == [p, d, t]
         assert out["tp_sum"] == sum(out["model_parallel"][1])
+
+
+def _group_timeouts():
+    cfg = TopologyConfig(model_parallel_size=2, data_parallel_size=2, device="cpu", timeout_seconds=3)
+    topo = Topology.from_env(cfg).initialize_distributed()
+    # A real hang: only rank 0 enters an all-reduce on its TP group. It must fail after the
+    # configured 3 s, not torch's 30-minute default for new groups.
+    if topo.global_rank != 0:
+        time.sleep(6)
+        return None
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.zeros(1), group=topo.model_parallel_group)
+    except RuntimeError:
+        return time.monotonic() - start
+    return float("inf")
+
+
+@pytest.mark.distributed
+def test_subgroups_use_the_configured_timeout():
+    elapsed = run_distributed(_group_timeouts, 4, timeout_seconds=60)[0]
+    assert 2.5 < elapsed < 5.5

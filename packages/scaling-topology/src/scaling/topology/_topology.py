@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from scaling.topology._config import TopologyConfig
 
@@ -227,20 +227,40 @@ class Topology:
                 f"existing process group has rank {dist.get_rank()} of {dist.get_world_size()}, but the "
                 f"topology expects rank {self.global_rank} of {self.world_size}"
             )
+        # Every group is created here with the configured timeout (init_device_mesh would
+        # create the per-dim groups with torch's 30-minute default), then wrapped as a mesh.
+        # new_group is collective over the default group: every rank creates every group in
+        # the same order and keeps the ones it belongs to.
+        for name, ranks_of in (
+            ("pp", lambda r: self._ranks_along(r, "pp")),
+            ("dp", lambda r: self._ranks_along(r, "dp")),
+            ("tp", lambda r: self._ranks_along(r, "tp")),
+            ("mp", lambda r: [x for x in range(self.world_size) if self.coordinates(x).dp == self.coordinates(r).dp]),
+        ):
+            seen: set[tuple[int, ...]] = set()
+            for r in range(self.world_size):
+                ranks = tuple(ranks_of(r))
+                if ranks in seen:
+                    continue
+                seen.add(ranks)
+                group = dist.new_group(list(ranks), timeout=self.timeout)
+                if self.global_rank in ranks:
+                    self._groups[name] = group
         shape = (self.pipe_parallel_size, self.data_parallel_size, self.model_parallel_size)
-        self._mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=MESH_DIM_NAMES)
-        for name in MESH_DIM_NAMES:
-            self._groups[name] = self._mesh.get_group(name)
-        # One model replica = all TP × PP ranks at one DP coordinate. new_group is
-        # collective over the default group, so every rank creates every replica group.
-        for d in range(self.data_parallel_size):
-            ranks = [
-                self.rank_of(p, d, t) for p in range(self.pipe_parallel_size) for t in range(self.model_parallel_size)
-            ]
-            group = dist.new_group(ranks, timeout=self.timeout)
-            if self.global_rank in ranks:
-                self._groups["mp"] = group
+        self._mesh = DeviceMesh.from_group(
+            [self._groups[name] for name in MESH_DIM_NAMES],
+            self.device.type,
+            mesh=torch.arange(self.world_size).view(shape),
+            mesh_dim_names=MESH_DIM_NAMES,
+        )
         return self
+
+    def _ranks_along(self, rank: int, axis: str) -> list[int]:
+        """Global ranks that share every coordinate of ``rank`` except ``axis``."""
+        c = self.coordinates(rank)
+        sizes = {"pp": self.pipe_parallel_size, "dp": self.data_parallel_size, "tp": self.model_parallel_size}
+        coords = {"pp": c.pp, "dp": c.dp, "tp": c.tp}
+        return [self.rank_of(**{**coords, axis: i}) for i in range(sizes[axis])]
 
     def _group(self, key: str, name: str) -> ProcessGroup:
         if key not in self._groups:
