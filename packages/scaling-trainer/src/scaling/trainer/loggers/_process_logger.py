@@ -20,7 +20,9 @@ class ScalingLogger:
     def __init__(self) -> None:
         self._logger = logging.getLogger(ROOT_LOGGER_NAME)
 
-    def configure(self, config: LoggerConfig | None = None, name: str = "scaling", global_rank: int | None = None) -> None:
+    def configure(
+        self, config: LoggerConfig | None = None, name: str = "scaling", global_rank: int | None = None
+    ) -> None:
         """Set the level from ``config.log_level`` and tag lines with ``name`` (and the rank)."""
         level = (config or LoggerConfig()).log_level
         tag = name if global_rank is None else f"{name} rank {global_rank}"
