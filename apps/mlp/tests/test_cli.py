@@ -2,11 +2,10 @@
 
 import pytest
 import yaml
+from mlp_testlib import write_mnist
 
 from scaling.mlp.__main__ import DEFAULT_CONFIG, main
 from scaling.mlp.config import MLPConfig
-
-from .test_data import _write_mnist
 
 
 def _run(capsys, *args):
@@ -40,7 +39,7 @@ def test_missing_mnist_path(capsys, tmp_path):
 
 
 def test_corrupt_idx_file(capsys, tmp_path):
-    _write_mnist(tmp_path)
+    write_mnist(tmp_path)
     labels = tmp_path / "t10k-labels-idx1-ubyte"
     labels.write_bytes(labels.read_bytes()[:-1])
     code, err = _run(capsys, f"data.mnist_path={tmp_path}")

@@ -1,29 +1,9 @@
-import gzip
-import struct
-
 import numpy as np
 import pytest
 import torch
+from mlp_testlib import write_mnist
 
 from scaling.mlp.data import MNISTDataset, MNISTDatasetBatch, read_idx
-
-
-def _write_idx(path, array, code=0x08):
-    header = struct.pack(">BBBB", 0, 0, code, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
-    data = header + array.astype(">u1" if code == 0x08 else array.dtype).tobytes()
-    if path.suffix == ".gz":
-        with gzip.open(path, "wb") as f:
-            f.write(data)
-    else:
-        path.write_bytes(data)
-
-
-def _write_mnist(folder, n_train=12, n_test=6, gz=False):
-    rng = np.random.default_rng(0)
-    suffix = ".gz" if gz else ""
-    for prefix, n in (("train", n_train), ("t10k", n_test)):
-        _write_idx(folder / f"{prefix}-images-idx3-ubyte{suffix}", rng.integers(0, 256, (n, 28, 28), dtype=np.uint8))
-        _write_idx(folder / f"{prefix}-labels-idx1-ubyte{suffix}", rng.integers(0, 10, (n,), dtype=np.uint8))
 
 
 def test_digits_split_is_fixed_and_disjoint():
@@ -39,7 +19,7 @@ def test_digits_split_is_fixed_and_disjoint():
 
 @pytest.mark.parametrize("gz", [False, True])
 def test_mnist_idx_reader(tmp_path, gz):
-    _write_mnist(tmp_path, gz=gz)
+    write_mnist(tmp_path, gz=gz)
     train = MNISTDataset(train=True, mnist_path=tmp_path)
     test = MNISTDataset(train=False, mnist_path=tmp_path)
     assert (len(train), len(test), train.num_features) == (12, 6, 784)
@@ -59,7 +39,7 @@ def test_missing_mnist_path_is_a_clear_error(tmp_path):
 
 
 def test_corrupt_idx_files_are_refused(tmp_path):
-    _write_mnist(tmp_path)
+    write_mnist(tmp_path)
     path = tmp_path / "train-images-idx3-ubyte"
     data = path.read_bytes()
     path.write_bytes(data[:-10])

@@ -1,10 +1,9 @@
 """The same config on every layout gives the one-process losses (fp32, 1e-5 relative)."""
 
 import pytest
+from mlp_testlib import losses, small_config, train_worker
 
 from scaling.testing import assert_parity, run_distributed
-
-from ._helpers import losses, small_config, train_worker
 
 STEPS = 20
 

@@ -1,11 +1,10 @@
 """Stop an 8-process run, resume it with 4 processes (another layout), finish as if uninterrupted."""
 
 import pytest
+from mlp_testlib import final_accuracy, losses, small_config, train_worker
 
 from scaling.testing import assert_parity, run_distributed
 from scaling.trainer import committed_steps
-
-from ._helpers import final_accuracy, losses, small_config, train_worker
 
 STEPS = 40
 EVAL = {"eval_interval": STEPS, "eval_iterations": 6}

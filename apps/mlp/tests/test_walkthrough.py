@@ -7,16 +7,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from ._helpers import small_config
-from .test_data import _write_mnist
+from mlp_testlib import small_config, write_mnist
 
 HERE = Path(__file__).parent / "walkthrough"
 
 
 @pytest.mark.slow
 def test_walkthrough_script_trains(tmp_path):
-    _write_mnist(tmp_path, n_train=40, n_test=20)
+    write_mnist(tmp_path, n_train=40, n_test=20)
     cfg = small_config(pp=2, steps=4, data={"mnist_path": str(tmp_path)})
     cfg["topology"].update(global_batch_size=8, micro_batch_size=4)
     cfg["runner"]["script"] = str(HERE / "train.py")

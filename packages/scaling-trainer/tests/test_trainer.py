@@ -2,11 +2,10 @@
 
 import pytest
 from pydantic import ValidationError
+from trainer_model import train_worker
 
 from scaling.testing import run_distributed
 from scaling.trainer import TrainerConfig, committed_steps, exit_code_for
-
-from .trainer_model import train_worker
 
 LAYOUTS = [pytest.param(2, 1, id="dp2-tp2"), pytest.param(1, 2, id="pp2-dp2")]
 

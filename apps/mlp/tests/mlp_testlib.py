@@ -1,10 +1,13 @@
-"""Shared pieces of the MLP app tests: a small config and a worker that trains with it."""
+"""Shared pieces of the MLP app tests: a small config, a training worker, MNIST IDX writers."""
 
 from __future__ import annotations
 
 import copy
+import gzip
+import struct
 from typing import Any
 
+import numpy as np
 import yaml
 
 from scaling.mlp import train
@@ -40,3 +43,21 @@ def losses(history: list[dict[str, Any]]) -> list[float]:
 
 def final_accuracy(history: list[dict[str, Any]]) -> float:
     return [m["evaluation/accuracy"] for m in history if "evaluation/accuracy" in m][-1]
+
+
+def write_idx(path, array, code=0x08):
+    header = struct.pack(">BBBB", 0, 0, code, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    data = header + array.astype(">u1" if code == 0x08 else array.dtype).tobytes()
+    if path.suffix == ".gz":
+        with gzip.open(path, "wb") as f:
+            f.write(data)
+    else:
+        path.write_bytes(data)
+
+
+def write_mnist(folder, n_train=12, n_test=6, gz=False):
+    rng = np.random.default_rng(0)
+    suffix = ".gz" if gz else ""
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        write_idx(folder / f"{prefix}-images-idx3-ubyte{suffix}", rng.integers(0, 256, (n, 28, 28), dtype=np.uint8))
+        write_idx(folder / f"{prefix}-labels-idx1-ubyte{suffix}", rng.integers(0, 10, (n,), dtype=np.uint8))
