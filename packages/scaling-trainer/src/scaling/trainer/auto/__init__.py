@@ -1,0 +1,22 @@
+"""scaling.trainer.auto: the automatic way in (deferred_init, generate_plan, parallelize, save, load)."""
+
+from scaling.trainer.auto._checkpoint import load, save
+from scaling.trainer.auto._deferred import deferred_init, is_deferred, materialize
+from scaling.trainer.auto._generate import CONSTRAINT_KEYS, generate_plan
+from scaling.trainer.auto._parallelize import ParallelModel, ParallelOptimizer, parallelize
+from scaling.trainer.auto._plan import ModuleSharding, Plan
+
+__all__ = [
+    "CONSTRAINT_KEYS",
+    "ModuleSharding",
+    "ParallelModel",
+    "ParallelOptimizer",
+    "Plan",
+    "deferred_init",
+    "generate_plan",
+    "is_deferred",
+    "load",
+    "materialize",
+    "parallelize",
+    "save",
+]

@@ -1,0 +1,147 @@
+"""generate_plan: sizes, pipeline split points and TP sharding under user constraints."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from scaling.trainer.auto._plan import Plan
+from scaling.trainer.auto._policy import apply_overrides, check_divisible, megatron_policy, out_in, shard_dim
+from scaling.trainer.auto._split import find_blocks, split_blocks
+
+CONSTRAINT_KEYS = (
+    "data_parallel_size",
+    "tensor_parallel.size",
+    "tensor_parallel.sharding_policy",
+    "tensor_parallel.overrides",
+    "pipeline_parallel.size",
+    "pipeline_parallel.split_method",
+    "pipeline_parallel.split_points",
+    "pipeline_parallel.forbidden_split_points",
+    "global_batch_size",
+    "seed",
+)
+
+
+def _positive(constraints: Mapping[str, Any], key: str, default: int) -> int:
+    value = constraints.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"constraint {key}={value!r} must be an int >= 1")
+    return value
+
+
+def _check_heads(model: torch.nn.Module, plan: Plan) -> None:
+    """Column splits inside an attention block must keep whole heads on each rank."""
+    tp = plan.model_parallel_size
+    modules = dict(model.named_modules())
+    for path, sharding in plan.module_sharding.items():
+        parent = modules.get(path.rpartition(".")[0])
+        head_dim = getattr(parent, "head_dim", None)
+        if sharding.style not in ("column", "column_fused") or not isinstance(head_dim, int) or head_dim <= 0:
+            continue
+        heads = out_in(modules[path])[0] // sharding.chunks // head_dim
+        if heads % tp:
+            raise ValueError(
+                f"tensor_parallel.size={tp} does not divide the {heads} attention heads of {path} "
+                f"(head_dim={head_dim}); choose a size dividing {heads}"
+            )
+
+
+def _tp_plan(model: torch.nn.Module, constraints: Mapping[str, Any], plan: Plan) -> None:
+    policy = constraints.get("tensor_parallel.sharding_policy", "megatron")
+    if policy != "megatron":
+        raise ValueError(f"constraint tensor_parallel.sharding_policy={policy!r} is not supported; choose 'megatron'")
+    plan.sharding_policy = policy
+    styles = megatron_policy(model)
+    styles = apply_overrides(model, styles, dict(constraints.get("tensor_parallel.overrides", {})))
+    modules = dict(model.named_modules())
+    for path, sharding in styles.items():
+        check_divisible(path, modules[path], sharding, plan.model_parallel_size)
+    plan.module_sharding = dict(sorted(styles.items()))
+    _check_heads(model, plan)
+    seen: dict[int, str] = {}
+    for path, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            full = f"{path}.{name}" if path else name
+            sharding = styles.get(path)
+            dim = None if sharding is None else shard_dim(sharding, name)
+            if id(param) in seen:
+                if plan.parameter_sharding[seen[id(param)]] != (placement := _placement(dim)):
+                    raise ValueError(
+                        f"tied parameter {full} is {placement} but {seen[id(param)]} is "
+                        f"{plan.parameter_sharding[seen[id(param)]]}; shard both the same way with tensor_parallel.overrides"
+                    )
+                continue
+            seen[id(param)] = full
+            plan.parameter_sharding[full] = _placement(dim)
+
+
+def _placement(dim: int | None) -> str:
+    return "Replicate()" if dim is None else f"Shard(dim={dim})"
+
+
+def generate_plan(model: torch.nn.Module, constraints: Mapping[str, Any] | None = None) -> Plan:
+    """Propose an nD-parallel :class:`Plan` for ``model`` under ``constraints``.
+
+    Works on a model from :func:`deferred_init` (meta device) without allocating it.
+
+    Args:
+        model: the (unmodified) model.
+        constraints: flat dotted keys, all optional: ``data_parallel_size``,
+            ``tensor_parallel.size``, ``pipeline_parallel.size`` (default 1 each),
+            ``pipeline_parallel.split_method`` (``flops``, ``parameters`` or ``uniform``),
+            ``pipeline_parallel.split_points`` (explicit module paths),
+            ``pipeline_parallel.forbidden_split_points`` (module paths never split before),
+            ``tensor_parallel.sharding_policy`` (``megatron``),
+            ``tensor_parallel.overrides`` (``{module_path: style or "replicate"}``),
+            ``global_batch_size`` (default ``data_parallel_size``) and ``seed`` (default 42).
+
+    Returns:
+        The plan (plain data; ``print(plan)``, ``plan.save(path)``).
+
+    Raises:
+        TypeError: the arguments are swapped or not a module and a mapping.
+        ValueError: an unknown constraint, a TP size not dividing a sharded dim (the module
+            is named), more stages than blocks, or split points the constraints forbid.
+
+    Example::
+
+        >>> plan = generate_plan(model, {"tensor_parallel.size": 2, "data_parallel_size": 2})
+    """
+    if isinstance(model, Mapping) and isinstance(constraints, torch.nn.Module):
+        raise TypeError("generate_plan(model, constraints): the arguments are swapped; pass the model first")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"generate_plan: model must be a torch.nn.Module, got {type(model).__name__}")
+    constraints = dict(constraints or {})
+    unknown = sorted(set(constraints) - set(CONSTRAINT_KEYS))
+    if unknown:
+        raise ValueError(f"unknown constraints {unknown}; valid keys: {list(CONSTRAINT_KEYS)}")
+    dp = _positive(constraints, "data_parallel_size", 1)
+    plan = Plan(
+        data_parallel_size=dp,
+        model_parallel_size=_positive(constraints, "tensor_parallel.size", 1),
+        pipe_parallel_size=_positive(constraints, "pipeline_parallel.size", 1),
+        global_batch_size=_positive(constraints, "global_batch_size", dp),
+        seed=int(constraints.get("seed", 42)),
+        split_method=constraints.get("pipeline_parallel.split_method", "parameters"),
+    )
+    if plan.global_batch_size % dp:
+        raise ValueError(
+            f"global_batch_size={plan.global_batch_size} is not divisible by data_parallel_size={dp}; "
+            f"choose a multiple of {dp}"
+        )
+    _tp_plan(model, constraints, plan)
+    if plan.pipe_parallel_size > 1 or "pipeline_parallel.split_points" in constraints:
+        plan.blocks_path, blocks = find_blocks(model)
+        plan.split_points = split_blocks(
+            model,
+            plan.blocks_path,
+            blocks,
+            plan.pipe_parallel_size,
+            plan.split_method,
+            explicit=constraints.get("pipeline_parallel.split_points"),
+            forbidden=constraints.get("pipeline_parallel.forbidden_split_points", ()),
+        )
+    return plan

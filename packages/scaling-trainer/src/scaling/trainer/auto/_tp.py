@@ -1,0 +1,131 @@
+"""Tensor-parallel replacements for ``nn.Linear``/``Conv1D``/``nn.Embedding`` (Megatron regions).
+
+A replacement keeps the original parameter names (``weight``, ``bias``) and orientation
+(``Conv1D`` keeps ``[in, out]``), so parameter paths are the same on every layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from scaling.collectives import (
+    copy_to_model_parallel_region,
+    gather_from_model_parallel_region,
+    reduce_from_model_parallel_region,
+)
+from scaling.trainer.auto._plan import ModuleSharding
+from scaling.trainer.auto._policy import shard_dim
+
+_LOCAL = "_scaling_local"
+
+
+def shard_tensor(full: torch.Tensor, dim: int, rank: int, size: int, chunks: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s part of ``full`` split over ``size`` ranks along ``dim``.
+
+    With ``chunks > 1`` each of the ``chunks`` equal parts (e.g. q, k, v) is split
+    separately and the pieces concatenated, so every rank holds whole parts of each.
+    """
+    parts = [c.chunk(size, dim)[rank] for c in full.chunk(chunks, dim)]
+    return torch.cat(parts, dim).contiguous() if chunks > 1 else parts[0].contiguous()
+
+
+def unshard_view(local: torch.Tensor, dim: int, chunks: int) -> tuple[torch.Tensor, int]:
+    """A view of a ``chunks``-fused shard with the parts as a new dim: ``(view, shard dim)``."""
+    if chunks == 1:
+        return local, dim
+    shape = list(local.shape)
+    shape[dim : dim + 1] = [chunks, shape[dim] // chunks]
+    return local.view(shape), dim + 1
+
+
+def _local_param(source: torch.nn.Parameter | None, dim: int | None, rank: int, size: int, chunks: int) -> Any:
+    if source is None:
+        return None
+    if getattr(source, _LOCAL, False) or dim is None or size == 1:
+        param = source
+    else:
+        param = torch.nn.Parameter(shard_tensor(source.detach(), dim, rank, size, chunks), source.requires_grad)
+    setattr(param, _LOCAL, True)
+    return param
+
+
+class ShardedLinear(torch.nn.Module):
+    """A linear or ``Conv1D`` layer split over TP in the style of its :class:`ModuleSharding`.
+
+    ``column``/``column_fused``: output split, input copied into the TP region;
+    ``row``: input split, partial products all-reduced, replicated bias added once;
+    ``vocab_head``: ``column`` with the logits all-gathered (full vocabulary out).
+
+    Args:
+        source: the module with its full (or already local, when tied) parameters.
+        sharding: the plan's entry for it.
+        group: the TP process group; rank, size: coordinates in it.
+    """
+
+    def __init__(self, source: torch.nn.Module, sharding: ModuleSharding, group: Any, rank: int, size: int) -> None:
+        super().__init__()
+        self.sharding, self.group, self.size = sharding, group, size
+        chunks = sharding.chunks
+        self.weight = _local_param(source.weight, shard_dim(sharding, "weight"), rank, size, chunks)
+        self.bias = _local_param(getattr(source, "bias", None), shard_dim(sharding, "bias"), rank, size, chunks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        style = self.sharding.style
+        weight = self.weight.t() if self.sharding.transposed else self.weight
+        if style == "row":
+            y = reduce_from_model_parallel_region(F.linear(x, weight), self.group)
+            return y if self.bias is None else y + self.bias
+        y = F.linear(copy_to_model_parallel_region(x, self.group), weight, self.bias)
+        return gather_from_model_parallel_region(y, self.group) if style == "vocab_head" else y
+
+    def extra_repr(self) -> str:
+        return f"style={self.sharding.style}, transposed={self.sharding.transposed}, model_parallel_size={self.size}"
+
+
+class ShardedEmbedding(torch.nn.Module):
+    """An ``nn.Embedding`` split over TP along the vocabulary (Megatron's VocabParallelEmbedding).
+
+    Ids outside this rank's range look up zeros; the partial results are all-reduced.
+    """
+
+    def __init__(self, source: torch.nn.Embedding, group: Any, rank: int, size: int) -> None:
+        super().__init__()
+        self.group, self.size = group, size
+        self.weight = _local_param(source.weight, 0, rank, size, 1)
+        per_rank = source.num_embeddings // size
+        self.start, self.end = rank * per_rank, (rank + 1) * per_rank
+        pad = source.padding_idx
+        self.padding_idx = pad - self.start if pad is not None and self.start <= pad < self.end else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return F.embedding(ids, self.weight, self.padding_idx)
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight, self.padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_model_parallel_region(out, self.group)
+
+    def extra_repr(self) -> str:
+        return f"vocab_range=[{self.start}, {self.end}), model_parallel_size={self.size}"
+
+
+def make_shard_fn(
+    model: torch.nn.Module, shardings: dict[str, ModuleSharding], group: Any, rank: int, size: int
+) -> Any:
+    """The ``shard_fn`` for :func:`materialize`: replaces each planned module by its TP shard."""
+
+    def shard_fn(path: str, module: torch.nn.Module) -> torch.nn.Module | None:
+        sharding = shardings.get(path)
+        if sharding is None:
+            return None
+        parent = model.get_submodule(path.rpartition(".")[0])
+        for attr, full in sharding.attributes.items():
+            setattr(parent, attr, full // size)
+        if sharding.style == "vocab":
+            return ShardedEmbedding(module, group, rank, size)  # type: ignore[arg-type]
+        return ShardedLinear(module, sharding, group, rank, size)
+
+    return shard_fn

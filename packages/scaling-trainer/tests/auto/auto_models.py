@@ -1,0 +1,62 @@
+"""Tiny transformers models and data shared by the auto tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+VOCAB, SEQ = 64, 8
+
+
+def llama_config() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        attn_implementation="eager",
+    )
+
+
+def gpt2_config() -> GPT2Config:
+    return GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=SEQ,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="eager",
+    )
+
+
+MODELS = {"llama": (LlamaForCausalLM, llama_config), "gpt2": (GPT2LMHeadModel, gpt2_config)}
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Deterministic random token sequences; each item is ``{"input_ids", "labels"}``."""
+
+    def __init__(self, n: int = 80) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def optimizer_fn(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def lr_scheduler_fn(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
