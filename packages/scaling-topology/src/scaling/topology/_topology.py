@@ -243,7 +243,7 @@ class Topology:
                 if ranks in seen:
                     continue
                 seen.add(ranks)
-                group = dist.new_group(list(ranks), timeout=self.timeout)
+                group = dist.new_group(list(ranks), timeout=self.timeout, group_desc=name)
                 if self.global_rank in ranks:
                     self._groups[name] = group
         shape = (self.pipe_parallel_size, self.data_parallel_size, self.model_parallel_size)

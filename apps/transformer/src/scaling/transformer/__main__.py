@@ -1,0 +1,156 @@
+"""`scaling-transformer` (or `python -m scaling.transformer`): preprocess | train | generate | import-hf | export-hf.
+
+scaling-transformer preprocess                      # build the default corpus and tokenizer
+scaling-transformer train                           # train the bundled config (1 CPU process)
+scaling-transformer train my.yml topology.model_parallel_size=2 runner.nproc_per_node=2
+scaling-transformer train --template                # every setting, commented
+scaling-transformer generate --checkpoint runs/transformer/checkpoints --prompt "def "
+scaling-transformer import-hf HF_DIR OUT_DIR        # Llama safetensors -> our checkpoint + config.yml
+scaling-transformer export-hf OUT_DIR HF_DIR        # ours -> Llama config.json + safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from scaling.transformer.config import TransformerConfig
+from scaling.transformer.corpus import DEFAULT_VOCAB_SIZE, default_paths
+
+DEFAULT_CONFIG = Path(__file__).with_name("config.yml")
+
+
+def load_config(path: str | Path, overrides: list[str]) -> TransformerConfig:
+    """Validate the config, the process count and the data before anything launches."""
+    from scaling.transformer.data import open_tokens
+
+    config = TransformerConfig.from_yaml(path, overrides=overrides)
+    runner = config.runner
+    if runner.runner_type == "local" and runner.hosts is None and runner.hostsfile is None:
+        if runner.nproc_per_node != config.topology.world_size:
+            raise ValueError(
+                f"runner.nproc_per_node={runner.nproc_per_node} processes do not match topology.world_size="
+                f"{config.topology.world_size}; set runner.nproc_per_node={config.topology.world_size} "
+                "or change the topology"
+            )
+    prefix = config.data.data_prefix
+    if prefix is None:
+        prefix = default_paths(config.data.default_corpus_dir)["train"]
+        if not Path(f"{prefix}.idx").is_file():
+            raise FileNotFoundError(
+                f"data.data_prefix is null and the default corpus is missing in data.default_corpus_dir="
+                f"{str(config.data.default_corpus_dir)!r}; run `scaling-transformer preprocess` first"
+            )
+    # Checks every token id against the model's vocabulary here, not in N processes after launch.
+    open_tokens(prefix, config.transformer_architecture.vocab_size, "data.data_prefix")
+    return config
+
+
+def _train(args: argparse.Namespace) -> int:
+    from scaling.runner import runner_main
+
+    if args.template:
+        print(TransformerConfig.template())
+        return 0
+    try:
+        config = load_config(args.config, args.overrides)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"scaling-transformer: invalid config: {exc}", file=sys.stderr)
+        return 2
+    return runner_main(config.runner, payload=config.as_dict())
+
+
+def _preprocess(args: argparse.Namespace) -> int:
+    from scaling.transformer.corpus import preprocess
+
+    summary = preprocess(args.output, vocab_size=args.vocab_size)
+    for split in ("train", "validation"):
+        s = summary[split]
+        print(f"{split}: {s['documents']} documents, {s['tokens']} tokens -> {s['prefix']}.bin/.idx")
+    print(f"tokenizer: {summary['tokenizer']} (vocab {summary['vocab_size']}, Python {summary['python']} sources)")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from scaling.transformer.generate import generate_text
+
+    texts = generate_text(
+        args.checkpoint,
+        args.prompt or [""],
+        tokenizer_path=args.tokenizer,
+        config_path=args.config,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    for text in texts:
+        print(text)
+        print("-" * 40)
+    return 0
+
+
+def _import_hf(args: argparse.Namespace) -> int:
+    from scaling.transformer.hf import import_hf
+
+    out = import_hf(args.hf_dir, args.output)
+    print(f"imported {args.hf_dir} -> {out} (config.yml and checkpoint)")
+    return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from scaling.transformer.hf import export_hf
+
+    out = export_hf(args.checkpoint, args.output, config_path=args.config)
+    print(f"exported {args.checkpoint} -> {out} (config.json, model.safetensors)")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="scaling-transformer", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("preprocess", help="build the default corpus (stdlib sources) and its BPE tokenizer")
+    p.add_argument("--output", default="runs/transformer/corpus", help="corpus folder (data.default_corpus_dir)")
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="BPE vocabulary size")
+    p.set_defaults(fn=_preprocess)
+    p = sub.add_parser("train", help="launch training (runner_main)")
+    p.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="YAML config (default: the bundled one)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.train_iterations=50")
+    p.add_argument("--template", action="store_true", help="print the commented config template and exit")
+    p.set_defaults(fn=_train)
+    p = sub.add_parser("generate", help="sample text from a checkpoint of any layout (one process)")
+    p.add_argument("--checkpoint", required=True, help="checkpoint root (trainer.save_dir or an import-hf output)")
+    p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    p.add_argument("--config", default=None, help="config YAML (default: the one saved with the checkpoint)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: from the config's data section)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=_generate)
+    p = sub.add_parser("import-hf", help="Llama-architecture HF folder -> our checkpoint + config.yml")
+    p.add_argument("hf_dir")
+    p.add_argument("output")
+    p.set_defaults(fn=_import_hf)
+    p = sub.add_parser("export-hf", help="our checkpoint -> Llama-architecture HF folder")
+    p.add_argument("checkpoint")
+    p.add_argument("output")
+    p.add_argument("--config", default=None, help="config YAML (default: the one saved with the checkpoint)")
+    p.set_defaults(fn=_export_hf)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"scaling-transformer {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

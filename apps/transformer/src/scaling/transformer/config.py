@@ -1,0 +1,219 @@
+"""TransformerConfig: the package configs composed, plus the transformer's own sections."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from scaling.config import BaseConfig
+from scaling.optim import LearningRateSchedulerConfig, OptimizerConfig
+from scaling.runner import RunnerConfig
+from scaling.topology import TopologyConfig
+from scaling.trainer import TrainerConfig
+from scaling.trainer.loggers import LoggerConfig
+
+TRAIN_SCRIPT = Path(__file__).resolve().with_name("train.py")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class TransformerArchitectureConfig(BaseConfig):
+    """The shape of a GPT/Llama-style decoder."""
+
+    vocab_size: int = Field(1024, ge=1, description="Token ids the model accepts, [0, vocab_size); >= 1.")
+    hidden_size: int = Field(128, ge=1, description="Model width (embedding size); divisible by num_attention_heads.")
+    num_layers: int = Field(4, ge=1, description="Transformer blocks; the model has num_layers + 2 pipeline layers.")
+    num_attention_heads: int = Field(4, ge=1, description="Query heads; divides hidden_size.")
+    num_kv_heads: int | None = Field(
+        None, ge=1, description="Key/value heads (GQA; 1 = MQA); divides num_attention_heads. None = MHA."
+    )
+    mlp_type: Literal["gelu", "swiglu"] = Field("swiglu", description="Feed-forward block: 'gelu' or 'swiglu'.")
+    mlp_factor: float = Field(
+        8 / 3, gt=0.0, description="Intermediate size = round(mlp_factor * hidden_size), rounded up to a multiple of 8."
+    )
+    intermediate_size: int | None = Field(
+        None, ge=1, description="Explicit MLP inner size (overrides mlp_factor); None = derived from mlp_factor."
+    )
+    norm: Literal["layernorm", "rmsnorm"] = Field("rmsnorm", description="Norm type: 'layernorm' or 'rmsnorm'.")
+    norm_eps: float = Field(1e-5, gt=0.0, description="Epsilon added to the variance in every norm; > 0.")
+    rotary_base: float = Field(10000.0, gt=0.0, description="RoPE frequency base (theta); > 0.")
+    rotary_interleaved: bool = Field(
+        False, description="Rotate interleaved channel pairs (Meta/GPT-J) instead of half-split (HF Llama/NeoX)."
+    )
+    rotary_percentage: float = Field(
+        1.0, ge=0.0, le=1.0, description="Fraction of each head rotated by RoPE, in [0, 1]; 0 = no RoPE."
+    )
+    max_sequence_length: int = Field(
+        2048, ge=1, description="Longest sequence (positions) the model is trained or asked to generate for."
+    )
+    bias: bool = Field(False, description="Biases on the attention and MLP projections (and LayerNorm).")
+    tied_embeddings: bool = Field(True, description="The LM head reuses the input embedding matrix.")
+    embedding_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout after the embedding, in [0, 1).")
+    attention_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on attention probabilities, [0, 1).")
+    hidden_dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Dropout on attention and MLP outputs before the residual add, [0, 1)."
+    )
+    qk_norm: bool = Field(False, description="RMS-normalise queries and keys per head before attention.")
+    causal: bool = Field(True, description="Causal (decoder) attention; False = bidirectional.")
+    init_std: float = Field(
+        0.02, gt=0.0, description="Std of the normal initialisation; output projections use init_std/sqrt(2*layers)."
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Parameter and activation dtype; bf16/fp16 keep fp32 master weights in the optimizer."
+    )
+    sequence_parallel: bool = Field(
+        False, description="Split norms, dropout and residuals along the sequence over the TP ranks."
+    )
+    activation_checkpointing: Literal["none", "every_layer", "selective"] = Field(
+        "none",
+        description="'every_layer' recomputes each block in the backward; 'selective' only softmax(QK^T)V.",
+    )
+    document_masking: bool = Field(
+        True, description="Attention stays within each packed document and positions restart at document starts."
+    )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.intermediate_size is not None:
+            return self.intermediate_size
+        size = int(round(self.mlp_factor * self.hidden_size))
+        return -(-size // 8) * 8
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.precision]
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> TransformerArchitectureConfig:
+        heads, kv = self.num_attention_heads, self.kv_heads
+        if self.hidden_size % heads:
+            raise ValueError(
+                f"transformer_architecture.num_attention_heads={heads} does not divide hidden_size="
+                f"{self.hidden_size}; choose num_attention_heads in {_divisors(self.hidden_size)}"
+            )
+        if heads % kv:
+            raise ValueError(
+                f"transformer_architecture.num_attention_heads={heads} is not divisible by num_kv_heads={kv}; "
+                f"choose num_kv_heads in {_divisors(heads)}"
+            )
+        if self.rotary_percentage > 0 and int(self.hidden_size // heads * self.rotary_percentage) < 2:
+            raise ValueError(
+                f"transformer_architecture.rotary_percentage={self.rotary_percentage} rotates fewer than 2 of the "
+                f"{self.hidden_size // heads} channels per head; raise it or set 0 to disable RoPE"
+            )
+        return self
+
+
+class TransformerTrainingConfig(BaseConfig):
+    weight_decay: float = Field(0.01, ge=0.0, description="Weight decay of matrices (norms and biases get none).")
+    schedule: Literal["gpipe", "1f1b", "zb_h1", "interleaved_1f1b"] = Field(
+        "1f1b", description="Pipeline schedule (interleaved_1f1b only with pipe_parallel_size=1 for now)."
+    )
+    peak_tflops_per_device: float | None = Field(
+        None, gt=0.0, description="Dense peak TFLOP/s of one device in this precision, for MFU; None = no MFU."
+    )
+
+
+class TransformerDataConfig(BaseConfig):
+    data_prefix: Path | None = Field(
+        None, description="Training token files (.bin/.idx) prefix; None = the default corpus built by `preprocess`."
+    )
+    evaluation_prefix: Path | None = Field(
+        None, description="Evaluation token files prefix; None = the default corpus's validation split (or none)."
+    )
+    tokenizer_path: Path | None = Field(
+        None, description="tokenizer.json used by generate; None = the one next to the default corpus."
+    )
+    sequence_length: int = Field(128, ge=1, description="Tokens per training window; <= max_sequence_length.")
+    default_corpus_dir: Path = Field(
+        Path("runs/transformer/corpus"), description="Where `preprocess` writes the default corpus and tokenizer."
+    )
+
+
+class TransformerConfig(BaseConfig):
+    """The whole transformer app config; `scaling-transformer train --template` prints it commented."""
+
+    runner: RunnerConfig = Field(description="How processes are launched; script defaults to this app's train.py.")
+    logger: LoggerConfig = Field(default_factory=LoggerConfig, description="Where metrics go.")
+    topology: TopologyConfig = Field(description="Parallel layout and batch sizes.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Update rule, ZeRO, clipping.")
+    learning_rate_scheduler: LearningRateSchedulerConfig = Field(
+        default_factory=LearningRateSchedulerConfig, description="Learning rate schedule of every parameter."
+    )
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Iterations, evaluation, checkpoints.")
+    training: TransformerTrainingConfig = Field(
+        default_factory=TransformerTrainingConfig, description="Weight decay and pipeline schedule."
+    )
+    transformer_architecture: TransformerArchitectureConfig = Field(
+        default_factory=TransformerArchitectureConfig, description="Model shape and numerics."
+    )
+    data: TransformerDataConfig = Field(default_factory=TransformerDataConfig, description="Token data.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_script(cls, data: Any) -> Any:
+        """Every process runs this app's train.py unless runner.script says otherwise."""
+        if isinstance(data, dict):
+            runner = dict(data.get("runner") or {})
+            if not runner.get("script"):
+                runner["script"] = str(TRAIN_SCRIPT)
+                data = {**data, "runner": runner}
+        return data
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> TransformerConfig:
+        check_layout(self.transformer_architecture, self.topology.model_parallel_size, self.topology.pipe_parallel_size)
+        arch = self.transformer_architecture
+        if self.data.sequence_length > arch.max_sequence_length:
+            raise ValueError(
+                f"data.sequence_length={self.data.sequence_length} exceeds transformer_architecture."
+                f"max_sequence_length={arch.max_sequence_length}; shorten the sequence or raise max_sequence_length"
+            )
+        if arch.sequence_parallel and self.data.sequence_length % self.topology.model_parallel_size:
+            raise ValueError(
+                f"data.sequence_length={self.data.sequence_length} is not divisible by topology.model_parallel_size="
+                f"{self.topology.model_parallel_size}, which sequence_parallel=true needs"
+            )
+        if arch.precision == "fp16" and not self.optimizer.loss_scaler.enable:
+            raise ValueError(
+                "transformer_architecture.precision='fp16' needs optimizer.loss_scaler.enable=true "
+                "(fp16 gradients underflow without loss scaling); enable it or use precision='bf16'"
+            )
+        return self
+
+
+def check_layout(arch: TransformerArchitectureConfig, tp: int, pp: int) -> None:
+    """Raise ValueError naming the field when the TP/PP sizes do not fit ``arch``."""
+    heads, kv = arch.num_attention_heads, arch.kv_heads
+    valid = [t for t in _divisors(heads) if kv % t == 0]
+    if tp not in valid:
+        raise ValueError(
+            f"topology.model_parallel_size={tp} cannot shard num_attention_heads={heads} with num_kv_heads={kv}; "
+            f"choose model_parallel_size in {valid}"
+        )
+    if arch.ffn_size % tp:
+        raise ValueError(
+            f"MLP intermediate size {arch.ffn_size} is not divisible by topology.model_parallel_size={tp}; "
+            "set transformer_architecture.intermediate_size to a multiple of it"
+        )
+    if arch.hidden_size % tp:
+        raise ValueError(
+            f"transformer_architecture.hidden_size={arch.hidden_size} is not divisible by "
+            f"topology.model_parallel_size={tp}; choose model_parallel_size in {_divisors(arch.hidden_size)}"
+        )
+    if pp > arch.num_layers + 2:
+        raise ValueError(
+            f"topology.pipe_parallel_size={pp} exceeds the model's {arch.num_layers + 2} pipeline layers "
+            f"(num_layers={arch.num_layers} + embedding + head); use at most {arch.num_layers + 2} stages"
+        )

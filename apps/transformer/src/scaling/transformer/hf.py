@@ -1,0 +1,226 @@
+"""Hugging Face interop: Llama-architecture checkpoints (config.json + safetensors) in and out.
+
+Name map (ours <- HF), ``N`` blocks, block ``i`` is our layer ``i + 1``:
+
+- ``layers.0.embedding.weight`` <- ``model.embed_tokens.weight``
+- ``layers.{i+1}.input_norm.weight`` <- ``model.layers.{i}.input_layernorm.weight``
+- ``layers.{i+1}.attention.qkv.weight`` <- ``q_proj``, ``k_proj``, ``v_proj`` regrouped per kv head
+  (the query heads of group ``g``, key ``g``, value ``g``: scaling.nn's fused layout)
+- ``layers.{i+1}.attention.dense.weight`` <- ``self_attn.o_proj.weight``
+- ``layers.{i+1}.mlp_norm.weight`` <- ``post_attention_layernorm.weight``
+- ``layers.{i+1}.mlp.{gate,up,down}_proj.weight`` <- ``mlp.{gate,up,down}_proj.weight``
+- ``layers.{N+1}.norm.weight`` <- ``model.norm.weight``;
+  ``layers.{N+1}.embedding.weight`` <- ``lm_head.weight`` (absent when tied)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scaling.nn import named_parameters_with_meta
+from scaling.trainer import model_state_dict, save_checkpoint
+from scaling.transformer.config import TransformerArchitectureConfig, TransformerConfig
+from scaling.transformer.inference import TransformerLM, load_model
+
+CHECKPOINT_SUBDIR = "checkpoint"
+
+
+def _arch_from_hf(hf: dict[str, Any], source: Path) -> TransformerArchitectureConfig:
+    kind = hf.get("model_type")
+    archs = hf.get("architectures") or []
+    if kind != "llama" or any(a != "LlamaForCausalLM" for a in archs):
+        raise ValueError(
+            f"{source}: model_type={kind!r}, architectures={archs} is not a Llama checkpoint; import-hf reads "
+            "model_type='llama' / LlamaForCausalLM only"
+        )
+    # transformers >= 5 writes rope_parameters={"rope_theta", "rope_type"}; older versions rope_theta/rope_scaling.
+    rope = dict(hf.get("rope_parameters") or {})
+    rope_type = rope.get("rope_type", "default")
+    if hf.get("rope_scaling") or rope_type != "default":
+        raise ValueError(
+            f"{source}: rope_scaling={hf.get('rope_scaling')}, rope_type={rope_type!r} is not supported; "
+            "only plain RoPE (rope_type='default')"
+        )
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
+    if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
+        raise ValueError(
+            f"{source}: attention_bias={hf.get('attention_bias')} with mlp_bias={hf.get('mlp_bias')}; our "
+            "transformer_architecture.bias switches both together"
+        )
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    if head_dim * heads != hf["hidden_size"]:
+        raise ValueError(f"{source}: head_dim={head_dim} x {heads} heads != hidden_size={hf['hidden_size']}")
+    return TransformerArchitectureConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        mlp_type="swiglu",
+        intermediate_size=hf["intermediate_size"],
+        norm="rmsnorm",
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rotary_base=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+        max_sequence_length=hf.get("max_position_embeddings", 2048),
+        bias=bool(hf.get("attention_bias", False)),
+        tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+
+
+def _check_exportable(arch: TransformerArchitectureConfig) -> None:
+    wrong = {
+        "mlp_type": (arch.mlp_type, "swiglu"),
+        "norm": (arch.norm, "rmsnorm"),
+        "rotary_percentage": (arch.rotary_percentage, 1.0),
+        "rotary_interleaved": (arch.rotary_interleaved, False),
+        "qk_norm": (arch.qk_norm, False),
+        "causal": (arch.causal, True),
+    }
+    bad = {k: v for k, (v, want) in wrong.items() if v != want}
+    if bad:
+        raise ValueError(
+            f"export-hf writes the Llama architecture, which needs {', '.join(f'{k}={wrong[k][1]!r}' for k in bad)}; "
+            f"this model has {bad}"
+        )
+
+
+def _mapping(arch: TransformerArchitectureConfig) -> dict[str, str]:
+    """Our parameter name -> HF name (the fused qkv excluded)."""
+    n = arch.num_layers
+    names = {
+        "layers.0.embedding.weight": "model.embed_tokens.weight",
+        f"layers.{n + 1}.norm.weight": "model.norm.weight",
+    }
+    if not arch.tied_embeddings:
+        names[f"layers.{n + 1}.embedding.weight"] = "lm_head.weight"
+    for i in range(n):
+        ours, hf = f"layers.{i + 1}", f"model.layers.{i}"
+        names[f"{ours}.input_norm.weight"] = f"{hf}.input_layernorm.weight"
+        names[f"{ours}.attention.dense.weight"] = f"{hf}.self_attn.o_proj.weight"
+        names[f"{ours}.mlp_norm.weight"] = f"{hf}.post_attention_layernorm.weight"
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names[f"{ours}.mlp.{proj}.weight"] = f"{hf}.mlp.{proj}.weight"
+        if arch.bias:
+            names[f"{ours}.attention.dense.bias"] = f"{hf}.self_attn.o_proj.bias"
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                names[f"{ours}.mlp.{proj}.bias"] = f"{hf}.mlp.{proj}.bias"
+    return names
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nkv: int) -> torch.Tensor:
+    rest = q.shape[1:]
+    return torch.cat([q.reshape(nkv, -1, *rest), k.reshape(nkv, -1, *rest), v.reshape(nkv, -1, *rest)], 1).reshape(
+        -1, *rest
+    )
+
+
+def _split_qkv(qkv: torch.Tensor, arch: TransformerArchitectureConfig) -> tuple[torch.Tensor, ...]:
+    nkv, d = arch.kv_heads, arch.hidden_size // arch.num_attention_heads
+    r = arch.num_attention_heads // nkv
+    groups = qkv.reshape(nkv, (r + 2) * d, *qkv.shape[1:])
+    q, k, v = groups.split([r * d, d, d], dim=1)
+    return tuple(t.reshape(-1, *qkv.shape[1:]).contiguous() for t in (q, k, v))
+
+
+def save_model(model: TransformerLM, config: TransformerConfig, checkpoint_dir: str | Path) -> Path:
+    """Write the one-process model as a step-0 checkpoint (loadable by train's load_dir and generate)."""
+    params = list(named_parameters_with_meta(model))
+    save_checkpoint(
+        checkpoint_dir, 0, {"model": model_state_dict(params, None)}, None, extra={"config": config.as_dict()}
+    ).wait()
+    return Path(checkpoint_dir)
+
+
+def import_hf(hf_dir: str | Path, output_dir: str | Path) -> Path:
+    """Convert a Llama-architecture HF folder into ``output_dir/config.yml`` and ``output_dir/checkpoint``.
+
+    Raises:
+        ValueError: for another architecture or unsupported settings (named).
+        FileNotFoundError: when ``config.json`` or the safetensors files are missing.
+    """
+    from safetensors.torch import load_file
+
+    hf_dir, out = Path(hf_dir), Path(output_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{hf_dir}: no config.json; import-hf needs a save_pretrained folder")
+    arch = _arch_from_hf(json.loads((hf_dir / "config.json").read_text()), hf_dir)
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{hf_dir}: no *.safetensors files (save with safe_serialization=True)")
+    hf_state: dict[str, torch.Tensor] = {}
+    for f in files:
+        hf_state.update(load_file(str(f)))
+    config = TransformerConfig.from_dict(
+        {
+            "runner": {"runner_type": "local", "nproc_per_node": 1},
+            "topology": {"world_size": 1, "global_batch_size": 1, "micro_batch_size": 1, "device": "cpu"},
+            "transformer_architecture": arch.as_dict(),
+            "data": {"sequence_length": min(128, arch.max_sequence_length)},
+        }
+    )
+    model = TransformerLM(arch)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for ours, theirs in _mapping(arch).items():
+            params[ours].copy_(hf_state[theirs])
+        for i in range(arch.num_layers):
+            p = f"model.layers.{i}.self_attn"
+            for suffix in ("weight", "bias") if arch.bias else ("weight",):
+                fused = _fuse_qkv(*(hf_state[f"{p}.{x}_proj.{suffix}"] for x in "qkv"), arch.kv_heads)
+                params[f"layers.{i + 1}.attention.qkv.{suffix}"].copy_(fused)
+    out.mkdir(parents=True, exist_ok=True)
+    config.save(out / "config.yml")
+    save_model(model, config, out / CHECKPOINT_SUBDIR)
+    return out
+
+
+def export_hf(checkpoint: str | Path, output_dir: str | Path, config_path: str | Path | None = None) -> Path:
+    """Write a checkpoint of any layout as a Llama HF folder (``config.json``, ``model.safetensors``).
+
+    Raises:
+        ValueError: when the architecture is not Llama-compatible (the fields are named).
+    """
+    from safetensors.torch import save_file
+
+    config = TransformerConfig.from_yaml(config_path) if config_path is not None else None
+    model, config = load_model(checkpoint, config)
+    arch = config.transformer_architecture
+    _check_exportable(arch)
+    params = dict(model.named_parameters())
+    state = {theirs: params[ours].detach().contiguous() for ours, theirs in _mapping(arch).items()}
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}.self_attn"
+        for suffix in ("weight", "bias") if arch.bias else ("weight",):
+            q, k, v = _split_qkv(params[f"layers.{i + 1}.attention.qkv.{suffix}"].detach(), arch)
+            state.update({f"{p}.q_proj.{suffix}": q, f"{p}.k_proj.{suffix}": k, f"{p}.v_proj.{suffix}": v})
+    hf_config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": arch.vocab_size,
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.ffn_size,
+        "num_hidden_layers": arch.num_layers,
+        "num_attention_heads": arch.num_attention_heads,
+        "num_key_value_heads": arch.kv_heads,
+        "head_dim": arch.hidden_size // arch.num_attention_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": arch.max_sequence_length,
+        "rms_norm_eps": arch.norm_eps,
+        "rope_theta": arch.rotary_base,
+        "rope_parameters": {"rope_theta": arch.rotary_base, "rope_type": "default"},
+        "attention_bias": arch.bias,
+        "mlp_bias": arch.bias,
+        "tie_word_embeddings": arch.tied_embeddings,
+        "torch_dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[arch.precision],
+    }
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2))
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

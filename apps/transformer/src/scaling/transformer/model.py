@@ -1,0 +1,268 @@
+"""The transformer as LayerSpecs: embedding, N blocks, final norm + LM head; its loss.
+
+Shape legend: b batch, s sequence (s/tp under sequence parallelism), h hidden, v local
+vocabulary block (``ceil(V / tp)`` ids).
+
+Pipeline layers: ``0`` embedding, ``1..N`` blocks, ``N + 1`` norm and head. With tied
+embeddings layers ``0`` and ``N + 1`` are :class:`TiedLayerSpec` s sharing
+``embedding.weight`` (key ``"embedding"``), so the pipeline keeps the copies equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from scaling.collectives import copy_to_model_parallel_region, gather_from_sequence_parallel_region
+from scaling.nn import (
+    BaseLayer,
+    KVCache,
+    LayerNorm,
+    LayerSpec,
+    ParallelMLP,
+    ParallelSelfAttention,
+    ParallelSwiGLUMLP,
+    RMSNorm,
+    TiedLayerSpec,
+    VocabParallelEmbedding,
+    checkpoint_layer,
+    vocab_parallel_cross_entropy,
+)
+from scaling.topology import Topology
+from scaling.transformer.config import TransformerArchitectureConfig
+from scaling.transformer.data import TransformerBatch
+
+TIED_KEY = "embedding"
+
+
+@dataclass
+class TransformerLayerIO:
+    """What flows between layers: the residual stream and the packing metadata."""
+
+    activations: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    cumulative_seq_lengths: torch.Tensor | None = None
+
+
+@dataclass
+class TransformerHeadOutput:
+    """Logits of this rank's vocabulary block, ``[b, s, v]``."""
+
+    logits: torch.Tensor
+
+
+def normal_init(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    def init(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.normal_(tensor, mean=0.0, std=std)
+
+    return init
+
+
+def _group(topology: Topology | None) -> Any:
+    return None if topology is None else topology.model_parallel_group
+
+
+def make_norm(arch: TransformerArchitectureConfig, topology: Topology | None) -> torch.nn.Module:
+    common: dict[str, Any] = dict(topology=topology, dtype=arch.dtype, sequence_parallel=arch.sequence_parallel)
+    if arch.norm == "rmsnorm":
+        return RMSNorm(arch.hidden_size, eps=arch.norm_eps, **common)
+    return LayerNorm(arch.hidden_size, eps=arch.norm_eps, bias=arch.bias, **common)
+
+
+class _Dropout:
+    """Dropout on the residual stream; sharded (sequence parallel) streams draw per TP rank."""
+
+    def __init__(self, p: float, sharded: bool, rng_tracker: Any) -> None:
+        self.p, self.sharded, self.rng_tracker = p, sharded, rng_tracker
+
+    def __call__(self, x: torch.Tensor, training: bool) -> torch.Tensor:
+        if self.p == 0.0 or not training:
+            return x
+        fork = self.rng_tracker.fork() if self.sharded and self.rng_tracker is not None else contextlib.nullcontext()
+        with fork:
+            return F.dropout(x, self.p, training=True)
+
+
+class EmbeddingLayer(BaseLayer[TransformerBatch, TransformerLayerIO]):
+    """Token embedding (vocabulary split over TP; sequence-split output under SP)."""
+
+    def __init__(
+        self, arch: TransformerArchitectureConfig, topology: Topology | None = None, rng_tracker: Any = None
+    ) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embedding = VocabParallelEmbedding(
+            arch.vocab_size,
+            arch.hidden_size,
+            topology=topology,
+            dtype=arch.dtype,
+            init_method=normal_init(arch.init_std),
+            sequence_parallel=arch.sequence_parallel,
+        )
+        self.dropout = _Dropout(arch.embedding_dropout, arch.sequence_parallel, rng_tracker)
+
+    def forward(self, x: TransformerBatch) -> TransformerLayerIO:
+        assert x.input_token_ids is not None  # the first stage always receives inputs
+        h_bsh = self.dropout(self.embedding(x.input_token_ids), self.training)
+        if not self.arch.document_masking:
+            return TransformerLayerIO(activations=h_bsh)
+        return TransformerLayerIO(h_bsh, x.position_ids, x.cumulative_seq_lengths)
+
+
+class TransformerBlock(BaseLayer[TransformerLayerIO, TransformerLayerIO]):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(
+        self, arch: TransformerArchitectureConfig, topology: Topology | None = None, rng_tracker: Any = None
+    ) -> None:
+        super().__init__()
+        self.arch, self.rng_tracker = arch, rng_tracker
+        output_init = normal_init(arch.init_std / math.sqrt(2 * arch.num_layers))
+        self.input_norm = make_norm(arch, topology)
+        self.attention = ParallelSelfAttention(
+            arch.hidden_size,
+            arch.num_attention_heads,
+            arch.kv_heads,
+            topology=topology,
+            bias=arch.bias,
+            dtype=arch.dtype,
+            causal=arch.causal,
+            rotary_percentage=arch.rotary_percentage,
+            rotary_base=arch.rotary_base,
+            rotary_interleaved=arch.rotary_interleaved,
+            qk_norm=arch.qk_norm,
+            attention_dropout=arch.attention_dropout,
+            rng_tracker=rng_tracker,
+            sequence_parallel=arch.sequence_parallel,
+            checkpoint_core_attention=arch.activation_checkpointing == "selective",
+            init_method=normal_init(arch.init_std),
+            output_init_method=output_init,
+        )
+        self.mlp_norm = make_norm(arch, topology)
+        mlp_class = ParallelSwiGLUMLP if arch.mlp_type == "swiglu" else ParallelMLP
+        self.mlp = mlp_class(
+            arch.hidden_size,
+            arch.ffn_size,
+            bias=arch.bias,
+            topology=topology,
+            dtype=arch.dtype,
+            sequence_parallel=arch.sequence_parallel,
+            init_method=normal_init(arch.init_std),
+            output_init_method=output_init,
+        )
+        self.dropout = _Dropout(arch.hidden_dropout, arch.sequence_parallel, rng_tracker)
+
+    def block(
+        self,
+        x_bsh: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """The block on a plain tensor (also used by generation with a KV cache)."""
+        attn = self.attention(
+            self.input_norm(x_bsh), cu_seqlens=cu_seqlens, position_ids=position_ids, kv_cache=kv_cache
+        )
+        x_bsh = x_bsh + self.dropout(attn, self.training)
+        return x_bsh + self.dropout(self.mlp(self.mlp_norm(x_bsh)), self.training)
+
+    def forward(self, x: TransformerLayerIO) -> TransformerLayerIO:
+        cu, pos = x.cumulative_seq_lengths, x.position_ids
+        if self.arch.activation_checkpointing == "every_layer":
+            out = checkpoint_layer(self.block, x.activations, cu, pos, rng_tracker=self.rng_tracker)
+        else:
+            out = self.block(x.activations, cu, pos)
+        return TransformerLayerIO(out, pos, cu)
+
+
+class LMHeadLayer(BaseLayer[TransformerLayerIO, TransformerHeadOutput]):
+    """Final norm and the LM head ``x @ E^T`` over this rank's vocabulary block."""
+
+    def __init__(self, arch: TransformerArchitectureConfig, topology: Topology | None = None) -> None:
+        super().__init__()
+        self.arch, self._group = arch, _group(topology)
+        self.norm = make_norm(arch, topology)
+        # The output matrix has the embedding's layout ([V, h], vocabulary split over TP),
+        # so tying is sharing one parameter and the padded rows are handled alike.
+        self.embedding = VocabParallelEmbedding(
+            arch.vocab_size,
+            arch.hidden_size,
+            topology=topology,
+            dtype=arch.dtype,
+            init_method=normal_init(arch.init_std),
+        )
+
+    def logits(self, x_bsh: torch.Tensor) -> torch.Tensor:
+        """``[b, s, h]`` residual stream -> ``[b, s_full, v]`` local logits."""
+        x_bsh = self.norm(x_bsh)
+        if self.arch.sequence_parallel:
+            x_bsh = gather_from_sequence_parallel_region(x_bsh, self._group)
+        else:
+            x_bsh = copy_to_model_parallel_region(x_bsh, self._group)
+        return F.linear(x_bsh, self.embedding.weight)
+
+    def forward(self, x: TransformerLayerIO) -> TransformerHeadOutput:
+        return TransformerHeadOutput(logits=self.logits(x.activations))
+
+
+def layer_specs(
+    arch: TransformerArchitectureConfig, topology: Topology | None, rng_tracker: Any = None
+) -> list[LayerSpec]:
+    """The model: ``[embedding, block x num_layers, head]``."""
+    common: dict[str, Any] = dict(arch=arch, topology=topology)
+    if arch.tied_embeddings:
+        first: LayerSpec = TiedLayerSpec(
+            TIED_KEY, ["embedding.weight"], EmbeddingLayer, rng_tracker=rng_tracker, **common
+        )
+        last: LayerSpec = TiedLayerSpec(TIED_KEY, ["embedding.weight"], LMHeadLayer, **common)
+    else:
+        first = LayerSpec(EmbeddingLayer, rng_tracker=rng_tracker, **common)
+        last = LayerSpec(LMHeadLayer, **common)
+    blocks = [LayerSpec(TransformerBlock, rng_tracker=rng_tracker, **common) for _ in range(arch.num_layers)]
+    return [first, *blocks, last]
+
+
+class TransformerLoss:
+    """``loss_function(output, batch)``: vocab-parallel cross-entropy, weighted by ``batch.loss_weights``.
+
+    Args:
+        vocab_size: the real vocabulary size (padding columns are masked out).
+        topology: the topology (its TP group), or None in one process.
+    """
+
+    def __init__(self, vocab_size: int, topology: Topology | None) -> None:
+        self.vocab_size, self.group = vocab_size, _group(topology)
+
+    def __call__(
+        self, output: TransformerHeadOutput, batch: TransformerBatch
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        assert batch.target_token_ids is not None  # the last stage always receives targets
+        loss = vocab_parallel_cross_entropy(
+            output.logits,
+            batch.target_token_ids,
+            self.group,
+            loss_weights=batch.loss_weights,
+            vocab_size=self.vocab_size,
+        )
+        return loss, {}
+
+
+def num_parameters(arch: TransformerArchitectureConfig) -> int:
+    """Parameters of the whole model (tied embedding counted once)."""
+    h, v, f, layers = arch.hidden_size, arch.vocab_size, arch.ffn_size, arch.num_layers
+    d = h // arch.num_attention_heads
+    attn = h * (arch.num_attention_heads + 2 * arch.kv_heads) * d + arch.num_attention_heads * d * h
+    mlp = (3 if arch.mlp_type == "swiglu" else 2) * h * f
+    embeddings = v * h * (1 if arch.tied_embeddings else 2)
+    return embeddings + layers * (attn + mlp + 2 * h) + h
+
+
+def flops_per_token(arch: TransformerArchitectureConfig, sequence_length: int) -> float:
+    """Training FLOPs per token: ``6 N + 12 L H S`` (N parameters, L layers, H hidden, S sequence)."""
+    return 6.0 * num_parameters(arch) + 12.0 * arch.num_layers * arch.hidden_size * sequence_length

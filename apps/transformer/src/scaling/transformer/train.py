@@ -1,0 +1,128 @@
+"""The training script every process runs (started by the runner through torchrun).
+
+Context, the model's LayerSpecs in a ParallelModule, an Optimizer over two parameter
+groups (matrices with weight decay; norms, biases and RoPE-free vectors without), the
+packed token data, and a BaseTrainer that also reports tokens/s, TFLOP/s and MFU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scaling.optim import Optimizer, OptimizerParamGroup, OptimizerParamGroupConfig
+from scaling.pipeline import ParallelModule
+from scaling.runner import load_payload
+from scaling.topology import Topology
+from scaling.trainer import BaseContext, BaseTrainer
+from scaling.transformer.config import TransformerConfig
+from scaling.transformer.corpus import default_paths
+from scaling.transformer.data import TransformerDataset, open_tokens
+from scaling.transformer.model import TransformerLoss, flops_per_token, layer_specs
+
+FLOPS_FORMULA = "FLOPs/token = 6*N + 12*L*H*S"
+
+
+class TransformerContext(BaseContext[TransformerConfig]):
+    """Topology, config and counters of a transformer run."""
+
+
+class TransformerTrainer(BaseTrainer[TransformerContext]):
+    """BaseTrainer plus throughput metrics: tokens/s, TFLOP/s per device and MFU.
+
+    MFU uses ``training.peak_tflops_per_device`` (none on CPU): FLOPs per token are
+    ``6 N + 12 L H S`` (N parameters, L layers, H hidden, S sequence length).
+    """
+
+    def train_step(self) -> dict[str, Any]:
+        metrics = super().train_step()
+        config = self.context.config
+        seq = config.data.sequence_length
+        samples_per_second = metrics.get("runtime/samples_per_second", 0.0)
+        tokens_per_second = samples_per_second * seq
+        world = self.context.topology.world_size
+        tflops = tokens_per_second * flops_per_token(config.transformer_architecture, seq) / 1e12 / world
+        metrics["runtime/tokens_per_second"] = tokens_per_second
+        metrics["runtime/tflops_per_device"] = tflops
+        peak = config.training.peak_tflops_per_device
+        if peak:
+            metrics["runtime/mfu"] = tflops / peak
+        return metrics
+
+
+def parameter_groups(parallel_module: ParallelModule, config: TransformerConfig) -> list[OptimizerParamGroup]:
+    """Matrices decay; vectors (norm weights, biases, QK-norm scales) do not."""
+    decay, no_decay = [], []
+    for name, param, meta in parallel_module.named_parameters_with_meta():
+        (decay if len(meta.logical_shape) >= 2 else no_decay).append((name, param, meta))
+    groups = []
+    for group_name, params, weight_decay in (
+        ("decay", decay, config.training.weight_decay),
+        ("no_decay", no_decay, 0.0),
+    ):
+        if params:
+            groups.append(
+                OptimizerParamGroup(
+                    named_parameters_with_meta=params,
+                    config=OptimizerParamGroupConfig(
+                        name=group_name,
+                        weight_decay=weight_decay,
+                        learning_rate_scheduler=config.learning_rate_scheduler,
+                    ),
+                )
+            )
+    return groups
+
+
+def build_trainer(config: TransformerConfig, topology: Topology) -> TransformerTrainer:
+    """Everything of one rank, ready for ``run_training()``."""
+    context = TransformerContext(config=config, topology=topology)
+    context.initialize(seed=config.trainer.seed)
+    arch = config.transformer_architecture
+    train_prefix, eval_prefix = config.data.data_prefix, config.data.evaluation_prefix
+    if train_prefix is None:
+        paths = default_paths(config.data.default_corpus_dir)
+        train_prefix = paths["train"]
+        eval_prefix = eval_prefix or paths["validation"]
+    seq = config.data.sequence_length
+    dataset = TransformerDataset(open_tokens(train_prefix, arch.vocab_size, "data.data_prefix"), seq)
+    dataset_evaluation = None
+    if eval_prefix is not None:
+        tokens = open_tokens(eval_prefix, arch.vocab_size, "data.evaluation_prefix")
+        dataset_evaluation = TransformerDataset(tokens, seq)
+
+    parallel_module = ParallelModule(
+        layer_specs=layer_specs(arch, topology, rng_tracker=context.rng_tracker),
+        topology=topology,
+        schedule=config.training.schedule,
+        seed=config.trainer.seed,
+    )
+    optimizer = Optimizer(
+        config=config.optimizer, parameter_groups=parameter_groups(parallel_module, config), topology=topology
+    )
+    return TransformerTrainer(
+        config=config.trainer,
+        context=context,
+        parallel_module=parallel_module,
+        optimizer=optimizer,
+        dataset=dataset,
+        dataset_evaluation=dataset_evaluation,
+        sync_batch_to_model_parallel=dataset.sync_batch_to_model_parallel,
+        metrics_aggregation_fn=None,
+        loss_function=TransformerLoss(arch.vocab_size, topology),
+    )
+
+
+def main(payload: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Train with the config in ``payload`` (default: the one the runner handed over)."""
+    config = TransformerConfig.from_dict(payload if payload is not None else load_payload())
+    topology = Topology.from_env(config.topology)
+    trainer = build_trainer(config, topology)
+    if topology.global_rank == 0:
+        trainer.metrics_logger.console(f"throughput metrics use {FLOPS_FORMULA}")
+    history = trainer.run_training(return_metrics=True) or []
+    topology.destroy()
+    return history
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The same seed and data on every layout give the one-process losses (fp32, 1e-5 relative, 10 steps)."""
+
+import pytest
+from transformer_testlib import losses, tiny_config, train_worker
+
+from scaling.testing import assert_parity, run_distributed
+
+STEPS = 10
+# A second architecture: LayerNorm with biases, GELU MLP, untied head, MHA.
+GELU = dict(mlp_type="gelu", norm="layernorm", bias=True, tied_embeddings=False, num_kv_heads=None)
+
+
+def _reference(corpus, arch=None):
+    cfg = tiny_config(corpus, steps=STEPS)
+    cfg["transformer_architecture"].update(arch or {})
+    (history,) = run_distributed(train_worker, 1, cfg, timeout_seconds=120)
+    out = losses(history)
+    assert len(out) == STEPS and out[-1] < out[0]  # it trains
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_losses(tiny_corpus):
+    return _reference(tiny_corpus)
+
+
+@pytest.fixture(scope="module")
+def reference_losses_untied(tiny_corpus):
+    return _reference(tiny_corpus, {"tied_embeddings": False})
+
+
+@pytest.fixture(scope="module")
+def reference_losses_gelu(tiny_corpus):
+    return _reference(tiny_corpus, GELU)
+
+
+def _check(results, reference, what):
+    for rank, history in enumerate(results):
+        assert_parity(losses(history), reference, rtol=1e-5, name=f"rank {rank} losses at {what}")
+
+
+@pytest.mark.distributed
+def test_zero1_dp2(tiny_corpus, reference_losses):
+    cfg = tiny_config(tiny_corpus, dp=2, steps=STEPS, optimizer={"zero_stage": 1})
+    _check(run_distributed(train_worker, 2, cfg, timeout_seconds=180), reference_losses, "dp2 zero1")
+
+
+@pytest.mark.distributed
+def test_pp2_tied_embeddings(tiny_corpus, reference_losses):
+    cfg = tiny_config(tiny_corpus, pp=2, steps=STEPS)
+    _check(run_distributed(train_worker, 2, cfg, timeout_seconds=180), reference_losses, "pp2")
+
+
+@pytest.mark.distributed
+def test_tp2_sequence_parallel(tiny_corpus, reference_losses):
+    cfg = tiny_config(tiny_corpus, tp=2, steps=STEPS)
+    cfg["transformer_architecture"]["sequence_parallel"] = True
+    _check(run_distributed(train_worker, 2, cfg, timeout_seconds=180), reference_losses, "tp2 sp")
+
+
+@pytest.mark.distributed
+def test_tp2_sequence_parallel_gelu_layernorm_bias(tiny_corpus, reference_losses_gelu):
+    cfg = tiny_config(tiny_corpus, tp=2, steps=STEPS)
+    cfg["transformer_architecture"].update(GELU, sequence_parallel=True, activation_checkpointing="every_layer")
+    _check(run_distributed(train_worker, 2, cfg, timeout_seconds=180), reference_losses_gelu, "tp2 sp gelu")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_dp2_tp2_pp2(tiny_corpus, reference_losses_untied):
+    # Untied: embeddings tied across pipeline stages with DP > 1 diverge from step 2 (1e-4 relative,
+    # also at dp2·pp2 without TP or ZeRO) -- a package issue reported to the lead; pp2 tied alone and
+    # dp2 alone match (the tests above).
+    cfg = tiny_config(tiny_corpus, tp=2, pp=2, dp=2, steps=STEPS, optimizer={"zero_stage": 1})
+    cfg["transformer_architecture"]["tied_embeddings"] = False
+    _check(run_distributed(train_worker, 8, cfg, timeout_seconds=300), reference_losses_untied, "dp2 tp2 pp2 zero1")

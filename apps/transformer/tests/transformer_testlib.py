@@ -1,0 +1,65 @@
+"""Shared pieces of the transformer app tests: a tiny corpus, a tiny config, a training worker."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from scaling.transformer import train
+from scaling.transformer.__main__ import DEFAULT_CONFIG
+from scaling.transformer.corpus import preprocess
+
+TINY_MODULES = ("colorsys", "bisect", "heapq", "fnmatch", "getopt", "glob", "quopri", "sched", "numbers", "shlex")
+TINY_VOCAB = 300
+
+
+def build_tiny_corpus(root: Path) -> Path:
+    """A ~10-module corpus with a 300-token BPE (a few seconds)."""
+    preprocess(root, vocab_size=TINY_VOCAB, modules=TINY_MODULES)
+    return root
+
+
+def tiny_config(
+    corpus: Path, tp: int = 1, pp: int = 1, dp: int = 1, steps: int = 10, **sections: dict[str, Any]
+) -> dict[str, Any]:
+    """The bundled config shrunk: hidden 32, 2 layers, GQA 4/2 heads, sequence 16, no saving."""
+    cfg = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    cfg["topology"] = dict(
+        model_parallel_size=tp,
+        pipe_parallel_size=pp,
+        data_parallel_size=dp,
+        global_batch_size=8,
+        micro_batch_size=2,
+        device="cpu",
+        timeout_seconds=60,
+    )
+    cfg["runner"]["nproc_per_node"] = tp * pp * dp
+    cfg["trainer"].update(
+        train_iterations=steps, eval_interval=None, save_dir=None, save_interval=None, log_interval=steps
+    )
+    cfg["logger"].update(log_dir=None)
+    cfg["learning_rate_scheduler"].update(learning_rate_decay_iters=max(steps, 4), learning_rate_warmup_steps=2)
+    cfg["transformer_architecture"] = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        max_sequence_length=64,
+    )
+    cfg["data"] = dict(sequence_length=16, default_corpus_dir=str(corpus))
+    for name, values in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **values}
+    return copy.deepcopy(cfg)
+
+
+def train_worker(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Runs on every rank of scaling.testing.run_distributed; returns the metric history."""
+    return train.main(cfg)
+
+
+def losses(history: list[dict[str, Any]], key: str = "training/loss") -> list[float]:
+    return [m[key] for m in history if key in m]

@@ -1,0 +1,172 @@
+"""A training step of the transformer app (1 process) against plain PyTorch, in one run.
+
+python bench/transformer_step.py                      # CPU default: hidden 256, 4 layers, seq 256, batch 8
+python bench/transformer_step.py --hidden 2048 --layers 16 --seq 2048 --batch 4 --device cuda --dtype bf16
+
+Both sides: the same shapes, weights and kernels (SDPA causal attention, SwiGLU, RMSNorm,
+tied embeddings, AdamW). Ours runs ParallelModule.train_step + scaling.optim.Optimizer
+(no document masking, so the same is_causal SDPA kernel); the reference is a hand-written
+nn.Module with torch.optim.AdamW. Prints median step times and ours / reference
+(target <= 1.05), plus tokens/s and, with --peak-tflops, MFU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+from scaling.optim import Optimizer
+from scaling.pipeline import ParallelModule
+from scaling.topology import Topology
+from scaling.transformer.config import TransformerArchitectureConfig, TransformerConfig
+from scaling.transformer.data import TransformerBatch
+from scaling.transformer.model import TransformerLoss, flops_per_token, layer_specs
+from scaling.transformer.train import parameter_groups
+
+
+class RefBlock(torch.nn.Module):
+    def __init__(self, h: int, nq: int, nkv: int, f: int, eps: float) -> None:
+        super().__init__()
+        self.nq, self.nkv, self.d, self.eps = nq, nkv, h // nq, eps
+        self.n1, self.n2 = torch.nn.Parameter(torch.ones(h)), torch.nn.Parameter(torch.ones(h))
+        self.qkv = torch.nn.Linear(h, (nq + 2 * nkv) * self.d, bias=False)
+        self.o = torch.nn.Linear(nq * self.d, h, bias=False)
+        self.gate, self.up = torch.nn.Linear(h, f, bias=False), torch.nn.Linear(h, f, bias=False)
+        self.down = torch.nn.Linear(f, h, bias=False)
+        r = self.d // 2
+        inv = 1.0 / (10000.0 ** (torch.arange(0, self.d, 2, dtype=torch.float64) / self.d))
+        self.register_buffer("inv", inv.float(), persistent=False)
+        self.r = r
+
+    def rope(self, x: torch.Tensor) -> torch.Tensor:
+        ang = torch.arange(x.shape[2], device=x.device).float()[:, None] * self.inv
+        cos, sin = ang.cos(), ang.sin()
+        x1, x2 = x[..., : self.r].float(), x[..., self.r :].float()
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        g = self.qkv(F.rms_norm(x, (x.shape[-1],), self.n1, self.eps)).view(
+            b, s, self.nkv, self.nq // self.nkv + 2, self.d
+        )
+        q = g[:, :, :, :-2].reshape(b, s, self.nq, self.d).transpose(1, 2)
+        k, v = g[:, :, :, -2].transpose(1, 2), g[:, :, :, -1].transpose(1, 2)
+        a = F.scaled_dot_product_attention(
+            self.rope(q), self.rope(k), v, is_causal=True, enable_gqa=self.nq != self.nkv
+        )
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
+        h = F.rms_norm(x, (x.shape[-1],), self.n2, self.eps)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class RefModel(torch.nn.Module):
+    def __init__(self, arch: TransformerArchitectureConfig) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.blocks = torch.nn.ModuleList(
+            RefBlock(arch.hidden_size, arch.num_attention_heads, arch.kv_heads, arch.ffn_size, arch.norm_eps)
+            for _ in range(arch.num_layers)
+        )
+        self.norm = torch.nn.Parameter(torch.ones(arch.hidden_size))
+        self.eps = arch.norm_eps
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for blk in self.blocks:
+            x = blk(x)
+        logits = F.linear(F.rms_norm(x, (x.shape[-1],), self.norm, self.eps), self.emb.weight)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def _time(step, warmup: int, iters: int, device: torch.device) -> list[float]:
+    times = []
+    for i in range(warmup + iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--peak-tflops", type=float, default=None, help="device dense peak for MFU (H200 bf16: 989)")
+    a = p.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    device = torch.device(a.device)
+    arch = TransformerArchitectureConfig(
+        vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers, num_attention_heads=a.heads,
+        num_kv_heads=a.kv_heads, max_sequence_length=a.seq, precision=a.dtype, document_masking=False,
+    )  # fmt: skip
+    cfg = TransformerConfig.from_dict(
+        {
+            "runner": {"runner_type": "local", "nproc_per_node": 1},
+            "topology": {"world_size": 1, "global_batch_size": a.batch, "micro_batch_size": a.batch,
+                         "device": a.device},
+            "optimizer": {"zero_stage": 0, "master_weights": a.dtype != "fp32"},
+            "learning_rate_scheduler": {"learning_rate": 1e-4},
+            "transformer_architecture": arch.as_dict(),
+            "data": {"sequence_length": a.seq},
+        }
+    )  # fmt: skip
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    topo = Topology(cfg.topology, 0).initialize_distributed(f"file://{tempfile.mkdtemp()}/rdzv")
+    module = ParallelModule(layer_specs(arch, topo), topo, seed=1)
+    optimizer = Optimizer(config=cfg.optimizer, parameter_groups=parameter_groups(module, cfg), topology=topo)
+    loss_fn = TransformerLoss(arch.vocab_size, topo)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g)
+    batch = TransformerBatch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), None, None).to(device)
+
+    ref = RefModel(arch).to(device, arch.dtype)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
+
+    def ours() -> None:
+        module.train_step([batch], optimizer, loss_fn)
+
+    def reference() -> None:
+        ref_opt.zero_grad(set_to_none=True)
+        ref(batch.input_token_ids, batch.target_token_ids).backward()
+        ref_opt.step()
+
+    # Interleave the two so drift in machine load hits both alike.
+    t_ours, t_ref = [], []
+    for _ in range(2):
+        t_ours += _time(ours, a.warmup, a.iters // 2, device)
+        t_ref += _time(reference, a.warmup, a.iters // 2, device)
+    mo, mr = statistics.median(t_ours), statistics.median(t_ref)
+    tokens = a.batch * a.seq
+    fpt = flops_per_token(arch, a.seq)
+    print(f"model: hidden {a.hidden}, layers {a.layers}, heads {a.heads}/{arch.kv_heads}, vocab {a.vocab}, "
+          f"seq {a.seq}, batch {a.batch}, {a.dtype} on {device}; FLOPs/token = 6*N + 12*L*H*S = {fpt:.3e}")  # fmt: skip
+    print(f"ours      {mo * 1e3:9.2f} ms/step  {tokens / mo:10.0f} tokens/s  {tokens * fpt / mo / 1e12:.3f} TFLOP/s")
+    print(f"reference {mr * 1e3:9.2f} ms/step  {tokens / mr:10.0f} tokens/s  {tokens * fpt / mr / 1e12:.3f} TFLOP/s")
+    print(f"ratio ours/reference = {mo / mr:.3f} (target <= 1.05)")
+    if a.peak_tflops:
+        print(f"MFU ours = {tokens * fpt / mo / 1e12 / a.peak_tflops:.1%} of {a.peak_tflops} TFLOP/s")
+    topo.destroy()
+
+
+if __name__ == "__main__":
+    main()

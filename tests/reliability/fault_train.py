@@ -1,0 +1,251 @@
+"""Training script the reliability tests launch through the runner (torchrun), with faults on demand.
+
+A tiny classifier with dropout (column- then row-parallel linear) trained by ``BaseTrainer``
+on four Gaussian blobs. The payload is ``{"config": {...}, "out_dir": str, "faults": [...]}``;
+``config`` holds the ``trainer``, ``topology``, ``logger`` and ``optimizer`` sections. Each fault
+is a dict with ``kind``, ``rank`` and ``step`` (the optimizer step being run, 1-based):
+
+- ``signal``: the rank sends itself ``signum`` in the middle of the step (inside the loss);
+- ``sleep``: the rank sleeps ``seconds`` in the middle of the step, before its next collective;
+- ``exit``: the rank exits with ``code`` at the start of the step;
+- ``nan_loss``: the rank's loss of that step is NaN;
+- ``inf_grad``: one element of the gradient of the rank's first-layer weight is +Inf;
+- ``kill_in_save``: the rank SIGKILLs itself while committing the checkpoint of ``step``,
+  after its shards are on disk and before the commit marker exists.
+
+Every rank writes ``out_dir/rank<R>.json`` at the start (pid, and a sha256 of each
+environment variable listed in ``echo_env_hash``: proof the worker can read a secret
+without it appearing anywhere) and ``out_dir/steps_rank<R>.jsonl`` (one line per finished
+step: loss, whether the optimizer skipped it, and a hash of parameters and optimizer state).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from scaling.config import BaseConfig
+from scaling.data import BaseDataset, BaseDatasetBatch, BaseDatasetItem
+from scaling.nn import BaseLayer, ColumnParallelLinear, LayerSpec, RowParallelLinear
+from scaling.optim import Optimizer, OptimizerConfig, OptimizerParamGroup, OptimizerParamGroupConfig
+from scaling.pipeline import ParallelModule
+from scaling.runner import load_payload
+from scaling.topology import Topology, TopologyConfig
+from scaling.trainer import BaseContext, BaseTrainer, TrainerConfig
+from scaling.trainer.checkpoint import _save
+from scaling.trainer.loggers import LoggerConfig
+
+
+@dataclass
+class Item(BaseDatasetItem):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclass
+class Batch(BaseDatasetBatch):
+    x: torch.Tensor | None
+    y: torch.Tensor | None
+
+    def only_inputs(self) -> Batch:
+        return Batch(self.x, None)
+
+    def only_targets(self) -> Batch:
+        return Batch(None, self.y)
+
+
+class Blobs(BaseDataset[Item, Batch]):
+    """Four Gaussian blobs in 8 dimensions (fixed seed)."""
+
+    def __init__(self, n: int = 512) -> None:
+        rng = np.random.default_rng(0)
+        centers = rng.normal(size=(4, 8)) * 3
+        labels = rng.integers(0, 4, n)
+        self.x = torch.from_numpy((centers[labels] + rng.normal(size=(n, 8))).astype(np.float32))
+        self.y = torch.from_numpy(labels.astype(np.int64))
+
+    def ident(self) -> str:
+        return "blobs"
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> Item:
+        return Item(self.x[i], self.y[i])
+
+    def collate(self, items: list[Item]) -> Batch:
+        return Batch(torch.stack([i.x for i in items]), torch.stack([i.y for i in items]))
+
+
+@dataclass
+class IO:
+    h: torch.Tensor
+
+
+class Hidden(BaseLayer[Any, IO]):
+    def __init__(self, topology: Topology) -> None:
+        super().__init__()
+        self.linear = ColumnParallelLinear(8, 16, parallel_output=True, topology=topology)
+
+    def forward(self, batch: Batch) -> IO:
+        return IO(F.dropout(torch.relu(self.linear(batch.x)), p=0.2, training=self.training))
+
+
+class Head(BaseLayer[IO, IO]):
+    def __init__(self, topology: Topology) -> None:
+        super().__init__()
+        self.linear = RowParallelLinear(16, 4, parallel_input=True, topology=topology)
+
+    def forward(self, x: IO) -> IO:
+        return IO(self.linear(x.h))
+
+
+class ReliabilityConfig(BaseConfig):
+    _require_descriptions = False
+    trainer: TrainerConfig
+    topology: TopologyConfig
+    logger: LoggerConfig = LoggerConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+
+
+def state_hash(module: ParallelModule, optimizer: Optimizer) -> str:
+    """sha256 of this rank's parameters and optimizer state (local shards, exact bytes)."""
+    h = hashlib.sha256()
+    for name, p, _ in module.named_parameters_with_meta():
+        h.update(name.encode())
+        h.update(p.detach().numpy().tobytes())
+    for slot in optimizer.slots:
+        for key in sorted(slot.state):
+            value = slot.state[key]
+            if isinstance(value, torch.Tensor):
+                h.update(key.encode())
+                h.update(value.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class FaultyTrainer(BaseTrainer[Any]):
+    """BaseTrainer that fires the payload's faults and records every finished step."""
+
+    def __init__(self, faults: list[dict[str, Any]], out_dir: Path, **kwargs: Any) -> None:
+        self.faults = faults
+        self.rank = kwargs["context"].topology.global_rank
+        self.steps_file = out_dir / f"steps_rank{self.rank}.jsonl"
+        super().__init__(**kwargs)
+
+    def due(self, kind: str) -> dict[str, Any] | None:
+        step = self.context.iterations + 1
+        for fault in self.faults:
+            if fault["kind"] == kind and fault["rank"] == self.rank and fault["step"] == step:
+                return fault
+        return None
+
+    def train_step(self) -> dict[str, Any]:
+        if fault := self.due("exit"):
+            print(f"fault: rank {self.rank} exits with {fault['code']} at step {fault['step']}", flush=True)
+            os._exit(fault["code"])
+        hooks = []
+        if self.due("inf_grad"):
+            weight = next(p for _, p, _ in self.parallel_module.named_parameters_with_meta())
+            hooks.append(weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf"))))
+        metrics = super().train_step()
+        for hook in hooks:
+            hook.remove()
+        record = {
+            "step": self.context.iterations,
+            "loss": metrics["training/loss"],
+            "skipped": metrics.get("training/global_grad_norm") is None,
+            "hash": state_hash(self.parallel_module, self.optimizer),
+        }
+        with open(self.steps_file, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return metrics
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    payload = load_payload()
+    out_dir = Path(payload["out_dir"])
+    config = ReliabilityConfig.from_dict(payload["config"])
+    faults = payload.get("faults", [])
+    topology = Topology.from_env(config.topology)
+    rank = topology.global_rank
+    record = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "env_sha256": {
+            k: hashlib.sha256(os.environ[k].encode()).hexdigest() if k in os.environ else None
+            for k in payload.get("echo_env_hash", [])
+        },
+    }
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
+    context = BaseContext(config=config, topology=topology)
+    context.initialize(seed=config.trainer.seed)
+    module = ParallelModule(
+        [LayerSpec(Hidden, topology=topology), LayerSpec(Head, topology=topology)], topology, seed=1
+    )
+    group = OptimizerParamGroup(
+        named_parameters_with_meta=list(module.named_parameters_with_meta()),
+        config=OptimizerParamGroupConfig(name="all", weight_decay=0.01),
+    )
+    optimizer = Optimizer(config.optimizer, [group], topology)
+    dataset = Blobs()
+
+    def loss_function(out: IO, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        step = context.iterations + 1
+        for fault in faults:
+            if fault["rank"] != rank or fault["step"] != step:
+                continue
+            if fault["kind"] == "signal":
+                (out_dir / f"fault_rank{rank}.time").write_text(repr(time.time()))
+                os.kill(os.getpid(), fault["signum"])
+            elif fault["kind"] == "sleep":
+                print(f"fault: rank {rank} sleeps {fault['seconds']} s in step {step}", flush=True)
+                (out_dir / f"fault_rank{rank}.time").write_text(repr(time.time()))
+                time.sleep(fault["seconds"])
+        loss = F.cross_entropy(out.h, batch.y)
+        if any(f["kind"] == "nan_loss" and f["rank"] == rank and f["step"] == step for f in faults):
+            loss = loss * float("nan")
+        return loss, {}
+
+    for fault in faults:
+        if fault["kind"] == "kill_in_save" and fault["rank"] == rank:
+            real_hash, target = _save.mk.hash_file, _save.mk.step_dir_name(fault["step"])
+
+            def hash_then_die(path: Path, real_hash: Any = real_hash, target: str = target) -> Any:
+                if Path(path).parent.name == target or Path(path).parent.parent.name == target:
+                    print(f"fault: rank {rank} SIGKILLs itself while committing {target}", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real_hash(path)
+
+            _save.mk.hash_file = hash_then_die
+
+    trainer = FaultyTrainer(
+        faults,
+        out_dir,
+        config=config.trainer,
+        context=context,
+        parallel_module=module,
+        optimizer=optimizer,
+        dataset=dataset,
+        dataset_evaluation=None,
+        sync_batch_to_model_parallel=dataset.sync_batch_to_model_parallel,
+        metrics_aggregation_fn=None,
+        loss_function=loss_function,
+    )
+    trainer.run_training()
+    topology.destroy()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

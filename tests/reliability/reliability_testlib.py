@@ -1,0 +1,81 @@
+"""Shared pieces of the reliability tests: payloads for fault_train.py and launching it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from scaling.runner import RunnerConfig, runner_main
+
+SCRIPT = str(Path(__file__).with_name("fault_train.py"))
+
+
+def config(
+    tmp: Path,
+    steps: int = 6,
+    tp: int = 2,
+    pp: int = 1,
+    dp: int = 2,
+    timeout_s: float = 30.0,
+    trainer: dict[str, Any] | None = None,
+    **sections: dict[str, Any],
+) -> dict[str, Any]:
+    """The ``config`` of a payload: tp·pp·dp ranks, 16 samples per step, no saving unless asked."""
+    return {
+        "trainer": {"train_iterations": steps, "seed": 3, **(trainer or {})},
+        "topology": {
+            "model_parallel_size": tp,
+            "pipe_parallel_size": pp,
+            "data_parallel_size": dp,
+            "global_batch_size": 16,
+            "micro_batch_size": 16 // dp // 2,
+            "device": "cpu",
+            "timeout_seconds": timeout_s,
+        },
+        **sections,
+    }
+
+
+def launch(cfg: dict[str, Any], out: Path, faults: list[dict[str, Any]] | None = None, **payload: Any) -> int:
+    """Run fault_train.py on every rank of ``cfg`` through ``runner_main`` (local torchrun)."""
+    out.mkdir(parents=True, exist_ok=True)
+    topo = cfg["topology"]
+    nproc = topo["model_parallel_size"] * topo["pipe_parallel_size"] * topo["data_parallel_size"]
+    runner = RunnerConfig(script=SCRIPT, nproc_per_node=nproc, teardown_timeout_s=10)
+    return runner_main(runner, {"config": cfg, "out_dir": str(out), "faults": faults or [], **payload})
+
+
+def steps(out: Path, rank: int) -> list[dict[str, Any]]:
+    """The step records rank ``rank`` wrote, in order (across every run into ``out``)."""
+    path = out / f"steps_rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def losses(out: Path, rank: int = 0) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in steps(out, rank)}
+
+
+def worker_pids(out: Path, world_size: int) -> list[int]:
+    return [json.loads((out / f"rank{r}.json").read_text())["pid"] for r in range(world_size)]
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def reap(pids: list[int]) -> None:
+    """SIGKILL whatever a failed test left running (only the pids this test started)."""
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
