@@ -25,7 +25,13 @@ TORCH_LEGS = ["2.6.0", "2.10.0", LOCAL_TORCH, "newest"]
 TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2", "hypothesis>=6"]
 # Optional extras some packages' tests exercise (PEFT interop, the tokenizer build command,
 # the W&B sink, schedule plots).
-TEST_EXTRAS = {"scaling-nn": "test", "scaling-data": "build", "scaling-trainer": "wandb", "scaling-pipeline": "plot"}
+TEST_EXTRAS = {
+    "scaling-nn": "test",
+    "scaling-data": "build",
+    "scaling-trainer": "wandb",
+    "scaling-pipeline": "plot",
+    "scaling-transformer": "hf",
+}
 
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True

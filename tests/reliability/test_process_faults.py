@@ -39,7 +39,7 @@ def test_sigkill_of_one_rank_mid_step_ends_every_rank_and_the_runner(tmp_path, c
     try:
         assert code == 128 + signal.SIGKILL
         # The job ends instead of hanging (see docs/reliability.md for the 1.5 × timeout bound).
-        assert returned - _fault_time(out, 2) < 4 * TIMEOUT_S
+        assert returned - _fault_time(out, 2) < 1.5 * TIMEOUT_S, returned - _fault_time(out, 2)
         # The runner's first line about a rank names the dead rank, its pid and the signal.
         first = _first_rank_line(err)
         assert re.search(rf"rank 2 \(local_rank 2 on \S+, pid {pids[2]}\) was killed by signal 9 \(SIGKILL\)", first)

@@ -34,6 +34,7 @@ class TrainerCheckpointer:
         self._pending: PendingSave | None = None
         self._group: Any = None
         self.last_loaded_step: int | None = None
+        self.last_saved_step: int | None = None
 
     def _state(self) -> dict[str, Any]:
         t = self.trainer
@@ -52,8 +53,10 @@ class TrainerCheckpointer:
         }
 
     def save(self, save_dir: Path) -> None:
-        """Save the current step; the previous asynchronous save is finished first."""
+        """Save the current step (once); the previous asynchronous save is finished first."""
         t = self.trainer
+        if self.last_saved_step == t.context.iterations:
+            return
         self.wait()
         if t.config.async_save and self._group is None and dist.is_initialized():
             self._group = new_checkpoint_group()
@@ -68,6 +71,7 @@ class TrainerCheckpointer:
             async_save=t.config.async_save,
             process_group=self._group,
         )
+        self.last_saved_step = t.context.iterations
         if not t.config.async_save:
             self.wait()
 

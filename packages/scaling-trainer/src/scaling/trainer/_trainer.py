@@ -155,10 +155,13 @@ class BaseTrainer(Generic[ContextT]):
         """Train until ``train_iterations``; evaluate, log and save on their intervals.
 
         SIGTERM or SIGINT on any rank stops every rank after the same step, saves a
-        checkpoint (when ``save_dir`` is set) and exits with ``128 + signal``.
+        checkpoint (when ``save_dir`` is set; not twice when the step was just saved) and
+        exits with ``128 + signal``. A rank that cannot reach the step boundary within the
+        collective timeout exits with the same code without saving.
         """
         cfg = self.config
-        watcher = SignalWatcher(self.context.topology.device).install()
+        topology = self.context.topology
+        watcher = SignalWatcher(topology.device, grace_seconds=topology.config.timeout_seconds).install()
         try:
             while self.context.iterations < cfg.train_iterations:
                 metrics = self.train_step()
@@ -175,6 +178,7 @@ class BaseTrainer(Generic[ContextT]):
                     self.checkpointer.save(cfg.save_dir)
                 signum = watcher.agreed_signal()
                 if signum:
+                    watcher.disarm()
                     self._stop_on_signal(signum)
         finally:
             watcher.uninstall()

@@ -143,6 +143,14 @@ def load_checkpoint(
     raise CheckpointError(f"no loadable checkpoint in {load_dir}")
 
 
+def _read_json(path: Path) -> Any:
+    """Parse one of our JSON side files; anything else is a CheckpointError naming the file."""
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not a valid checkpoint JSON file ({type(e).__name__}: {e})") from e
+
+
 def _load_verified(
     step_dir: Path,
     step: int,
@@ -156,9 +164,9 @@ def _load_verified(
     rank, world = _world(pg)
     metadata = safe_load_metadata(step_dir / ".metadata")
     ckpt_tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-    saved_scalars = json.loads((step_dir / SCALARS_FILE).read_text())
+    saved_scalars = _read_json(step_dir / SCALARS_FILE)
     same_world = marker.get("world_size") == world
-    own = json.loads((step_dir / rank_file(rank, "json")).read_text()) if same_world else None
+    own = _read_json(step_dir / rank_file(rank, "json")) if same_world else None
     scalar_values = dict(saved_scalars["values"])
     if own is not None:
         scalar_values.update({k: own["scalars"][k] for k in saved_scalars["per_rank_only"] if k in own["scalars"]})
@@ -205,6 +213,10 @@ def _load_verified(
     rank_state = None
     if own is not None:
         st = step_dir / rank_file(rank, "safetensors")
-        rank_state = decode_pytree(own["rank_state"], load_file(str(st)) if st.is_file() else {})
-    extra = json.loads((step_dir / EXTRA_FILE).read_text())
+        try:
+            tensors = load_file(str(st)) if st.is_file() else {}
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
+            raise CheckpointError(f"{st}: not a valid safetensors file ({e})") from e
+        rank_state = decode_pytree(own["rank_state"], tensors)
+    extra = _read_json(step_dir / EXTRA_FILE)
     return LoadedCheckpoint(step, step_dir, state, extra, rank_state, missing, unexpected)
