@@ -134,6 +134,7 @@ class Optimizer:
         if self.gatherer is not None:
             self.gatherer.free_all()
         self.reducer: GradientReducer | None = None
+        self._dp_reduced = False
         if config.zero_stage < 2 and group_size(topology.data_parallel_group) > 1:
             self.reducer = GradientReducer(self.slots, topology.data_parallel_group, config.allreduce_bucket_size)
 
@@ -142,6 +143,7 @@ class Optimizer:
         """Drop the gradients (``param.grad = None``) and any ZeRO-2 gradient shards."""
         if self.reducer is not None:
             self.reducer.discard()
+        self._dp_reduced = False
         for slot in self.slots:
             slot.param.grad = None
             slot.grad_shard = None
@@ -173,11 +175,21 @@ class Optimizer:
         return hook
 
     # --------------------------------------------------------------------- step
+    def finish_gradient_reduction(self) -> None:
+        """Wait for the DP gradient averaging overlapped with backward (ZeRO 0/1).
+
+        Afterwards ``.grad`` holds the DP average. Call it before changing gradients
+        across ranks outside the optimizer (e.g. summing tied weights over pipeline
+        stages); :meth:`step` calls it otherwise. Runs once per step.
+        """
+        if self.reducer is not None and not self._dp_reduced:
+            self.reducer.finish()  # DP averages, mostly overlapped with backward already
+        self._dp_reduced = True
+
     def _reduced_grads(self) -> list[torch.Tensor]:
         topo, bucket = self.topology, self.config.allreduce_bucket_size
         if self.config.zero_stage < 2:
-            if self.reducer is not None:
-                self.reducer.finish()  # DP averages, mostly overlapped with backward already
+            self.finish_gradient_reduction()
             for slot in self.slots:
                 if slot.param.grad is None:
                     slot.param.grad = torch.zeros_like(slot.param)

@@ -222,6 +222,11 @@ class StageExecutor:
 
     # ---------------------------------------------------------------- step
     def _ReduceTiedGrads(self, ins: ReduceTiedGrads) -> None:
+        # An optimizer that averages gradients over DP during backward must finish that
+        # first: it adds its averages into .grad later, which would undo the tied sum.
+        finish = getattr(self.optimizer, "finish_gradient_reduction", None)
+        if finish is not None:
+            finish()
         self.module.reduce_tied_gradients()
 
     def _OptimizerStep(self, ins: OptimizerStep) -> None:
