@@ -140,8 +140,11 @@ def typecheck(session: nox.Session) -> None:
     dists = _dists()
     _install_torch(session)
     session.install("mypy", "types-PyYAML", *_all_editable(dists))
-    srcs = [str(p / "src") for p in dists.values()]
-    session.run("mypy", *srcs)
+    # One namespace over many src/ roots: mypy needs them all on MYPYPATH and the
+    # packages named with -p (passing the folders makes it see each file twice).
+    srcs = [p / "src" for p in dists.values()]
+    packages = [f"scaling.{d.name}" for src in srcs for d in sorted((src / "scaling").iterdir()) if d.is_dir()]
+    session.run("mypy", *[arg for name in packages for arg in ("-p", name)], env={"MYPYPATH": ":".join(map(str, srcs))})
 
 
 @nox.session
