@@ -50,3 +50,22 @@ def test_trainer_config_errors():
         TrainerConfig(save_interval=5)
     with pytest.raises(ValidationError, match=r"train_iterations\n  Input should be greater than or equal to 1"):
         TrainerConfig(train_iterations=0)
+
+
+@pytest.mark.distributed
+def test_fine_tune_from_weights_only(tmp_path):
+    """load_optimizer_states=False and load_context=False: weights load, counters start at 0."""
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(train_worker, 2, 1, 1, {"train_iterations": 3, "save_dir": ckpt}, timeout_seconds=180)
+    out = run_distributed(
+        train_worker,
+        2,
+        1,
+        1,
+        {"train_iterations": 2, "load_dir": ckpt, "load_optimizer_states": False, "load_context": False},
+        timeout_seconds=180,
+    )
+    fresh = run_distributed(train_worker, 2, 1, 1, {"train_iterations": 2}, timeout_seconds=180)
+    assert [r["step"] for r in out] == [2, 2]
+    # Trained weights were loaded: the first loss differs from a fresh start's.
+    assert out[0]["losses"][0] != fresh[0]["losses"][0]

@@ -93,11 +93,9 @@ class TrainerCheckpointer:
             t.context.topology,
             fallback_to_previous=cfg.fallback_to_previous_checkpoint,
             allowed_missing=cfg.allowed_missing_keys_in_checkpoint,
-            allowed_unexpected=[
-                *cfg.allowed_unexpected_keys_in_checkpoint,
-                *([r"optimizer\..*"] if "optimizer" not in template else []),
-            ],
-            ignored=cfg.ignore_keys_in_checkpoint,
+            allowed_unexpected=cfg.allowed_unexpected_keys_in_checkpoint,
+            # Without optimizer states the checkpoint's optimizer keys are simply not read.
+            ignored=[*cfg.ignore_keys_in_checkpoint, *([] if cfg.load_optimizer_states else [r"optimizer\..*"])],
         )
         load_model_state_dict(list(t.parallel_module.named_parameters_with_meta()), loaded.state["model"])
         if "optimizer" in template:
