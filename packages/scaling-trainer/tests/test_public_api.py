@@ -12,6 +12,8 @@ def test_public_api():
         "LoggerConfig",
         "MetricsLogger",
         "PendingSave",
+        "ProfilerConfig",
+        "StepProfiler",
         "TrainerConfig",
         "committed_steps",
         "exit_code_for",

@@ -122,9 +122,26 @@ class StageExecutor:
         return chunk * self.p + self.s
 
     def run(self, instructions: Sequence[Instruction]) -> None:
-        """Execute ``instructions`` in order."""
+        """Execute ``instructions`` in order.
+
+        When the module has a list attribute ``instruction_timings`` (the trainer's profiler
+        sets one for its step window), each instruction runs inside
+        ``torch.profiler.record_function(repr(ins))`` and ``(repr(ins), start, end)`` in
+        ``time.perf_counter()`` seconds is appended to it. Without it (the default) the loop
+        is the plain dispatch: one attribute look-up per ``run``, nothing per instruction.
+        """
+        timings = getattr(self.module, "instruction_timings", None)
+        if timings is None:
+            for ins in instructions:
+                getattr(self, f"_{type(ins).__name__}")(ins)
+            return
         for ins in instructions:
-            getattr(self, f"_{type(ins).__name__}")(ins)
+            name = repr(ins)
+            with torch.profiler.record_function(name):
+                start = time.perf_counter()
+                getattr(self, f"_{type(ins).__name__}")(ins)
+                end = time.perf_counter()
+            timings.append((name, start, end))
 
     # ---------------------------------------------------------------- data
     def _LoadMicroBatch(self, ins: LoadMicroBatch) -> None:

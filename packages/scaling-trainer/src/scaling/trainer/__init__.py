@@ -2,6 +2,7 @@
 
 from scaling.trainer._config import TrainerConfig
 from scaling.trainer._context import BaseContext
+from scaling.trainer._profiler import ProfilerConfig, StepProfiler
 from scaling.trainer._signals import HANDLED_SIGNALS, exit_code_for
 from scaling.trainer._trainer import BaseTrainer
 from scaling.trainer.checkpoint import (
@@ -26,6 +27,8 @@ __all__ = [
     "LoggerConfig",
     "MetricsLogger",
     "PendingSave",
+    "ProfilerConfig",
+    "StepProfiler",
     "TrainerConfig",
     "committed_steps",
     "exit_code_for",

@@ -52,6 +52,16 @@ class TrainerConfig(BaseConfig):
     loss_spike_factor: float = Field(
         10.0, gt=1, description="Flag a loss spike when the loss exceeds this factor times the running max."
     )
+    peak_flops_per_second: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Peak FLOP/s of one device (e.g. 989e12 for H100 bf16 dense; CPUs have no standard figure, so "
+            "measure one); with the trainer's flops_per_sample the metrics get runtime/mfu (and runtime/hfu). "
+            "None = no MFU/HFU."
+        ),
+    )
+    progress_bar: bool = Field(False, description="Show a tqdm progress bar on global rank 0 (needs tqdm).")
 
     @model_validator(mode="after")
     def _check(self) -> TrainerConfig:

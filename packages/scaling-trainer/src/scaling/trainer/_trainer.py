@@ -13,15 +13,19 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import torch
+import torch.distributed as dist
 
+from scaling.collectives import all_reduce
 from scaling.data import BaseDataset, DataLoader
 from scaling.trainer._config import TrainerConfig
 from scaling.trainer._context import BaseContext
+from scaling.trainer._profiler import ProfilerConfig, StepProfiler, num_tokens, peak_memory_mib, progress_bar
 from scaling.trainer._signals import SignalWatcher, exit_code_for
 from scaling.trainer._state import TrainerCheckpointer
 from scaling.trainer.loggers import LoggerConfig, MetricsLogger
 
 ContextT = TypeVar("ContextT", bound=BaseContext[Any])
+FlopsEstimate = float | Callable[[], float]
 
 
 class BaseTrainer(Generic[ContextT]):
@@ -40,6 +44,14 @@ class BaseTrainer(Generic[ContextT]):
         loss_function: ``loss_function(output, batch) -> (loss, metrics)``.
         metrics_logger: where metrics go; default: the sinks of ``context.config.logger``
             when the app config has that section, else a console line on rank 0.
+        profiler_config: the step window to profile; default: ``context.config.profiler``
+            when the app config has that section, else no profiling.
+        flops_per_sample: model FLOPs of forward + backward for one sample (e.g.
+            ``6 * parameters * tokens_per_sample``), or a zero-argument callable returning
+            it; with ``config.peak_flops_per_second`` the metrics get ``runtime/mfu``.
+        hardware_flops_per_sample: as ``flops_per_sample`` but counting recomputation
+            (activation checkpointing); with ``config.peak_flops_per_second`` the
+            metrics get ``runtime/hfu``.
 
     Example::
 
@@ -62,6 +74,10 @@ class BaseTrainer(Generic[ContextT]):
         metrics_aggregation_fn: Callable[..., Any] | None,
         loss_function: Callable[..., Any],
         metrics_logger: MetricsLogger | None = None,
+        *,
+        profiler_config: ProfilerConfig | None = None,
+        flops_per_sample: FlopsEstimate | None = None,
+        hardware_flops_per_sample: FlopsEstimate | None = None,
     ) -> None:
         self.config = config
         self.context = context
@@ -78,6 +94,12 @@ class BaseTrainer(Generic[ContextT]):
             section = getattr(context.config, "logger", None)
             metrics_logger = MetricsLogger(section if isinstance(section, LoggerConfig) else None, topology=topology)
         self.metrics_logger = metrics_logger
+        if profiler_config is None:
+            section = getattr(context.config, "profiler", None)
+            profiler_config = section if isinstance(section, ProfilerConfig) else None
+        self.profiler_config = profiler_config
+        self.flops_per_sample = flops_per_sample
+        self.hardware_flops_per_sample = hardware_flops_per_sample
         self.loader = DataLoader(
             dataset, seed=config.seed, topology=topology, num_workers=config.dataloader_num_workers
         )
@@ -101,7 +123,10 @@ class BaseTrainer(Generic[ContextT]):
         )
         self.context.step()
         duration = time.perf_counter() - start
-        gbs = self.context.topology.config.global_batch_size or 0
+        topology = self.context.topology
+        gbs = topology.config.global_batch_size or 0
+        samples_per_second = gbs / duration if duration > 0 else 0.0
+        peak, tokens = self._peak_memory_and_tokens(micro_batches)
         loss = float(out.loss)
         metrics: dict[str, Any] = {
             "step": self.context.iterations,
@@ -111,10 +136,55 @@ class BaseTrainer(Generic[ContextT]):
             **{f"training/lr_{k}": v for k, v in (out.learning_rates or {}).items()},
             "training/loss_scale": out.loss_scale,
             "runtime/step_duration": duration,
-            "runtime/samples_per_second": gbs / duration if duration > 0 else 0.0,
+            "runtime/samples_per_second": samples_per_second,
+            "runtime/tokens_per_second": tokens / duration if tokens is not None and duration > 0 else None,
+            "runtime/peak_memory_mib": peak,
+            **self._utilization(samples_per_second),
             "training/loss_spike": self._is_spike(loss),
         }
         return {k: v for k, v in metrics.items() if v is not None}
+
+    def _peak_memory_and_tokens(self, micro_batches: list[Any]) -> tuple[float, float | None]:
+        """Peak memory (MiB, max over all ranks) and this step's tokens (summed over DP), or None."""
+        topology = self.context.topology
+        device = topology.device
+        peak = peak_memory_mib(device)
+        counts = [num_tokens(b) for b in micro_batches]
+        tokens = None if not counts or any(c is None for c in counts) else float(sum(c or 0 for c in counts))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # Every rank logs the same numbers: the largest peak of any rank (default group).
+            peak_t = torch.tensor([peak], dtype=torch.float64, device=device)
+            peak = float(all_reduce(peak_t, dist.group.WORLD, op=dist.ReduceOp.MAX)[0])
+            if tokens is not None and topology.data_parallel_size > 1:
+                tokens_t = torch.tensor([tokens], dtype=torch.float64, device=device)
+                tokens = float(all_reduce(tokens_t, topology.data_parallel_group)[0])
+        return peak, tokens
+
+    def _utilization(self, samples_per_second: float) -> dict[str, float]:
+        """MFU / HFU: achieved FLOP/s over ``peak_flops_per_second`` times the world size."""
+        peak = self.config.peak_flops_per_second
+        if peak is None:
+            return {}
+        total_peak = peak * self.context.topology.world_size
+        out: dict[str, float] = {}
+        for name, estimate in (("mfu", self.flops_per_sample), ("hfu", self.hardware_flops_per_sample)):
+            if estimate is not None:
+                flops = float(estimate() if callable(estimate) else estimate)
+                out[f"runtime/{name}"] = flops * samples_per_second / total_peak
+        return out
+
+    def _print_flops_formula(self) -> None:
+        peak = self.config.peak_flops_per_second
+        if peak is None or (self.flops_per_sample is None and self.hardware_flops_per_sample is None):
+            return
+        world = self.context.topology.world_size
+        for name, estimate in (("MFU", self.flops_per_sample), ("HFU", self.hardware_flops_per_sample)):
+            if estimate is not None:
+                flops = float(estimate() if callable(estimate) else estimate)
+                self.metrics_logger.console(
+                    f"{name} = flops_per_sample ({flops:.4g}) * samples_per_second / "
+                    f"(peak_flops_per_second ({peak:.4g}) * world_size ({world}))"
+                )
 
     def _is_spike(self, loss: float) -> bool:
         if not torch.isfinite(torch.tensor(loss)):
@@ -161,11 +231,18 @@ class BaseTrainer(Generic[ContextT]):
         """
         cfg = self.config
         topology = self.context.topology
+        profiler = StepProfiler(self.profiler_config, topology.global_rank, self.parallel_module, topology.device)
+        progress = progress_bar(cfg, topology.global_rank, self.context.iterations)
+        self._print_flops_formula()
         watcher = SignalWatcher(topology.device, grace_seconds=topology.config.timeout_seconds).install()
         try:
             while self.context.iterations < cfg.train_iterations:
+                profiler.step_begin(self.context.iterations + 1)
                 metrics = self.train_step()
                 step = self.context.iterations
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix(loss=f"{metrics['training/loss']:.4g}", refresh=False)
                 last = step == cfg.train_iterations
                 if step % cfg.log_interval == 0 or last:
                     self.metrics_logger.log(metrics, step)
@@ -176,12 +253,16 @@ class BaseTrainer(Generic[ContextT]):
                     self.history.append(eval_metrics)
                 if cfg.save_dir is not None and (last or (cfg.save_interval and step % cfg.save_interval == 0)):
                     self.checkpointer.save(cfg.save_dir)
+                profiler.step_end(step)
                 signum = watcher.agreed_signal()
                 if signum:
                     watcher.disarm()
                     self._stop_on_signal(signum)
         finally:
             watcher.uninstall()
+            profiler.close()
+            if progress is not None:
+                progress.close()
             self.checkpointer.wait()
             self.metrics_logger.close()
         return self.history if return_metrics else None

@@ -1,0 +1,207 @@
+"""ProfilerConfig and StepProfiler (torch.profiler traces, instruction timers) and runtime measurements.
+
+The window is steps ``profile_start_step`` .. ``profile_start_step + profile_steps - 1``
+(1-based optimizer steps, as in the logged ``step``). Inside it the trainer's
+``StepProfiler`` keeps a ``torch.profiler.profile`` open and gives the module an
+``instruction_timings`` list, which the pipeline executor fills with one
+``(repr(instruction), start, end)`` per instruction (and marks with
+``record_function(repr(instruction))`` in the torch trace). At the end of the window it
+writes, on each profiled rank:
+
+- ``trace_dir/torch_trace_rank{r}_steps{a}-{b}.json``: Chrome trace (chrome://tracing, Perfetto);
+- ``trace_dir/tensorboard/rank{r}.*.pt.trace.json``: the same trace for TensorBoard's profiler plugin;
+- ``trace_dir/instructions_rank{r}_steps{a}-{b}.json``: the executor's instruction timers as a Chrome trace.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import Field, model_validator
+
+from scaling.config import BaseConfig
+from scaling.trainer._config import TrainerConfig
+
+
+class ProfilerConfig(BaseConfig):
+    """Which steps to profile with ``torch.profiler`` and where the traces go."""
+
+    enabled: bool = Field(False, description="Profile the step window below; False = no profiler, no timers.")
+    profile_start_step: int = Field(
+        2, ge=1, description="First profiled optimizer step (1-based, as logged); >= 1. Step 1 includes warm-up."
+    )
+    profile_steps: int = Field(2, ge=1, description="Number of consecutive steps profiled, >= 1.")
+    trace_dir: Path | None = Field(
+        None, description="Folder for the Chrome trace JSON, the TensorBoard traces and the instruction timers."
+    )
+    all_ranks: bool = Field(
+        False, description="Profile every rank (file names carry the rank); False = global rank 0 only."
+    )
+    record_shapes: bool = Field(False, description="Record operator input shapes (torch.profiler record_shapes).")
+    with_stack: bool = Field(False, description="Record Python stacks of operators (larger traces, slower).")
+    profile_memory: bool = Field(False, description="Track tensor allocations (torch.profiler profile_memory).")
+    instruction_timers: bool = Field(
+        True, description="Time each pipeline-executor instruction in the window and export the timers."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ProfilerConfig:
+        if self.enabled and self.trace_dir is None:
+            raise ValueError("profiler.enabled=True needs profiler.trace_dir; set trace_dir or enabled=false")
+        return self
+
+
+class StepProfiler:
+    """Drives ``torch.profiler`` over the configured window; used by ``BaseTrainer.run_training``.
+
+    Args:
+        config: the profiler section, or None (nothing is profiled).
+        rank: this process's global rank (goes into file names).
+        module: the parallel module; it gets ``instruction_timings`` during the window.
+        device: the training device (CUDA activity is recorded on a CUDA device).
+
+    Example::
+
+        profiler = StepProfiler(ProfilerConfig(enabled=True, trace_dir="traces"), rank=0, module=module)
+        for step in range(1, 11):
+            profiler.step_begin(step)
+            train_one_step()
+            profiler.step_end(step)
+        profiler.close()
+    """
+
+    def __init__(self, config: ProfilerConfig | None, rank: int, module: Any, device: Any = None) -> None:
+        self.config = config or ProfilerConfig()
+        self.rank, self.module = rank, module
+        self.active = self.config.enabled and (self.config.all_ranks or rank == 0)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._prof: torch.profiler.profile | None = None
+        self._first: int | None = None
+        self._last: int | None = None
+        self.files: list[Path] = []
+
+    @property
+    def window(self) -> range:
+        """The profiled steps."""
+        start = self.config.profile_start_step
+        return range(start, start + self.config.profile_steps)
+
+    def step_begin(self, step: int) -> None:
+        """Call before optimizer step ``step`` (1-based); opens the profiler at the window."""
+        if not self.active or self._prof is not None or step not in self.window or self._first is not None:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        cfg = self.config
+        self._prof = torch.profiler.profile(
+            activities=activities,
+            record_shapes=cfg.record_shapes,
+            with_stack=cfg.with_stack,
+            profile_memory=cfg.profile_memory,
+        )
+        self._prof.__enter__()
+        self._first = step
+        self._clock_offset = time.time() - time.perf_counter()
+        if cfg.instruction_timers:
+            self.module.instruction_timings = []
+        self._step_marks: list[tuple[int, int]] = []
+
+    def step_end(self, step: int) -> None:
+        """Call after optimizer step ``step``; closes and exports at the window's last step."""
+        if self._prof is None:
+            return
+        timings = getattr(self.module, "instruction_timings", None)
+        self._step_marks.append((step, len(timings) if timings is not None else 0))
+        self._prof.step()
+        self._last = step
+        if step >= self.window[-1]:
+            self._export()
+
+    def close(self) -> None:
+        """Export a window cut short (training ended or stopped inside it); safe to call twice."""
+        if self._prof is not None:
+            self._export()
+
+    def _export(self) -> None:
+        assert self._prof is not None and self._first is not None
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        last = self._last if self._last is not None else self._first
+        trace_dir = Path(self.config.trace_dir or ".")
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        suffix = f"rank{self.rank}_steps{self._first}-{last}"
+        chrome = trace_dir / f"torch_trace_{suffix}.json"
+        prof.export_chrome_trace(str(chrome))
+        self.files.append(chrome)
+        # A kineto trace can be saved only once; TensorBoard's profiler plugin reads the same
+        # JSON under tensorboard_trace_handler's name pattern, so it gets a copy.
+        tensorboard = trace_dir / "tensorboard"
+        tensorboard.mkdir(exist_ok=True)
+        board = tensorboard / f"rank{self.rank}.{int(time.time() * 1000)}.pt.trace.json"
+        shutil.copyfile(chrome, board)
+        self.files.append(board)
+        timings = getattr(self.module, "instruction_timings", None)
+        if timings is not None:
+            self.module.instruction_timings = None
+            path = trace_dir / f"instructions_{suffix}.json"
+            path.write_text(json.dumps(self._instruction_trace(timings)))
+            self.files.append(path)
+
+    def _instruction_trace(self, timings: list[tuple[str, float, float]]) -> dict[str, Any]:
+        """Chrome trace "complete" events (microseconds since the epoch), one per instruction."""
+        steps, begin = [], 0
+        for step, end in self._step_marks:
+            steps.extend([step] * (end - begin))
+            begin = end
+        events = [
+            {
+                "name": name,
+                "cat": "pipeline_instruction",
+                "ph": "X",
+                "ts": (start + self._clock_offset) * 1e6,
+                "dur": (end - start) * 1e6,
+                "pid": self.rank,
+                "tid": "executor",
+                "args": {"step": step},
+            }
+            for (name, start, end), step in zip(timings, steps)
+        ]
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak memory of this process in MiB: CUDA max allocated on a GPU, peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # ru_maxrss: the process's peak resident set size, KiB on Linux (bytes on macOS).
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def num_tokens(batch: Any) -> int | None:
+    """Tokens a batch reports through a ``num_tokens`` attribute or method, else None."""
+    value = getattr(batch, "num_tokens", None)
+    if callable(value):
+        value = value()
+    return None if value is None else int(value)
+
+
+def progress_bar(config: TrainerConfig, rank: int, initial: int) -> Any:
+    """A tqdm bar over ``train_iterations`` on global rank 0 when ``progress_bar`` is set, else None."""
+    if not config.progress_bar or rank != 0:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError as exc:
+        raise ImportError(
+            "trainer.progress_bar=True needs tqdm; pip install tqdm or set trainer.progress_bar=false"
+        ) from exc
+    return tqdm(total=config.train_iterations, initial=initial, desc="training", unit="step")
