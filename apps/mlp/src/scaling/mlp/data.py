@@ -12,15 +12,16 @@ import gzip
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from scaling.data import BaseDataset, BaseDatasetBatch, BaseDatasetItem
 
-_IDX_DTYPES = {
-    0x08: np.uint8,
-    0x09: np.int8,
+_IDX_DTYPES: dict[int, np.dtype[Any]] = {
+    0x08: np.dtype(np.uint8),
+    0x09: np.dtype(np.int8),
     0x0B: np.dtype(">i2"),
     0x0C: np.dtype(">i4"),
     0x0D: np.dtype(">f4"),

@@ -173,14 +173,17 @@ class TransformerConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _check_layout(self) -> TransformerConfig:
-        check_layout(self.transformer_architecture, self.topology.model_parallel_size, self.topology.pipe_parallel_size)
+        tp, pp = self.topology.model_parallel_size, self.topology.pipe_parallel_size
+        # TopologyConfig's own validator has already derived every size it left as None.
+        assert tp is not None and pp is not None
+        check_layout(self.transformer_architecture, tp, pp)
         arch = self.transformer_architecture
         if self.data.sequence_length > arch.max_sequence_length:
             raise ValueError(
                 f"data.sequence_length={self.data.sequence_length} exceeds transformer_architecture."
                 f"max_sequence_length={arch.max_sequence_length}; shorten the sequence or raise max_sequence_length"
             )
-        if arch.sequence_parallel and self.data.sequence_length % self.topology.model_parallel_size:
+        if arch.sequence_parallel and self.data.sequence_length % tp:
             raise ValueError(
                 f"data.sequence_length={self.data.sequence_length} is not divisible by topology.model_parallel_size="
                 f"{self.topology.model_parallel_size}, which sequence_parallel=true needs"

@@ -172,7 +172,8 @@ def import_hf(hf_dir: str | Path, output_dir: str | Path) -> Path:
         for i in range(arch.num_layers):
             p = f"model.layers.{i}.self_attn"
             for suffix in ("weight", "bias") if arch.bias else ("weight",):
-                fused = _fuse_qkv(*(hf_state[f"{p}.{x}_proj.{suffix}"] for x in "qkv"), arch.kv_heads)
+                q, k, v = (hf_state[f"{p}.{x}_proj.{suffix}"] for x in "qkv")
+                fused = _fuse_qkv(q, k, v, arch.kv_heads)
                 params[f"layers.{i + 1}.attention.qkv.{suffix}"].copy_(fused)
     out.mkdir(parents=True, exist_ok=True)
     config.save(out / "config.yml")

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from scaling.nn import ParameterMeta
 from scaling.optim import Optimizer, OptimizerParamGroup, OptimizerParamGroupConfig
 from scaling.pipeline import ParallelModule
 from scaling.runner import load_payload
@@ -51,7 +54,8 @@ class TransformerTrainer(BaseTrainer[TransformerContext]):
 
 def parameter_groups(parallel_module: ParallelModule, config: TransformerConfig) -> list[OptimizerParamGroup]:
     """Matrices decay; vectors (norm weights, biases, QK-norm scales) do not."""
-    decay, no_decay = [], []
+    decay: list[tuple[str, torch.nn.Parameter, ParameterMeta]] = []
+    no_decay: list[tuple[str, torch.nn.Parameter, ParameterMeta]] = []
     for name, param, meta in parallel_module.named_parameters_with_meta():
         (decay if len(meta.logical_shape) >= 2 else no_decay).append((name, param, meta))
     groups = []

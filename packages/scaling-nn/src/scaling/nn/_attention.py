@@ -159,11 +159,13 @@ class ParallelSelfAttention(torch.nn.Module):
         else:
             self.query = ColumnParallelLinear(hidden_size, nq * d, **column)
             if self.kv_replicated:
-                self.key: torch.nn.Module = _ReplicatedLinear(hidden_size, nkv * d, bias, tp, dtype, init)
-                self.value: torch.nn.Module = _ReplicatedLinear(hidden_size, nkv * d, bias, tp, dtype, init)
+                key = _ReplicatedLinear(hidden_size, nkv * d, bias, tp, dtype, init)
+                value = _ReplicatedLinear(hidden_size, nkv * d, bias, tp, dtype, init)
                 group_index = tp.rank * nkv // tp.size
-                for proj in (self.key, self.value):
-                    proj.rows = (group_index * d, (group_index + 1) * d)  # type: ignore[assignment]
+                for proj in (key, value):
+                    proj.rows = (group_index * d, (group_index + 1) * d)
+                self.key: torch.nn.Module = key
+                self.value: torch.nn.Module = value
             else:
                 self.key = ColumnParallelLinear(hidden_size, nkv * d, **column)
                 self.value = ColumnParallelLinear(hidden_size, nkv * d, **column)

@@ -73,10 +73,12 @@ def _matches(name: str, targets: list[str]) -> bool:
 
 def _tp_of(module: torch.nn.Module) -> TPInfo:
     tp = getattr(module, "_tp", None)
-    return tp if tp is not None else TPInfo(1, 0, None, module.weight.device)
+    return tp if tp is not None else TPInfo(1, 0, None, module.get_parameter("weight").device)
 
 
-def _add_adapter(module: torch.nn.Module, config: LoRAConfig, rng_tracker: Any) -> None:
+# ``module`` is Any here and in the hook: it gains plain ``lora_*`` attributes, which
+# ``torch.nn.Module.__setattr__``/``__getattr__`` type as tensors or modules only.
+def _add_adapter(module: Any, config: LoRAConfig, rng_tracker: Any) -> None:
     tp = _tp_of(module)
     base_meta = getattr(module.weight, "parameter_meta", None)
     full_out, full_in = tuple(base_meta.logical_shape) if base_meta is not None else tuple(module.weight.shape)
@@ -215,11 +217,15 @@ def unmerge_lora(model: torch.nn.Module) -> None:
 
 def _fold(model: torch.nn.Module, sign: float) -> None:
     for _, m in lora_modules(model):
-        if m.lora_merged == (sign > 0):
-            continue
-        # Each rank folds its own shards: the product of the shards is this rank's block of B A.
-        m.weight.add_(sign * m.lora_scaling * (m.lora_B.weight @ m.lora_A.weight))
-        m.lora_merged = sign > 0
+        _fold_module(m, sign)
+
+
+def _fold_module(module: Any, sign: float) -> None:
+    if module.lora_merged == (sign > 0):
+        return
+    # Each rank folds its own shards: the product of the shards is this rank's block of B A.
+    module.weight.add_(sign * module.lora_scaling * (module.lora_B.weight @ module.lora_A.weight))
+    module.lora_merged = sign > 0
 
 
 def lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -23,6 +23,8 @@ class RotaryEmbedding(torch.nn.Module):
         ValueError: when ``rotary_percentage`` is outside ``(0, 1]`` or leaves no channel.
     """
 
+    inv_freq: torch.Tensor  # registered buffer
+
     def __init__(
         self, head_dim: int, rotary_percentage: float = 1.0, base: float = 10000.0, interleaved: bool = False
     ) -> None:

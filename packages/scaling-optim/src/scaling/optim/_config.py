@@ -101,9 +101,8 @@ class OptimizerParamGroupConfig(BaseConfig):
         False,
         description="Decay by weight_decay per step independent of the LR (p *= 1 - wd) instead of p *= 1 - lr*wd.",
     )
-    # mypy without the pydantic plugin infers Never for a class as default_factory.
     learning_rate_scheduler: LearningRateSchedulerConfig = Field(
-        default_factory=LearningRateSchedulerConfig,  # type: ignore[arg-type]
+        default_factory=LearningRateSchedulerConfig,
         description="LR schedule of this group.",
     )
     parameters_include: tuple[str, ...] = Field(
@@ -143,7 +142,7 @@ class OptimizerConfig(BaseConfig):
         "parameters are their own master).",
     )
     loss_scaler: LossScalerConfig = Field(
-        default_factory=LossScalerConfig,  # type: ignore[arg-type]  # see learning_rate_scheduler
+        default_factory=LossScalerConfig,
         description="Dynamic loss scaling (fp16).",
     )
     non_finite_policy: NonFinitePolicy = Field(

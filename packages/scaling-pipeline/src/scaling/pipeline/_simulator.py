@@ -32,7 +32,7 @@ from scaling.pipeline._instructions import (
 from scaling.pipeline._render import render_program_grid, render_timeline, save_timeline_png
 
 DEFAULT_COSTS: Mapping[str, float] = {"forward": 1.0, "backward": 2.0, "backward_input": 1.0, "backward_weight": 1.0}
-_COST_KEY = {
+_COST_KEY: dict[type[Instruction], str] = {
     Forward: "forward",
     Backward: "backward",
     BackwardInput: "backward_input",
@@ -85,7 +85,8 @@ def _message_label(ins: Instruction, stage: int, num_stages: int) -> tuple[str, 
         return ("activation", ins.micro_batch, vs)
     if isinstance(ins, SendGrad):
         return ("grad", ins.micro_batch, vs - 1)
-    return ("grad", ins.micro_batch, vs)  # RecvGrad
+    assert isinstance(ins, RecvGrad)
+    return ("grad", ins.micro_batch, vs)
 
 
 def simulate(

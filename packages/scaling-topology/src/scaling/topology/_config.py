@@ -97,13 +97,13 @@ class TopologyConfig(BaseConfig):
             (name,) = missing
             others = {n: getattr(self, n) for n in _SIZE_FIELDS if n != name}
             prod = math.prod(others.values())
-            if ws % prod != 0:  # type: ignore[operator]
+            if ws % prod != 0:
                 described = " × ".join(f"{k}={v}" for k, v in others.items())
                 raise ValueError(
                     f"topology: world_size={ws} is not divisible by {described} = {prod}, so {name} "
                     f"cannot be derived; choose sizes whose product divides {ws} (divisors: {_divisors(ws)})"  # type: ignore[arg-type]
                 )
-            self._set(name, ws // prod)  # type: ignore[operator]
+            self._set(name, ws // prod)
             return
         if mp * pp * dp != ws:  # type: ignore[operator]
             raise ValueError(

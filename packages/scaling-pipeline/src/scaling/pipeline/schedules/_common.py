@@ -127,20 +127,22 @@ def fuse_exchanges(programs: list[list[Instruction]], num_stages: int) -> list[l
     has ``SendGrad(y) , RecvActivation(x)`` adjacent too (and the other way round), so
     both sides post the same batched transfer.
     """
-    where: dict[tuple[str, int, int, int, int], tuple[int, int]] = {}
+    # (role, *_label): role is "send" or "recv".
+    where: dict[tuple[str, str, int, int, int, int], tuple[int, int]] = {}
     for s, prog in enumerate(programs):
         for k, ins in enumerate(prog):
             if isinstance(ins, (SendActivation, SendGrad, RecvActivation, RecvGrad)):
                 role = "send" if isinstance(ins, (SendActivation, SendGrad)) else "recv"
-                where[(role, *_label(ins, s, num_stages))] = (s, k)  # type: ignore[index]
+                key = (role, *_label(ins, s, num_stages))
+                where[key] = (s, k)
     starts: list[set[int]] = [set() for _ in programs]
     for s, prog in enumerate(programs):
         for k in range(len(prog) - 1):
             a, b = prog[k], prog[k + 1]
             if not any(isinstance(a, x) and isinstance(b, y) for x, y in _PAIRS) or a.peer != b.peer:  # type: ignore[attr-defined]
                 continue
-            recv_of_a = where.get(("recv", *_label(a, s, num_stages)))  # type: ignore[arg-type]
-            send_of_b = where.get(("send", *_label(b, s, num_stages)))  # type: ignore[arg-type]
+            recv_of_a = where.get(("recv", *_label(a, s, num_stages)))
+            send_of_b = where.get(("send", *_label(b, s, num_stages)))
             if recv_of_a and send_of_b and recv_of_a[0] == send_of_b[0] and recv_of_a[1] == send_of_b[1] + 1:
                 starts[s].add(k)
     fused = []

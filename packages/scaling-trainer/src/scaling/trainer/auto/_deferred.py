@@ -11,6 +11,7 @@ shard and drops the rest, so its peak memory is its shards plus the largest sing
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -62,7 +63,7 @@ def _init_chain(model: torch.nn.Module, path: str) -> list[Callable[[], None]]:
     chain = [model.get_submodule(".".join(names[:i])) for i in range(len(names), -1, -1)]
     hf_init = getattr(model, "_init_weights", None)
     if callable(hf_init):
-        return [lambda m=m: hf_init(m) for m in chain]
+        return [functools.partial(hf_init, m) for m in chain]
     reset = getattr(chain[0], "reset_parameters", None)
     return [reset] if callable(reset) else []
 

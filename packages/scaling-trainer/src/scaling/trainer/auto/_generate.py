@@ -65,8 +65,8 @@ def _tp_plan(model: torch.nn.Module, constraints: Mapping[str, Any], plan: Plan)
     for path, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
             full = f"{path}.{name}" if path else name
-            sharding = styles.get(path)
-            dim = None if sharding is None else shard_dim(sharding, name)
+            module_sharding = styles.get(path)
+            dim = None if module_sharding is None else shard_dim(module_sharding, name)
             if id(param) in seen:
                 if plan.parameter_sharding[seen[id(param)]] != (placement := _placement(dim)):
                     raise ValueError(

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from scaling.collectives import all_reduce_gradients
-from scaling.nn import ParameterMeta
+from scaling.nn import ParameterMeta, get_parameter_meta
 from scaling.topology import Topology, TopologyConfig
 from scaling.trainer.auto._deferred import is_deferred, materialize
 from scaling.trainer.auto._plan import Plan
@@ -35,7 +35,7 @@ class ParallelModel(torch.nn.Module):
 
     def named_parameters_with_meta(self) -> list[tuple[str, torch.nn.Parameter, ParameterMeta]]:
         """``(path, param, meta)`` for each unique parameter, paths as in the unmodified model."""
-        return [(n, p, p.parameter_meta) for n, p in self.module.named_parameters()]
+        return [(n, p, get_parameter_meta(p)) for n, p in self.module.named_parameters()]
 
 
 class ParallelOptimizer:
@@ -171,7 +171,7 @@ def parallelize(
     scheduler = lr_scheduler_fn(optimizer.optimizer) if lr_scheduler_fn is not None else None
     loader = None
     if dataset is not None:
-        sampler = DistributedSampler(
+        sampler: DistributedSampler[Any] = DistributedSampler(
             dataset, num_replicas=topology.data_parallel_size, rank=topology.data_parallel_rank, shuffle=False
         )
         per_rank = plan.global_batch_size // plan.data_parallel_size

@@ -10,6 +10,8 @@ gathered). Everything else is replicated.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from scaling.trainer.auto._plan import TP_STYLES, ModuleSharding
@@ -32,7 +34,7 @@ def _is_linear(module: torch.nn.Module) -> bool:
 
 def out_in(module: torch.nn.Module) -> tuple[int, int]:
     """``(out_features, in_features)`` of a linear or ``Conv1D`` module."""
-    w = module.weight
+    w = module.get_parameter("weight")
     return (w.shape[1], w.shape[0]) if is_conv1d(module) else (w.shape[0], w.shape[1])
 
 
@@ -45,7 +47,8 @@ def _block(path: str, module: torch.nn.Module) -> dict[str, ModuleSharding]:
     prefix = f"{path}." if path else ""
     if "c_attn" in children and "c_proj" in children and hasattr(module, "split_size"):
         c_attn = children["c_attn"]
-        chunks = out_in(c_attn)[0] // module.split_size
+        # GPT-2 attention's plain int attribute, which nn.Module.__getattr__ types as Tensor | Module.
+        chunks = out_in(c_attn)[0] // cast(int, module.split_size)
         return {
             prefix + "c_attn": _linear(
                 c_attn, "column_fused", chunks=chunks, attributes={"split_size": module.split_size}

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import cast
 
 import torch
 
@@ -49,7 +50,8 @@ def _edge_costs(model: torch.nn.Module, blocks_path: str, method: str) -> tuple[
         raise ValueError(
             f"constraint pipeline_parallel.split_method={method!r} is invalid; choose one of {SPLIT_METHODS}"
         )
-    blocks = model.get_submodule(blocks_path)
+    # The blocks container is a ModuleList / Sequential: iterable, which nn.Module's type is not.
+    blocks = cast(Iterable[torch.nn.Module], model.get_submodule(blocks_path))
     seen: set[int] = set()
     block_costs = [_cost(b, method, seen) for b in blocks]
     pre = post = 0.0
@@ -74,7 +76,7 @@ def _edge_costs(model: torch.nn.Module, blocks_path: str, method: str) -> tuple[
 
 def _direct(module: torch.nn.Module, method: str, seen: set[int]) -> list[torch.Tensor]:
     matmul = isinstance(module, torch.nn.Linear) or is_conv1d(module)
-    out = []
+    out: list[torch.Tensor] = []
     for p in module.parameters(recurse=False):
         if id(p) not in seen and (method == "parameters" or (matmul and p.dim() == 2)):
             seen.add(id(p))

@@ -41,7 +41,7 @@ def unshard_view(local: torch.Tensor, dim: int, chunks: int) -> tuple[torch.Tens
     return local.view(shape), dim + 1
 
 
-def _local_param(source: torch.nn.Parameter | None, dim: int | None, rank: int, size: int, chunks: int) -> Any:
+def _local_param(source: torch.Tensor | None, dim: int | None, rank: int, size: int, chunks: int) -> Any:
     if source is None:
         return None
     if getattr(source, _LOCAL, False) or dim is None or size == 1:
@@ -69,7 +69,7 @@ class ShardedLinear(torch.nn.Module):
         super().__init__()
         self.sharding, self.group, self.size = sharding, group, size
         chunks = sharding.chunks
-        self.weight = _local_param(source.weight, shard_dim(sharding, "weight"), rank, size, chunks)
+        self.weight = _local_param(source.get_parameter("weight"), shard_dim(sharding, "weight"), rank, size, chunks)
         self.bias = _local_param(getattr(source, "bias", None), shard_dim(sharding, "bias"), rank, size, chunks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

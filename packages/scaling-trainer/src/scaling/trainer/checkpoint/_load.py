@@ -11,8 +11,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
+
+# The defining submodules: mypy sees the package __init__'s names as not re-exported.
+from torch.distributed.checkpoint import state_dict_loader as dcp_loader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from scaling.trainer.checkpoint import _marker as mk
@@ -199,14 +202,14 @@ def _load_verified(
 
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
-        dcp.load(
+        dcp_loader.load(
             to_load,
             storage_reader=SafeFileSystemReader(step_dir),
             planner=SafeLoadPlanner(allow_partial_load=True),
             process_group=pg,
             no_dist=no_dist,
         )
-    except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - DCP wraps rank failures in a BaseException
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps rank failures in a BaseException
         raise CheckpointError(f"{step_dir}: reading the DCP shards failed (refused or corrupt): {e}") from e
     filled = {k: scalar_values[k] for k in t_scalars if k in wanted and k in scalar_values}
     state = fill_state(template, filled)

@@ -76,7 +76,8 @@ def model_state_dict(named_parameters_with_meta: NamedParameters, topology: Topo
         if mesh is None:
             state[key] = local
             continue
-        placement = Shard(meta.parallel_dim) if meta.is_model_parallel else Replicate()
+        dim = meta.parallel_dim
+        placement = Shard(dim) if meta.is_model_parallel and dim is not None else Replicate()
         shape = tuple(meta.logical_shape)
         state[key] = DTensor.from_local(
             local, mesh, [placement], run_check=False, shape=torch.Size(shape), stride=_contiguous_stride(shape)

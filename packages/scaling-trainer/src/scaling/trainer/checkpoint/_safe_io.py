@@ -17,7 +17,10 @@ import pickle
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+
+# The defining submodules: mypy sees the package __init__'s names as not re-exported.
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from scaling.trainer.checkpoint._errors import CheckpointError
@@ -80,9 +83,10 @@ class SafeFileSystemReader(FileSystemReader):
         rank = kwargs.get("rank")
         name = ".metadata" if rank is None else f"__{rank}.metadata"
         metadata = safe_load_metadata(pathlib.Path(self.path) / name)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from torch.distributed.checkpoint import FileSystemWriter
+
+# The defining submodules: mypy sees the package __init__'s names as not re-exported.
+from torch.distributed.checkpoint import state_dict_saver as dcp_saver
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from scaling.trainer.checkpoint import _marker as mk
 from scaling.trainer.checkpoint._tree import encode_pytree, flatten_state
@@ -189,11 +192,13 @@ def save_checkpoint(
     info = {"layout": _layout(topology), "world_size": world}
     writer = FileSystemWriter(step_dir, thread_count=1)
     if not async_save:
-        dcp.save(tensors, storage_writer=writer, process_group=process_group)
+        dcp_saver.save(tensors, storage_writer=writer, process_group=process_group)
         _commit(save_dir, step_dir, step, info, process_group, keep_last)
         return PendingSave(step_dir)
 
-    upload = dcp.async_save(tensors, storage_writer=writer, process_group=process_group)
+    response = dcp_saver.async_save(tensors, storage_writer=writer, process_group=process_group)
+    # Without an async stager DCP returns a plain Future; an AsyncSaveResponse (newer torch) wraps one.
+    upload = response if isinstance(response, Future) else response.upload_completion
     pending = PendingSave(step_dir)
 
     def finish() -> None:

@@ -6,7 +6,7 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 # Keys shown first, in this order, on the console line; the rest follow sorted.
 _CONSOLE_ORDER = (
@@ -76,7 +76,13 @@ class WandbSink:
     """A W&B run. The API key is read by wandb from the environment; we never touch it."""
 
     def __init__(
-        self, log_dir: Path, project: str, entity: str | None, mode: str, name: str | None, config: Any
+        self,
+        log_dir: Path,
+        project: str,
+        entity: str | None,
+        mode: Literal["online", "offline"],
+        name: str | None,
+        config: Any,
     ) -> None:
         try:
             import wandb
