@@ -160,31 +160,29 @@ class BaseTrainer(Generic[ContextT]):
                 tokens = float(all_reduce(tokens_t, topology.data_parallel_group)[0])
         return peak, tokens
 
+    def _flops_estimates(self) -> list[tuple[str, float]]:
+        """``(name, FLOPs per sample)`` for MFU and, when given, HFU."""
+        pairs = (("mfu", self.flops_per_sample), ("hfu", self.hardware_flops_per_sample))
+        return [(name, float(e() if callable(e) else e)) for name, e in pairs if e is not None]
+
     def _utilization(self, samples_per_second: float) -> dict[str, float]:
         """MFU / HFU: achieved FLOP/s over ``peak_flops_per_second`` times the world size."""
         peak = self.config.peak_flops_per_second
         if peak is None:
             return {}
         total_peak = peak * self.context.topology.world_size
-        out: dict[str, float] = {}
-        for name, estimate in (("mfu", self.flops_per_sample), ("hfu", self.hardware_flops_per_sample)):
-            if estimate is not None:
-                flops = float(estimate() if callable(estimate) else estimate)
-                out[f"runtime/{name}"] = flops * samples_per_second / total_peak
-        return out
+        return {f"runtime/{name}": flops * samples_per_second / total_peak for name, flops in self._flops_estimates()}
 
     def _print_flops_formula(self) -> None:
         peak = self.config.peak_flops_per_second
-        if peak is None or (self.flops_per_sample is None and self.hardware_flops_per_sample is None):
+        if peak is None:
             return
         world = self.context.topology.world_size
-        for name, estimate in (("MFU", self.flops_per_sample), ("HFU", self.hardware_flops_per_sample)):
-            if estimate is not None:
-                flops = float(estimate() if callable(estimate) else estimate)
-                self.metrics_logger.console(
-                    f"{name} = flops_per_sample ({flops:.4g}) * samples_per_second / "
-                    f"(peak_flops_per_second ({peak:.4g}) * world_size ({world}))"
-                )
+        for name, flops in self._flops_estimates():
+            self.metrics_logger.console(
+                f"{name.upper()} = flops_per_sample ({flops:.4g}) * samples_per_second / "
+                f"(peak_flops_per_second ({peak:.4g}) * world_size ({world}))"
+            )
 
     def _is_spike(self, loss: float) -> bool:
         if not torch.isfinite(torch.tensor(loss)):
