@@ -11,10 +11,12 @@ def test_public_api():
         "CollectiveRecorder",
         "CollectiveTimeoutError",
         "GradientBucketer",
+        "PendingCollective",
         "PipeTransport",
         "all_gather",
         "all_gather_flat",
         "all_reduce",
+        "all_reduce_async",
         "all_reduce_gradients",
         "barrier",
         "batch_send_recv",
@@ -29,6 +31,7 @@ def test_public_api():
         "recv",
         "reduce_from_model_parallel_region",
         "reduce_scatter",
+        "reduce_scatter_async",
         "reduce_scatter_flat",
         "reduce_scatter_to_sequence_parallel_region",
         "scatter_to_model_parallel_region",
@@ -73,3 +76,11 @@ def test_signatures_in_docs_architecture():
         "send_backward_recv_forward",
     ):
         assert callable(getattr(scaling.collectives.PipeTransport, method))
+
+
+def test_recorder_diagnostics_interface():
+    """What the trainer codes against to leave a diagnostics file per rank."""
+    recorder = scaling.collectives.CollectiveRecorder
+    assert list(inspect.signature(recorder.configure).parameters) == ["self", "diagnostics_dir", "rank"]
+    assert list(inspect.signature(recorder.write_diagnostics).parameters) == ["self", "reason"]
+    assert scaling.collectives.get_recorder().step is None

@@ -15,14 +15,17 @@ from scaling.collectives._gradients import (
     reduce_scatter_flat,
 )
 from scaling.collectives._ops import (
+    PendingCollective,
     all_gather,
     all_reduce,
+    all_reduce_async,
     barrier,
     batch_send_recv,
     broadcast,
     broadcast_object,
     recv,
     reduce_scatter,
+    reduce_scatter_async,
     send,
 )
 from scaling.collectives._pipe import PipeTransport, tensors_requiring_grad
@@ -44,10 +47,12 @@ __all__ = [
     "CollectiveRecorder",
     "CollectiveTimeoutError",
     "GradientBucketer",
+    "PendingCollective",
     "PipeTransport",
     "all_gather",
     "all_gather_flat",
     "all_reduce",
+    "all_reduce_async",
     "all_reduce_gradients",
     "barrier",
     "batch_send_recv",
@@ -62,6 +67,7 @@ __all__ = [
     "recv",
     "reduce_from_model_parallel_region",
     "reduce_scatter",
+    "reduce_scatter_async",
     "reduce_scatter_flat",
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_model_parallel_region",

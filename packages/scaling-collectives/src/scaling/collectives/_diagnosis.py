@@ -25,7 +25,9 @@ from scaling.collectives._errors import CollectiveError, CollectiveMismatchError
 from scaling.collectives._recorder import CollectiveRecord, _GroupState, get_recorder
 
 _PREFIX = "scaling.collectives"
+P2P_REPORT = f"{_PREFIX}/p2p_report"  # + /<rank>: that rank's send/recv ring, newest report wins
 _RECENT = 4  # seqs shown per rank in the grid of an error
+CLOSED_CONNECTION_WAIT_S = 2.0  # how long a rank whose peer vanished waits for the others' reports
 
 
 def format_ranks(ranks: Sequence[int]) -> str:
@@ -140,16 +142,20 @@ def pre_check(group: dist.ProcessGroup, state: _GroupState, rec: CollectiveRecor
     found = first_divergence(rings) if len(rings) > 1 else None
     if found is not None:
         message, divergent, _ = found
-        raise CollectiveMismatchError(message, rec.group, rec.op, rec.seq, divergent=divergent, missing=missing)
+        raise with_diagnostics(
+            CollectiveMismatchError(message, rec.group, rec.op, rec.seq, divergent=divergent, missing=missing)
+        )
     if missing:
-        raise CollectiveTimeoutError(
-            f"{format_ranks(missing)} did not arrive at {rec.describe()}, collective #{rec.seq} of the "
-            f"{rec.group} group (ranks {list(state.ranks)}), within the group timeout of {timeout:.1f}s; "
-            f"{format_ranks(sorted(got))} did",
-            rec.group,
-            rec.op,
-            rec.seq,
-            missing=missing,
+        raise with_diagnostics(
+            CollectiveTimeoutError(
+                f"{format_ranks(missing)} did not arrive at {rec.describe()}, collective #{rec.seq} of the "
+                f"{rec.group} group (ranks {list(state.ranks)}), within the group timeout of {timeout:.1f}s; "
+                f"{format_ranks(sorted(got))} did",
+                rec.group,
+                rec.op,
+                rec.seq,
+                missing=missing,
+            )
         )
 
 
@@ -163,7 +169,16 @@ def _delete(key: str) -> None:
 def diagnose_failure(
     group: dist.ProcessGroup, state: _GroupState, rec: CollectiveRecord, exc: BaseException
 ) -> CollectiveError:
-    """The error to raise after collective ``rec`` failed with ``exc`` (timeout or transport)."""
+    """The error to raise after collective ``rec`` failed with ``exc`` (timeout or transport).
+
+    Also writes this rank's diagnostics file when the recorder has a directory.
+    """
+    return with_diagnostics(_diagnose(group, state, rec, exc))
+
+
+def _diagnose(
+    group: dist.ProcessGroup, state: _GroupState, rec: CollectiveRecord, exc: BaseException
+) -> CollectiveError:
     timeout = _timeout_seconds(group)
     elapsed = time.time() - rec.start_time
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -172,7 +187,13 @@ def diagnose_failure(
         f"failed on rank {dist.get_rank()} after {elapsed:.1f}s (group timeout {timeout:.1f}s): {reason}"
     )
     wait = min(timeout, get_recorder().max_diagnosis_seconds)
+    if "timed out" not in reason.lower():
+        # A closed connection: a peer process is gone. The live ranks at this collective fail
+        # within moments of each other, so a short window collects their reports, and the job
+        # is not kept waiting a full timeout for a rank that can never answer.
+        wait = min(wait, CLOSED_CONNECTION_WAIT_S)
     state.incidents += 1
+    publish_p2p_report()
     try:
         got = _exchange(
             f"{_PREFIX}/incident/{state.key}/{state.incidents}", state.ranks, pickle.dumps(list(state.ring)), wait
@@ -199,6 +220,31 @@ def diagnose_failure(
     if late:
         parts.append(late)
     return CollectiveTimeoutError("\n".join(parts), rec.group, rec.op, rec.seq, missing=missing)
+
+
+def p2p_report() -> bytes:
+    """This rank's send/recv ring and per-(op, peer) call counts, pickled for the store."""
+    return pickle.dumps(get_recorder().p2p_snapshot())
+
+
+def publish_p2p_report() -> None:
+    """Leave this rank's send/recv history where a failing pipeline peer looks for it."""
+    try:
+        _compat.default_store().set(f"{P2P_REPORT}/{dist.get_rank()}", p2p_report())  # type: ignore[arg-type]
+    except (RuntimeError, OSError):
+        pass  # best effort: the peer then says this rank did not report
+
+
+def with_diagnostics(err: CollectiveError) -> CollectiveError:
+    """Write this rank's diagnostics file for ``err`` (when configured) and name it in the message."""
+    try:
+        path = get_recorder().write_diagnostics(str(err))
+    except OSError as write_exc:  # the collective's error matters more than the file
+        err.args = (f"{err.args[0]}\n(could not write the diagnostics file: {write_exc})",)
+        return err
+    if path is not None:
+        err.args = (f"{err.args[0]}\ndiagnostics of this rank: {path}",)
+    return err
 
 
 def _late_ranks(rings: dict[int, list[CollectiveRecord]], seq: int, timeout: float) -> str:

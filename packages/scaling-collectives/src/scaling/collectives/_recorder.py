@@ -10,19 +10,26 @@ The recorder is per process (like torch's flight recorder); it holds no process
 group. Group state is keyed weakly by the group object, so a destroyed and re-created
 group starts again at sequence number 1. Recording costs a few microseconds per call
 (``bench/collectives.py`` measures it).
+
+:meth:`CollectiveRecorder.write_diagnostics` dumps what this rank did last (recent
+records of every group, byte counters, the training step) to a small JSON file per
+rank, so a hang leaves evidence on the ranks that hung as well as on those that raised.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import json
 import os
 import sys
 import threading
 import time
+import types
 import weakref
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,6 +40,10 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _SKIP_DIRS = (_PACKAGE_DIR, _TORCH_DIR)
 DEFAULT_CAPACITY = 256
+_UNKNOWN_SITE = ("<unknown>", 0, "<unknown>")
+_new_tuple = tuple.__new__
+_now = time.time
+DIAGNOSTICS_RECORDS = 32  # records per diagnostics file: enough to see the lead-up, small to write
 P2P_GROUP_NAME = "p2p"
 
 
@@ -118,9 +129,30 @@ class CollectiveRecorder:
         # one dereference; the ref tells a live group from a new one at a recycled address.
         self._states: dict[int, tuple[weakref.ref[dist.ProcessGroup], _GroupState]] = {}
         self._p2p = self._new_state(P2P_GROUP_NAME, P2P_GROUP_NAME, ())
+        self._p2p_world: weakref.ref[dist.ProcessGroup] | None = None
         self._names: weakref.WeakKeyDictionary[dist.ProcessGroup, str] = weakref.WeakKeyDictionary()
-        self._bytes: collections.Counter[tuple[str, str]] = collections.Counter()
-        self._calls: collections.Counter[tuple[str, str]] = collections.Counter()
+        # (op, group name) -> [payload bytes, calls]: one lookup per call for both counters.
+        self._counts: dict[tuple[str, str], list[int]] = {}
+        # ("send" | "recv", peer) -> calls ever made: numbers the ring's p2p records per pair.
+        self._p2p_pairs: collections.Counter[tuple[str, int | None]] = collections.Counter()
+        #: The training step being run (set by a trainer each iteration); ``None`` outside training.
+        self.step: int | None = None
+        self.diagnostics_dir: Path | None = None
+        self.rank: int | None = None
+        self._reasons: list[dict[str, Any]] = []
+
+    def configure(self, diagnostics_dir: str | os.PathLike[str] | None = None, rank: int | None = None) -> None:
+        """Where :meth:`write_diagnostics` writes, and the global rank that names the file.
+
+        Args:
+            diagnostics_dir: folder for ``rank_<R>.json``; ``None`` disables the files.
+            rank: this process's global rank (default: ``torch.distributed.get_rank()``).
+        """
+        if rank is not None and (not isinstance(rank, int) or rank < 0):
+            raise ValueError(f"rank={rank!r} must be a non-negative int (this process's global rank)")
+        self.diagnostics_dir = None if diagnostics_dir is None else Path(diagnostics_dir)
+        self.rank = rank
+        self._reasons = []
 
     def _new_state(self, name: str, key: str, ranks: tuple[int, ...]) -> _GroupState:
         return _GroupState(name=name, key=key, ranks=ranks, ring=collections.deque(maxlen=self.capacity))
@@ -154,6 +186,12 @@ class CollectiveRecorder:
 
     def state(self, group: dist.ProcessGroup | None) -> _GroupState:
         if group is None:
+            # Send/recv ranks are global: a new default group starts the p2p numbering afresh.
+            world = dist.group.WORLD
+            if world is not (self._p2p_world() if self._p2p_world is not None else None):
+                self._p2p = self._new_state(P2P_GROUP_NAME, P2P_GROUP_NAME, ())
+                self._p2p_pairs.clear()
+                self._p2p_world = None if world is None else weakref.ref(world)
             return self._p2p
         entry = self._states.get(id(group))
         if entry is not None and entry[0]() is group:
@@ -185,18 +223,39 @@ class CollectiveRecorder:
             size = sum(t.nbytes for t in tensors)
             shapes = tuple(t.shape for t in tensors)  # torch.Size is already an immutable tuple
             dtypes = tuple(_dtype_name(t.dtype) for t in tensors)
-        site = _call_site()
+        # Call site, inlined (this runs on every collective): the first frame outside this
+        # package and torch; frame 1 is the wrapper that called us.
+        frame: types.FrameType | None = sys._getframe(1)
+        site = _UNKNOWN_SITE
+        while frame is not None:
+            code = frame.f_code
+            if not code.co_filename.startswith(_SKIP_DIRS):
+                site = (code.co_filename, frame.f_lineno, code.co_name)
+                break
+            frame = frame.f_back
+        del frame
         with self._lock:
             state = self.state(group)
             state.seq += 1
-            rec = CollectiveRecord(
-                state.seq, op, state.name, state.ranks, shapes, dtypes, size, peer, site, time.time()
+            # tuple.__new__ skips the Python-level __new__ a NamedTuple class call goes through.
+            rec = _new_tuple(
+                CollectiveRecord, (state.seq, op, state.name, state.ranks, shapes, dtypes, size, peer, site, _now())
             )
             state.ring.append(rec)
             key = (op, state.name)
-            self._bytes[key] += size
-            self._calls[key] += 1
+            counts = self._counts.get(key)
+            if counts is None:
+                counts = self._counts[key] = [0, 0]
+            counts[0] += size
+            counts[1] += 1
+            if group is None:
+                self._p2p_pairs[(op, peer)] += 1
         return state, rec
+
+    def p2p_snapshot(self) -> tuple[list[CollectiveRecord], dict[tuple[str, int | None], int]]:
+        """The send/recv ring and the number of calls ever made per ``(op, peer)``."""
+        with self._lock:
+            return list(self.state(None).ring), dict(self._p2p_pairs)
 
     # ---------------------------------------------------------------- reading
     def records(self, group: dist.ProcessGroup | None = None) -> list[CollectiveRecord]:
@@ -207,18 +266,77 @@ class CollectiveRecorder:
     def bytes_by_op_and_group(self) -> dict[tuple[str, str], int]:
         """Payload bytes this rank passed to each ``(op, group name)`` since the last reset."""
         with self._lock:
-            return dict(self._bytes)
+            return {key: counts[0] for key, counts in self._counts.items()}
 
     def calls_by_op_and_group(self) -> dict[tuple[str, str], int]:
         """Number of calls per ``(op, group name)`` since the last reset."""
         with self._lock:
-            return dict(self._calls)
+            return {key: counts[1] for key, counts in self._counts.items()}
+
+    def write_diagnostics(self, reason: str) -> Path | None:
+        """Write this rank's recent collectives, step and byte counters to ``<dir>/rank_<R>.json``.
+
+        Called on a failed collective and by a trainer that ends a stuck rank. The file is
+        replaced atomically (temporary file, then rename); every call appends ``reason``
+        to its ``reasons`` list, so the last file of a rank tells its whole story.
+
+        Returns:
+            The file written, or ``None`` when no directory is configured (see :meth:`configure`).
+
+        Raises:
+            OSError: when the file cannot be written.
+        """
+        folder = self.diagnostics_dir
+        if folder is None:
+            return None
+        rank = self.rank if self.rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
+        # A watchdog thread may call this while the main thread is wedged; never wait long for the lock.
+        locked = self._lock.acquire(timeout=1.0)
+        try:
+            rings = [list(state.ring) for _, state in list(self._states.values())] + [list(self._p2p.ring)]
+            counts = {key: tuple(c) for key, c in self._counts.items()}
+        finally:
+            if locked:
+                self._lock.release()
+        recent = sorted((rec for ring in rings for rec in ring), key=lambda r: r.start_time)[-DIAGNOSTICS_RECORDS:]
+        self._reasons.append({"time": time.time(), "step": self.step, "reason": reason})
+        report = {
+            "rank": rank,
+            "pid": os.getpid(),
+            "step": self.step,
+            "reason": reason,
+            "reasons": self._reasons,
+            "last_collectives": [_record_dict(rec) for rec in recent],
+            "bytes_by_op_and_group": {f"{op}/{group}": c[0] for (op, group), c in sorted(counts.items())},
+            "calls_by_op_and_group": {f"{op}/{group}": c[1] for (op, group), c in sorted(counts.items())},
+        }
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"rank_{rank}.json"
+        tmp = folder / f".rank_{rank}.json.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(report, indent=1))
+        os.replace(tmp, path)
+        return path
 
     def reset_counters(self) -> None:
         """Zero the byte and call counters (the rings and sequence numbers are kept)."""
         with self._lock:
-            self._bytes.clear()
-            self._calls.clear()
+            self._counts.clear()
+
+
+def _record_dict(rec: CollectiveRecord) -> dict[str, Any]:
+    return {
+        "seq": rec.seq,
+        "op": rec.op,
+        "group": rec.group,
+        "ranks": list(rec.ranks),
+        "describe": rec.describe(),
+        "shapes": [list(s) for s in rec.shapes],
+        "dtypes": list(rec.dtypes),
+        "nbytes": rec.nbytes,
+        "peer": rec.peer,
+        "call_site": rec.call_site,
+        "start_time": rec.start_time,
+    }
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
@@ -229,17 +347,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
     return name
-
-
-def _call_site() -> tuple[str, int, str]:
-    """``(filename, line, function)`` of the first frame outside this package and torch."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        if not code.co_filename.startswith(_SKIP_DIRS):
-            return (code.co_filename, frame.f_lineno, code.co_name)
-        frame = frame.f_back  # type: ignore[assignment]
-    return ("<unknown>", 0, "<unknown>")
 
 
 _RECORDER = CollectiveRecorder()
