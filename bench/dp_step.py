@@ -1,14 +1,18 @@
 """Our data-parallel training step against DistributedDataParallel + torch.optim.AdamW, same run.
 
-Run: python bench/dp_step.py [--hidden 512] [--layers 4] [--batch 32] [--steps 20]
+Run: python bench/dp_step.py [--hidden 512] [--layers 4] [--batch 32] [--steps 40]
 
 Two gloo ranks hold three identical MLPs: one wrapped in ``DistributedDataParallel``
 with ``torch.optim.AdamW`` (the reference), one trained by ``scaling.optim.Optimizer``
 with ZeRO 0 (plain DP) and one with ZeRO 1. A step is zero_grad, forward, backward
 and the optimizer step, on the same local batch. Steps rotate through the three
 (reference first and last in each round, so drifting machine load hits all of them);
-the table shows each one's median step time and its ratio to the reference.
-Goals from issue 5: ratio <= 1.05 for plain DP and <= 1.15 for ZeRO-1.
+a step's time is its slowest rank's. The table shows each one's median step time and
+the median over rounds of its time divided by the reference's in the same round, with
+the quartiles of that per-round ratio (the spread a loaded machine puts on it).
+Goals from issue 5: ratio <= 1.05 for plain DP and <= 1.15 for ZeRO-1. Last, the raw
+gloo collectives a step is made of are timed on a model-sized fp32 buffer (all-reduce:
+DDP and ZeRO-0; reduce-scatter + all-gather: ZeRO-1).
 """
 
 from __future__ import annotations
@@ -23,8 +27,6 @@ from torch.nn.parallel import DistributedDataParallel
 from scaling.nn import ParameterMeta
 from scaling.optim import Optimizer, OptimizerConfig, OptimizerParamGroup, OptimizerParamGroupConfig
 from scaling.testing import make_topology, run_distributed
-
-BUCKET_BYTES = 1024 * 1024  # 1 MiB: several buckets, so reduction overlaps backward (DDP: 1 MiB first bucket, then 25)
 
 
 def _mlp(hidden: int, layers: int) -> torch.nn.Sequential:
@@ -41,7 +43,8 @@ def _ours(model: torch.nn.Sequential, zero: int, topo) -> Optimizer:  # noqa: AN
         index, local = name.split(".", 1)
         meta = ParameterMeta(local, tuple(p.shape), layer_index=int(index)).attach(p).parameter_meta
         triples.append((meta.key, p, meta))
-    config = OptimizerConfig(zero_stage=zero, allreduce_bucket_size=BUCKET_BYTES)
+    # Default buckets, like DDP's: the first closes at 1 MiB, the next at 25 MB.
+    config = OptimizerConfig(zero_stage=zero)
     group = OptimizerParamGroup(triples, OptimizerParamGroupConfig(name="all", weight_decay=0.01))
     return Optimizer(config=config, parameter_groups=[group], topology=topo)
 
@@ -70,17 +73,60 @@ def measure(hidden: int, layers: int, batch: int, steps: int) -> dict[str, float
         "ours ZeRO-1": lambda: our_step(zero1, zero1_opt),
     }
     times: dict[str, list[float]] = {k: [] for k in runs}
+    ratios: dict[str, list[float]] = {k: [] for k in runs}
     order = ["ddp+AdamW", "ours ZeRO-0", "ours ZeRO-1", "ours ZeRO-1", "ours ZeRO-0", "ddp+AdamW"]
     for i in range(steps + 2):
+        spent: dict[str, float] = dict.fromkeys(runs, 0.0)
         for name in order:
             torch.distributed.barrier(group=topo.data_parallel_group)
             start = time.perf_counter()
             runs[name]()
+            elapsed = torch.tensor([time.perf_counter() - start])
+            # a step takes as long as its slowest rank
+            torch.distributed.all_reduce(elapsed, torch.distributed.ReduceOp.MAX, group=topo.data_parallel_group)
+            spent[name] += elapsed.item()
             if i >= 2:  # the first rounds warm up allocators and gloo
-                times[name].append(time.perf_counter() - start)
+                times[name].append(elapsed.item())
+        if i >= 2:  # each round's ratio: both samples of a run against both DDP samples of the round
+            for name in runs:
+                ratios[name].append(spent[name] / spent["ddp+AdamW"])
     # the parameters agree (same init, same batches, same update rule up to rounding)
     diff = max((a - b).abs().max().item() for a, b in zip(ddp.module.parameters(), plain.parameters()))
-    return {**{k: statistics.median(v) for k, v in times.items()}, "max_param_diff": diff}
+    out: dict[str, float] = {"max_param_diff": diff}
+    for name in runs:
+        q1, _, q3 = statistics.quantiles(ratios[name], n=4)
+        out[name] = statistics.median(times[name])
+        out[f"{name} ratio"] = statistics.median(ratios[name])
+        out[f"{name} q1"], out[f"{name} q3"] = q1, q3
+        out[f"{name} median ratio of medians"] = out[name] / statistics.median(times["ddp+AdamW"])
+    return out
+
+
+# torch 2.13 renamed the flat forms; older releases only have the *_tensor names.
+_REDUCE_SCATTER = getattr(torch.distributed, "reduce_scatter_single", None) or torch.distributed.reduce_scatter_tensor
+_ALL_GATHER = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+
+
+def collectives(numel: int, rounds: int) -> dict[str, float]:
+    """Median ms of one model-sized gloo all-reduce, reduce-scatter and all-gather (raw torch calls)."""
+    topo = make_topology()
+    group, world = topo.data_parallel_group, topo.data_parallel_size
+    numel -= numel % world
+    full, shard = torch.randn(numel), torch.empty(numel // world)
+    calls = {
+        "all_reduce": lambda: torch.distributed.all_reduce(full, group=group),
+        "reduce_scatter": lambda: _REDUCE_SCATTER(shard, full, group=group),
+        "all_gather": lambda: _ALL_GATHER(full, shard, group=group),
+    }
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for i in range(rounds + 2):
+        for name in [*calls, *reversed(calls)]:
+            torch.distributed.barrier(group=group)
+            start = time.perf_counter()
+            calls[name]()
+            if i >= 2:
+                times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
 def main() -> None:
@@ -88,7 +134,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     results = run_distributed(measure, 2, args.hidden, args.layers, args.batch, args.steps, timeout_seconds=600)
     r = results[0]
@@ -97,9 +143,16 @@ def main() -> None:
         f"2 gloo ranks, MLP {args.layers}x{args.hidden} (Ψ = {psi:,}), local batch {args.batch}, median of "
         f"{2 * args.steps} steps each"
     )
+    print("ratio = median over rounds of (run's 2 steps / DDP's 2 steps in the same round); q1-q3 its spread")
     for name in ("ddp+AdamW", "ours ZeRO-0", "ours ZeRO-1"):
-        print(f"{name:>12}: {r[name] * 1e3:8.2f} ms/step  ratio {r[name] / r['ddp+AdamW']:.3f}")
+        print(
+            f"{name:>12}: {r[name] * 1e3:8.2f} ms/step  ratio {r[f'{name} ratio']:.3f} "
+            f"(q1 {r[f'{name} q1']:.3f}, q3 {r[f'{name} q3']:.3f}; ratio of median times "
+            f"{r[f'{name} median ratio of medians']:.3f})"
+        )
     print(f"max |param diff| ours ZeRO-0 vs DDP after all steps: {r['max_param_diff']:.2e}")
+    c = run_distributed(collectives, 2, psi, args.steps, timeout_seconds=600)[0]
+    print(f"gloo, {psi * 4 / 2**20:.2f} MiB fp32, median ms: " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 Run: python bench/model_state_bytes.py [--hidden 256] [--layers 4]
 
-Two gloo ranks train an MLP for one step per ZeRO stage. After ``backward`` (gradients
-present, before ``step``) each rank sums the storage bytes (not RSS) of
+Two gloo ranks train an MLP for one step per ZeRO stage. After ``backward`` and the DP
+gradient reduction (gradients present, before ``step``) each rank sums the storage bytes (not RSS) of
 
 - parameters: each parameter's storage (0 once ZeRO-3 has freed it) plus ZeRO-3's owned shard,
 - gradients: ``param.grad`` plus the ZeRO-2/3 reduced gradient shards,
@@ -50,6 +50,9 @@ def measure(zero: int, hidden: int, layers: int) -> dict[str, float]:
     )
     opt.zero_grad()
     opt.backward(model(torch.randn(8, hidden)).pow(2).mean())
+    # ZeRO 1/2 reduce-scatter buckets overlapped with backward: wait until every owned
+    # gradient shard has arrived (in-flight buckets are transient communication buffers).
+    opt.finish_gradient_reduction()
     params = sum(_bytes(p) for p in model.parameters()) + sum(_bytes(s.param_shard) for s in opt.slots)
     grads = sum(_bytes(p.grad) for p in model.parameters()) + sum(_bytes(s.grad_shard) for s in opt.slots)
     state = sum(_bytes(t) for s in opt.slots for t in [*s.state.values(), s.master])

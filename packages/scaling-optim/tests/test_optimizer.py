@@ -70,7 +70,7 @@ def test_sgd_momentum_matches_torch_on_dp2_zero1():
         ref.zero_grad()
         loss_fn(w, b, *data(step)).backward()
         ref.step()
-    for got in run_distributed(_sgd, 2, 1, 4, timeout_seconds=60):
+    for got in run_distributed(_sgd, 2, 1, 4, timeout_seconds=180):
         assert_parity(list(got), [w.detach(), b.detach()], rtol=1e-6, atol=1e-9)
 
 

@@ -243,9 +243,13 @@ def test_checkpoint_reshards_across_layouts(tmp_path, tp, world, zero):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("zero", [0, 2])
-def test_gradient_accumulation_parity(zero):
-    """Two micro-batches per step on DP=2 (reductions overlapped with each backward) match one process."""
+@pytest.mark.parametrize("zero,micro", [(0, 2), (1, 4), (2, 2)])
+def test_gradient_accumulation_parity(zero, micro):
+    """Micro-batches per step on DP=2 (reductions overlapped with each backward) match one process.
+
+    ZeRO-1 runs 4 micro-batches of one row: a bucket's reduce-scatter is still in flight
+    while the next backward accumulates into the same gradients.
+    """
     expected = reference("adamw", 0.5)
-    results = run_distributed(_train, 2, 1, zero, "adamw", 0.5, micro=2, timeout_seconds=60)
+    results = run_distributed(_train, 2, 1, zero, "adamw", 0.5, micro=micro, timeout_seconds=60)
     _check(results, expected, 1, rtol=1e-6)

@@ -82,8 +82,11 @@ def all_gather_chunks(
         grid = all_gather_flat(send, group).view(world, send.numel())
         offset = 0
         for chunk in bucket:
-            out = pairs[index][1]
-            full = grid[:, offset : offset + chunk.numel()].reshape(-1)
-            out.copy_(full[: out.numel()])
-            offset += chunk.numel()
+            out, n = pairs[index][1], chunk.numel()
+            # One strided copy per tensor: whole rows first, then the padded last rank's part.
+            rows = min(out.numel() // n, world) if n else 0
+            out[: rows * n].view(rows, n).copy_(grid[:rows, offset : offset + n])
+            if rows < world and out.numel() > rows * n:
+                out[rows * n :].copy_(grid[rows, offset : offset + out.numel() - rows * n])
+            offset += n
             index += 1

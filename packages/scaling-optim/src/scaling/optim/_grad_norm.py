@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from scaling.collectives import all_reduce
 from scaling.optim._comm import group_size
 from scaling.optim._slots import ParamSlot
 from scaling.topology import Topology
@@ -70,10 +71,10 @@ def global_norm_squared(
     # replicas zero out below, so every rank sees it.
     vec = torch.stack([total, non_finite + (~torch.isfinite(total)).double()])
     if group_size(topology.model_pipe_parallel_group) > 1:
-        dist.all_reduce(vec, group=topology.model_pipe_parallel_group)
+        all_reduce(vec, topology.model_pipe_parallel_group)
     if group_size(topology.data_parallel_group) > 1:
         if not sharded and topology.data_parallel_rank != 0:
             vec[0] = 0.0
-        dist.all_reduce(vec, group=topology.data_parallel_group)
+        all_reduce(vec, topology.data_parallel_group)
     norm_sq, flag = vec.tolist()
     return norm_sq, bool(flag > 0) or not torch.isfinite(torch.tensor(norm_sq)).item()

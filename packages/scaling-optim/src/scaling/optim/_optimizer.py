@@ -128,15 +128,16 @@ class Optimizer:
                 slot.param_shard = slot.flat_param()[slot.start : slot.end].clone()
             self.gatherer = ParameterGatherer(zero3_modules, self.slots, topology.data_parallel_group)
         self._hooks: list[Any] = []
-        if config.zero_stage >= 2:
+        if self.gatherer is not None:
             for slot in self.slots:
                 self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(slot)))
-        if self.gatherer is not None:
             self.gatherer.free_all()
         self.reducer: GradientReducer | None = None
         self._dp_reduced = False
-        if config.zero_stage < 2 and group_size(topology.data_parallel_group) > 1:
-            self.reducer = GradientReducer(self.slots, topology.data_parallel_group, config.allreduce_bucket_size)
+        if config.zero_stage < 3 and dp > 1:
+            # ZeRO 0 all-reduces buckets; ZeRO 1 and 2 reduce-scatter them into the owned shards.
+            mode = ("all_reduce", "shard", "shard_free")[config.zero_stage]
+            self.reducer = GradientReducer(self.slots, topology.data_parallel_group, config.allreduce_bucket_size, mode)
 
     # ----------------------------------------------------------------- backward
     def zero_grad(self) -> None:
@@ -162,25 +163,28 @@ class Optimizer:
 
     def _make_grad_hook(self, slot: ParamSlot) -> Any:
         def hook(param: torch.Tensor) -> None:
-            # ZeRO-2/3: reduce-scatter each gradient as soon as it is accumulated, keep only
-            # the owned shard and free the full gradient (ZeRO-3: and the parameter).
+            # ZeRO-3: reduce-scatter each gradient as soon as it is accumulated, keep only
+            # the owned shard and free the full gradient and the parameter.
             assert param.grad is not None
             shard = reduce_scatter_mean(slot.padded_flat(param.grad), self.topology.data_parallel_group)
             shard = shard[: slot.length].to(slot.compute_dtype)
             slot.grad_shard = shard if slot.grad_shard is None else slot.grad_shard.add_(shard)
             param.grad = None
-            if self.gatherer is not None:
-                free_storage(slot)
+            free_storage(slot)
 
         return hook
 
     # --------------------------------------------------------------------- step
     def finish_gradient_reduction(self) -> None:
-        """Wait for the DP gradient averaging overlapped with backward (ZeRO 0/1).
+        """Wait for the DP gradient averaging overlapped with backward (ZeRO 0/1/2).
 
-        Afterwards ``.grad`` holds the DP average. Call it before changing gradients
-        across ranks outside the optimizer (e.g. summing tied weights over pipeline
-        stages); :meth:`step` calls it otherwise. Runs once per step.
+        Afterwards ``.grad`` holds the DP average (ZeRO 0); with ZeRO 1 only the
+        elements this rank owns do and the rest of ``.grad`` is zero; with ZeRO 2 the
+        owned average is in the optimizer and ``.grad`` is None (pipeline-tied
+        parameters: as ZeRO 1). Call it before changing gradients across ranks outside
+        the optimizer (e.g. summing tied weights over pipeline stages, which keeps the
+        same DP ownership on every stage); :meth:`step` calls it otherwise. Runs once
+        per step.
         """
         if self.reducer is not None and not self._dp_reduced:
             self.reducer.finish()  # DP averages, mostly overlapped with backward already
@@ -188,8 +192,8 @@ class Optimizer:
 
     def _reduced_grads(self) -> list[torch.Tensor]:
         topo, bucket = self.topology, self.config.allreduce_bucket_size
-        if self.config.zero_stage < 2:
-            self.finish_gradient_reduction()
+        self.finish_gradient_reduction()
+        if self.config.zero_stage == 0:
             for slot in self.slots:
                 if slot.param.grad is None:
                     slot.param.grad = torch.zeros_like(slot.param)

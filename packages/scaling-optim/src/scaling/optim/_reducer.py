@@ -1,16 +1,42 @@
-"""Gradient all-reduce over DP overlapped with backward (ZeRO 0 and 1), as DDP does.
+"""DP gradient reduction overlapped with backward, as DDP does: all-reduce (ZeRO 0) or reduce-scatter (ZeRO 1, 2).
 
-Parameters are put into buckets of at most ``bucket_size_bytes`` in reverse order (the
-order backward produces their gradients). When the last gradient of a bucket has been
-accumulated, the bucket is copied into a flat buffer, the gradients are zeroed and an
-asynchronous all-reduce starts while backward goes on. :meth:`finish` waits and adds
-each bucket's average back into ``.grad``.
+Parameters are put into buckets in reverse order (the order backward produces their
+gradients); as in DDP a bucket is closed once it holds ``bucket_size_bytes`` (the first
+one: 1 MiB, so communication starts early), so a bucket exceeds the size by at most
+its last parameter. When the last gradient of a bucket has been
+accumulated, the bucket's gradients are copied into a flat buffer and an asynchronous
+collective (``scaling.collectives``, recorded and diagnosed) starts while backward goes
+on. :meth:`GradientReducer.finish` waits for every bucket.
 
-Zeroing at launch and adding the average back keeps gradient accumulation exact: a
-gradient accumulated while its bucket is in flight stays in ``.grad``; before a bucket
-launches again the previous result is added first, and an average that is already the
-same on every rank passes through the next average unchanged, so after several
-micro-batches ``.grad`` holds the sum of their averages.
+Modes:
+
+- ``"all_reduce"`` (ZeRO 0): the flat bucket is all-reduced; each bucket's average is
+  added back into ``.grad``, so ``.grad`` holds the DP average of the whole parameter.
+- ``"shard"`` (ZeRO 1): the bucket is reduce-scattered; each rank receives only the
+  elements it owns and adds them into the owned slice of ``.grad`` (the rest of
+  ``.grad`` stays zero). A ZeRO-1 step then moves two model-sized payloads over DP, the
+  reduce-scatter and the all-gather of updated shards, as DDP's all-reduce does.
+- ``"shard_free"`` (ZeRO 2): as ``"shard"``, but the reduced elements go to
+  ``slot.grad_shard`` and ``.grad`` is dropped at launch, so a full gradient lives only
+  until its bucket is complete. Pipeline-tied parameters (``meta.tied_key``) are the
+  exception: they keep ``.grad`` as in ``"shard"``, because the pipeline sums their
+  ``.grad`` over stages after :meth:`GradientReducer.finish`.
+
+Bucket layout for reduce-scatter: ownership is per parameter (``_slots.py``: a parameter
+is padded to ``chunk * world`` elements and rank ``r`` owns chunk ``r``). A bucket's flat
+buffer is laid out rank-major, ``[rank 0: chunk 0 of each parameter | rank 1: chunk 1 of
+each parameter | ...]``, so one reduce-scatter hands every rank exactly its chunks, in
+bucket order; no state, checkpoint or ZeRO-3 code depends on the bucket layout.
+
+Gradient accumulation stays exact. All-reduce mode leaves ``.grad`` as it is at launch
+and overwrites it with the average on completion; a gradient tensor hook completes a
+bucket still in flight before the next backward accumulates into it, so that gradient
+lands on the average (an average already the same on every rank passes through the
+next average unchanged). Reduce-scatter modes zero ``.grad`` at launch and add the
+*sum* over ranks into the owned elements and divide by the DP size once, in
+:meth:`finish`: an owned element already holding the previous sum is sent again by its
+owner only (other ranks zeroed that element at launch), so the next sum adds exactly
+the new micro-batch's gradients.
 
 Every rank must produce gradients for the same parameters in a backward (as with
 DDP without ``find_unused_parameters``); buckets still incomplete at :meth:`finish`
@@ -23,13 +49,17 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
+from scaling.collectives import PendingCollective, all_reduce_async, reduce_scatter_async
 from scaling.optim._comm import group_size
 from scaling.optim._slots import ParamSlot
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+MODES = ("all_reduce", "shard", "shard_free")
+# DDP's policy: a small first bucket (the last layers) so the first reduction starts early.
+FIRST_BUCKET_BYTES = 1024 * 1024
 
 
 class GradientReducer:
@@ -38,26 +68,38 @@ class GradientReducer:
     Args:
         slots: the trainable parameters, in model order.
         group: the data-parallel group.
-        bucket_size_bytes: bucket capacity (a larger gradient gets its own bucket).
+        bucket_size_bytes: a bucket is closed once it holds this many bytes.
+        mode: ``"all_reduce"``, ``"shard"`` or ``"shard_free"`` (see the module docstring).
     """
 
-    def __init__(self, slots: Sequence[ParamSlot], group: ProcessGroup, bucket_size_bytes: int) -> None:
-        self.group = group
+    def __init__(
+        self, slots: Sequence[ParamSlot], group: ProcessGroup, bucket_size_bytes: int, mode: str = "all_reduce"
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"GradientReducer mode must be one of {MODES}, got {mode!r}")
+        self.group, self.mode = group, mode
         self.world = group_size(group)
         self.buckets: list[list[ParamSlot]] = []
-        size = 0
+        size, cap = 0, min(bucket_size_bytes, FIRST_BUCKET_BYTES)
         for slot in reversed(slots):
-            nbytes = slot.numel * slot.param.element_size()
             last = self.buckets[-1] if self.buckets else None
-            if last is None or last[0].param.dtype != slot.param.dtype or size + nbytes > bucket_size_bytes:
+            if last is None or last[0].param.dtype != slot.param.dtype or size >= cap:
+                if last is not None:
+                    cap = bucket_size_bytes
                 self.buckets.append([])
                 size = 0
             self.buckets[-1].append(slot)
-            size += nbytes
+            size += slot.numel * slot.param.element_size()
         self._bucket_of = {id(s): i for i, b in enumerate(self.buckets) for s in b}
+        # Parameters whose reduced elements stay in .grad: all in "shard" mode; in
+        # "shard_free" mode the pipeline-tied ones, whose .grad is summed over stages after
+        # finish (the owned elements line up on every stage).
+        self._keep_grad = {id(s) for s in slots if mode == "shard" or s.meta.tied_key is not None}
         self._ready = [0] * len(self.buckets)
-        self._pending: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._pending: dict[int, tuple[PendingCollective, torch.Tensor]] = {}
         self.handles = [s.param.register_post_accumulate_grad_hook(self._hook(s)) for s in slots]
+        if mode == "all_reduce":
+            self.handles += [s.param.register_hook(self._pre_hook(s)) for s in slots]
 
     def _hook(self, slot: ParamSlot) -> Any:
         index = self._bucket_of[id(slot)]
@@ -69,35 +111,80 @@ class GradientReducer:
 
         return hook
 
+    def _pre_hook(self, slot: ParamSlot) -> Any:
+        index = self._bucket_of[id(slot)]
+
+        def hook(grad: torch.Tensor) -> None:
+            # All-reduce mode leaves the local gradients in .grad while in flight; a new
+            # gradient for the bucket must land on the average, so it completes first.
+            if index in self._pending:
+                self._complete(index)
+
+        return hook
+
     def _launch(self, index: int) -> None:
         self._complete(index)
         self._ready[index] = 0
         slots = self.buckets[index]
+        grads = []
         for s in slots:
             if s.param.grad is None:
                 s.param.grad = torch.zeros_like(s.param)
-        flat = torch.cat([s.param.grad.reshape(-1) for s in slots])  # type: ignore[union-attr]
+            grads.append(s.param.grad)
+        if self.mode == "all_reduce":
+            flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
+            pending = all_reduce_async(flat, self.group)
+        else:
+            # Rank-major: row r of each (world, chunk) view is rank r's chunk of that parameter.
+            flat = torch.cat([s.padded_flat(g).view(self.world, s.chunk) for s, g in zip(slots, grads)], dim=1)
+            flat = flat.view(-1)
+            out = flat.new_empty(flat.numel() // self.world)
+            pending = reduce_scatter_async(out, flat, self.group)
+            flat = out
         for s in slots:
-            s.param.grad.zero_()  # type: ignore[union-attr]
-        # Direct async call: scaling.collectives has no async all-reduce; the overlap is the point.
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
-        self._pending[index] = (work, flat)
+            if self.mode == "all_reduce":
+                continue
+            if id(s) in self._keep_grad:
+                s.param.grad.zero_()  # type: ignore[union-attr]
+            else:
+                s.param.grad = None
+        self._pending[index] = (pending, flat)
 
     def _complete(self, index: int) -> None:
         if index not in self._pending:
             return
         work, flat = self._pending.pop(index)
         work.wait()
-        flat.div_(self.world)
+        if self.mode == "all_reduce":
+            offset = 0
+            for s in self.buckets[index]:
+                grad = s.param.grad
+                assert grad is not None
+                # .grad still holds this rank's gradients (nothing accumulated since launch,
+                # see _pre_hook): overwrite them with the average in one pass.
+                torch.div(flat[offset : offset + s.numel].view_as(grad), self.world, out=grad)
+                offset += s.numel
+            return
         offset = 0
         for s in self.buckets[index]:
-            grad = s.param.grad
-            assert grad is not None
-            grad.add_(flat[offset : offset + s.numel].view_as(grad))
-            offset += s.numel
+            part = flat[offset : offset + s.length]
+            offset += s.chunk
+            if id(s) in self._keep_grad:
+                if s.param.grad is None:
+                    s.param.grad = torch.zeros_like(s.param)
+                s.param.grad.view(-1)[s.start : s.end].add_(part)
+            elif s.grad_shard is None:
+                s.grad_shard = part.to(s.compute_dtype, copy=True)
+            else:
+                s.grad_shard.add_(part)
 
     def finish(self) -> None:
-        """Reduce what backward left incomplete and add every average into ``.grad``."""
+        """Reduce what backward left incomplete and wait for every bucket.
+
+        Afterwards ``.grad`` holds the DP average (``"all_reduce"``), the owned
+        elements of ``.grad`` do (``"shard"`` and tied parameters, others zero), or
+        ``slot.grad_shard`` does (``"shard_free"``).
+        """
         for index in range(len(self.buckets)):
             if self._ready[index] or index not in self._pending:
                 # Incomplete (or never launched) buckets: every rank reaches here in the same order.
@@ -105,6 +192,13 @@ class GradientReducer:
                     self._launch(index)
         for index in range(len(self.buckets)):
             self._complete(index)
+        if self.mode == "all_reduce":
+            return
+        for slot in (s for b in self.buckets for s in b):
+            if id(slot) in self._keep_grad and slot.param.grad is not None:
+                slot.param.grad.view(-1)[slot.start : slot.end].div_(self.world)
+            elif slot.grad_shard is not None:
+                slot.grad_shard.div_(self.world)
 
     def discard(self) -> None:
         """Drop in-flight results and readiness (``zero_grad``)."""
