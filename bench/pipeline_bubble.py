@@ -6,16 +6,19 @@ Linear, so the busy time per stage is known exactly: ``m * (forward + backward)`
 The measured bubble is ``1 - busy / step wall time``; theory is ``(p - 1) / (m + p - 1)``.
 
 The reference is ``torch.distributed.pipelining.Schedule1F1B`` on the same layers, the
-same micro-batches and the same two gloo ranks, timed in the same run; the ratio is
-ours / torch (below 1.0: we are faster).
+same micro-batches and the same two gloo ranks, timed in the same run: each repetition
+runs our GPipe, our 1F1B and torch's 1F1B in turn (so load from other processes hits
+all alike); a repetition's wall is the slowest rank's, and the table shows medians.
+The ratio is ours / torch per repetition (below 1.0: we are faster), median and range.
 
     python bench/pipeline_bubble.py
-    python bench/pipeline_bubble.py --forward-ms 10 --backward-ms 20 --repeats 5
+    python bench/pipeline_bubble.py --forward-ms 40 --backward-ms 80 --repeats 7
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -96,25 +99,31 @@ def _loss(out: IO, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
 
 
 def worker(schedules: list[str], ms: list[int], forward_s: float, backward_s: float, repeats: int) -> dict:
+    """Per (schedule, m): this rank's wall time of each repetition, ours and torch alternating."""
     topo = make_topology(pipe_parallel_size=2)
     results: dict = {}
     for m in ms:
         batches = [Batch(torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)) for _ in range(m)]
+        steps = {}
         for name in schedules:
-            spec = [LayerSpec(Layer, forward_s, backward_s) for _ in range(2)]
-            module = ParallelModule(spec, topo, schedule=name)
+            module = ParallelModule([LayerSpec(Layer, forward_s, backward_s) for _ in range(2)], topo, schedule=name)
             opt = _NoUpdate(module)
-            module.train_step(batches, opt, _loss)  # warm-up: handshakes, allocations
-            walls = []
-            for _ in range(repeats):
+            steps[name] = lambda module=module, opt=opt, batches=batches: (
+                module.train_step(batches, opt, _loss).step_duration
+            )
+        steps["torch_1f1b"] = _torch_1f1b(topo, batches, forward_s, backward_s)
+        for step in steps.values():
+            step()  # warm-up: handshakes, allocations
+        for name in steps:
+            results[(name, m)] = []
+        for _ in range(repeats):  # alternate so that load changes hit every candidate alike
+            for name, step in steps.items():
                 torch.distributed.barrier()
-                walls.append(module.train_step(batches, opt, _loss).step_duration)
-            results[(name, m)] = min(walls)
-        results[("torch_1f1b", m)] = _torch_1f1b(topo, batches, forward_s, backward_s, repeats)
+                results[(name, m)].append(step())
     return results
 
 
-def _torch_1f1b(topo, batches: list[Batch], forward_s: float, backward_s: float, repeats: int) -> float:
+def _torch_1f1b(topo, batches: list[Batch], forward_s: float, backward_s: float):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     stage_index = topo.pipe_parallel_rank
@@ -124,20 +133,15 @@ def _torch_1f1b(topo, batches: list[Batch], forward_s: float, backward_s: float,
     x = torch.cat([b.x for b in batches])
     y = torch.cat([b.y for b in batches])
 
-    def step() -> None:
+    def step() -> float:
+        start = time.perf_counter()
         if stage_index == 0:
             schedule.step(x)
         else:
             schedule.step(target=y, losses=[])
+        return time.perf_counter() - start
 
-    step()
-    walls = []
-    for _ in range(repeats):
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        step()
-        walls.append(time.perf_counter() - start)
-    return min(walls)
+    return step
 
 
 def main() -> None:
@@ -145,20 +149,30 @@ def main() -> None:
     parser.add_argument("--forward-ms", type=float, default=10.0)
     parser.add_argument("--backward-ms", type=float, default=20.0)
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8, 16])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     f, b = args.forward_ms / 1e3, args.backward_ms / 1e3
     schedules = ["gpipe", "1f1b"]
-    per_rank = run_distributed(worker, 2, schedules, args.micro_batches, f, b, args.repeats, timeout_seconds=600)
+    per_rank = run_distributed(worker, 2, schedules, args.micro_batches, f, b, args.repeats, timeout_seconds=1200)
     print(f"2 stages, forward {args.forward_ms} ms, backward {args.backward_ms} ms per stage and micro-batch")
-    print(f"{'m':>3} {'theory':>7} {'gpipe':>7} {'1f1b':>7} {'ours 1f1b s':>12} {'torch 1f1b s':>13} {'ratio':>6}")
+    print(f"median of {args.repeats} repetitions (slowest rank each), ours and torch alternating; [min-max]")
+    print(
+        f"{'m':>3} {'theory':>7} {'gpipe':>7} {'1f1b':>7} {'ours 1f1b s':>12} {'torch 1f1b s':>13} {'ratio':>6} "
+        f"{'ratio min-max':>14}"
+    )
     for m in args.micro_batches:
         busy = m * (f + b)
-        wall = {k: max(r[(k, m)] for r in per_rank) for k in [*schedules, "torch_1f1b"]}
+        # One wall per repetition: the slowest rank's.
+        walls = {
+            k: [max(r[(k, m)][i] for r in per_rank) for i in range(args.repeats)] for k in [*schedules, "torch_1f1b"]
+        }
+        wall = {k: statistics.median(v) for k, v in walls.items()}
+        ratios = [o / t for o, t in zip(walls["1f1b"], walls["torch_1f1b"])]
         bubble = {k: 1 - busy / wall[k] for k in schedules}
         print(
             f"{m:>3} {1 / (m + 1):>7.3f} {bubble['gpipe']:>7.3f} {bubble['1f1b']:>7.3f} "
-            f"{wall['1f1b']:>12.4f} {wall['torch_1f1b']:>13.4f} {wall['1f1b'] / wall['torch_1f1b']:>6.3f}"
+            f"{wall['1f1b']:>12.4f} {wall['torch_1f1b']:>13.4f} {statistics.median(ratios):>6.3f} "
+            f"{min(ratios):>6.3f}-{max(ratios):<6.3f}"
         )
 
 

@@ -95,6 +95,67 @@ def test_shape_change_mid_run_rehandshakes():
     assert run_distributed(_shape_changes, 2, timeout_seconds=60) == [3, 3]
 
 
+def _steady_state_transfers():
+    """Transfers per message: one frame once the metadata is cached, 1 + 2 on a change."""
+    from scaling.collectives import _ops
+
+    topo = make_topology(pipe_parallel_size=2)
+    transport = PipeTransport(topo.previous_pipe_rank, topo.next_pipe_rank, topo.device)
+    counts, real = [], _ops.batch_send_recv
+
+    def counting(ops, group=None):
+        if ops:
+            counts[-1].append(len(ops))
+        real(ops, group)
+
+    _ops.batch_send_recv = counting
+    try:
+        for shape in [(2, 4), (2, 4), (2, 4), (3, 4)]:
+            counts.append([])
+            if topo.is_first_pipe_stage:
+                transport.send_forward({"x": torch.ones(shape), "y": torch.zeros(shape)})
+            else:
+                assert transport.recv_forward()["x"].shape == shape
+    finally:
+        _ops.batch_send_recv = real
+    return counts
+
+
+@pytest.mark.distributed
+def test_cached_metadata_means_one_transfer_per_message():
+    # First message and shape change: frame, then metadata + payload; otherwise the
+    # header rides in the payload's frame (no metadata round trip).
+    expected = [[1, 2], [1], [1], [1, 2]]
+    assert run_distributed(_steady_state_transfers, 2, timeout_seconds=60) == [expected, expected]
+
+
+def _ring_of_two():
+    """Two stages in a ring: each is the other's previous and next stage."""
+    me, other = dist.get_rank(), 1 - dist.get_rank()
+    transport = PipeTransport(other, other, torch.device("cpu"), ring=True)
+    seen = []
+    for step, rows in enumerate([2, 2, 3]):  # the last step changes shapes: re-handshake mid-ring
+        act = torch.full((rows, 4), 10.0 * me + step)
+        grad = torch.full((rows, 2), -10.0 * me - step)
+        got_act = transport.send_forward_recv_forward(act)
+        got_grad = transport.send_backward_recv_backward([grad])
+        both = transport.exchange(send_forward=[act], recv_forward=True, send_backward=[grad], recv_backward=True)
+        for a in (got_act, both[0][0]):
+            assert_parity(a, torch.full((rows, 4), 10.0 * other + step), bitwise=True, name="activation")
+        for g in (got_grad[0], both[1][0]):
+            assert_parity(g, torch.full((rows, 2), -10.0 * other - step), bitwise=True, name="gradient")
+        seen.append(transport.handshakes_received)
+    return seen
+
+
+@pytest.mark.distributed
+def test_ring_of_two_exchanges_both_ways_in_order():
+    # Handshakes: forward tensor, grads, forward list (structure change) at step 0; the
+    # forward channel alternates tensor / list so it re-handshakes every call; step 2's
+    # new shapes change the grads too.
+    assert run_distributed(_ring_of_two, 2, timeout_seconds=60) == [[3, 5, 8], [3, 5, 8]]
+
+
 def _two_stage_pipeline():
     """1F1B over two stages with the batched calls; grads match one process."""
     topo = make_topology(pipe_parallel_size=2)
@@ -159,8 +220,9 @@ def test_simultaneous_two_way_send_does_not_deadlock():
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match=r"prev_rank=-1 must be a global rank"):
         PipeTransport(-1, None, torch.device("cpu"))
-    with pytest.raises(ValueError, match="prev_rank and next_rank are both 1"):
+    with pytest.raises(ValueError, match=r"prev_rank and next_rank are both 1; .* ring of two \(ring=True\)"):
         PipeTransport(1, 1, torch.device("cpu"))
+    assert PipeTransport(1, 1, torch.device("cpu"), ring=True).prev_rank == 1
     transport = PipeTransport(None, None, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"recv_forward: this is the first pipeline stage \(prev_rank=None\)"):
         transport.recv_forward()

@@ -79,7 +79,9 @@ def test_bad_schedule_and_virtual_stages() -> None:
         ParallelModule(specs(4), topology(), num_virtual_stages=2)
 
 
-def test_interleaved_across_processes_is_refused_until_the_transport_supports_it() -> None:
+def test_interleaved_needs_layers_divisible_into_virtual_stages() -> None:
     topo = Topology(TopologyConfig(world_size=2, model_parallel_size=1, pipe_parallel_size=2, device="cpu"), 0)
-    with pytest.raises(ValueError, match=r"schedule='interleaved_1f1b' with pipe_parallel_size=2 needs"):
-        ParallelModule(specs(4), topo, schedule="interleaved_1f1b", num_virtual_stages=2)
+    with pytest.raises(
+        ValueError, match=r"num_layers=6 is not divisible into pipe_parallel_size=2 x num_virtual_stages=2 = 4"
+    ):
+        ParallelModule(specs(6), topo, schedule="interleaved_1f1b", num_virtual_stages=2)

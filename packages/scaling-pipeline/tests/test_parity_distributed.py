@@ -61,6 +61,73 @@ def test_pipeline_matches_one_process(pp: int, schedule: str) -> None:
     assert_parity(grads, ref_grads, rtol=1e-6, atol=1e-9, name="grads")
 
 
+def interleaved_rank(pp: int) -> tuple[float, dict[str, torch.Tensor]]:
+    topo = make_topology(pipe_parallel_size=pp)
+    module = ParallelModule(specs(NUM_LAYERS), topo, schedule="interleaved_1f1b", num_virtual_stages=2)
+    # Stage s holds virtual stages s and p + s: two chunks, layers far apart in the model.
+    assert [list(r) for r in module.chunks] == [
+        list(module.partition[topo.pipe_parallel_rank + c * pp]) for c in (0, 1)
+    ]
+    optimizer = GradCapture(module)
+    module.train_step(micro_batches(NUM_MICRO_BATCHES), optimizer, loss_function)
+    handshakes = module._pipe_transport.handshakes_received
+    # A second step (no update in between) gives the same result without a handshake:
+    # the transport and its shape cache live as long as the module.
+    out = module.train_step(micro_batches(NUM_MICRO_BATCHES), optimizer, loss_function)
+    assert module._pipe_transport.handshakes_received == handshakes == 2  # activations and gradients, once
+    # Forward-only evaluation over the same ring (no grad: the activations' metadata changes).
+    assert module.evaluation_step(micro_batches(NUM_MICRO_BATCHES), loss_function).loss == pytest.approx(
+        out.loss, rel=1e-6
+    )
+    return out.loss, optimizer.grads
+
+
+@pytest.mark.parametrize(("world", "pp"), [(2, 2), (4, 4), (4, 2)])
+def test_interleaved_matches_one_process(world: int, pp: int) -> None:
+    # Two virtual stages per rank: activations go round the ring (last stage -> first
+    # stage's second chunk) through the batched exchanges; (4, 2) is dp2 x pp2, where
+    # every data-parallel replica sees the same micro-batches.
+    results = run_distributed(interleaved_rank, world, pp, timeout_seconds=120)
+    ref_loss, ref_grads = reference("interleaved_1f1b")
+    grads: dict[str, torch.Tensor] = {}
+    for loss, rank_grads in results:
+        assert loss == pytest.approx(ref_loss, rel=1e-6)
+        for name, grad in rank_grads.items():
+            assert_parity(grad, ref_grads[name], rtol=1e-6, atol=1e-9, name=name)
+        grads.update(rank_grads)
+    assert set(grads) == set(ref_grads)  # every layer's gradient was checked
+    assert len(results[0][1]) == len(ref_grads) // pp  # each rank holds 2 chunks of NUM_LAYERS / (2 pp) layers
+
+
+def two_metrics(output, batch):  # type: ignore[no-untyped-def]
+    loss, _ = loss_function(output, batch)
+    return loss, {"max": output.activations.detach().max(), "min": output.activations.detach().min()}
+
+
+def metrics_rank() -> list[tuple[float, dict[str, float]]]:
+    topo = make_topology(pipe_parallel_size=2)
+    module = ParallelModule(specs(4), topo)
+    optimizer = GradCapture(module)  # no update: every step sees the same weights
+    out = []
+    for fn in (loss_function, loss_function, two_metrics, loss_function):
+        step = module.train_step(micro_batches(2), optimizer, fn)
+        out.append((step.loss, step.metrics))
+    return out
+
+
+def test_metrics_reach_every_stage_when_their_names_change() -> None:
+    # Step 2 takes the one-tensor path (names cached), steps 3 and 4 change the names.
+    rank0, rank1 = run_distributed(metrics_rank, 2, timeout_seconds=120)
+    assert rank0 == rank1
+    assert [sorted(m) for _, m in rank0] == [["mean_output"], ["mean_output"], ["max", "min"], ["mean_output"]]
+    assert rank0[0] == rank0[1] == rank0[3]
+    topo = Topology(TopologyConfig(world_size=1, model_parallel_size=1, pipe_parallel_size=1, device="cpu"), 0)
+    ref = ParallelModule(specs(4), topo)
+    with torch.no_grad():
+        outs = [ref(b).activations for b in micro_batches(2)]
+    assert rank0[2][1]["max"] == pytest.approx(sum(float(o.max()) for o in outs) / 2, rel=1e-6)
+
+
 def tied_specs() -> list:
     # Layers 0 and 3 share linear.weight (as an input embedding and an LM head would).
     return [

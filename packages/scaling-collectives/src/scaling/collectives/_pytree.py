@@ -118,13 +118,20 @@ def offsets(metas: tuple[TensorMeta, ...]) -> tuple[list[int], int]:
     return out, pos
 
 
-def pack(tensors: list[torch.Tensor], metas: tuple[TensorMeta, ...], device: torch.device) -> torch.Tensor:
-    """Copy ``tensors`` into one ``uint8`` buffer on ``device`` (detached)."""
+def pack(
+    tensors: list[torch.Tensor], metas: tuple[TensorMeta, ...], device: torch.device, reserve: int = 0
+) -> torch.Tensor:
+    """Copy ``tensors`` into one ``uint8`` buffer on ``device`` (detached).
+
+    The first ``reserve`` bytes (a multiple of 16) are left for the caller, e.g. a message
+    header sent in the same transfer; the tensors start right after them.
+    """
     starts, total = offsets(metas)
-    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    buffer = torch.empty(reserve + total, dtype=torch.uint8, device=device)
     for t, start, m in zip(tensors, starts, metas):
         if m.nbytes:
-            buffer[start : start + m.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+            at = reserve + start
+            buffer[at : at + m.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
     return buffer
 
 

@@ -2,7 +2,8 @@
 
 Messages go through ``scaling.collectives.PipeTransport``, whose sends wait for the
 receiver (gloo and NCCL p2p): schedules are checked for that in the simulator's
-``rendezvous`` mode, and an ``Exchange`` runs as one batched send + receive.
+``rendezvous`` mode, and an ``Exchange`` runs as one batched call of up to four
+transfers. With virtual stages the transport is a ring (last stage -> first stage).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from scaling.collectives import PipeTransport, all_reduce, broadcast_pytree, tensors_requiring_grad
+from scaling.collectives import PipeTransport, tensors_requiring_grad
 from scaling.pipeline._instructions import (
     Backward,
     BackwardInput,
@@ -30,6 +31,7 @@ from scaling.pipeline._instructions import (
     SendActivation,
     SendGrad,
 )
+from scaling.pipeline._results import gather_results
 from scaling.pipeline.schedules import forward_only_schedule
 
 if TYPE_CHECKING:
@@ -90,6 +92,26 @@ def _detach_for_next_chunk(obj: Any) -> Any:
     return obj
 
 
+def _pipe_transport(module: ParallelModule) -> PipeTransport:
+    """The module's transport, made on first use and kept.
+
+    Its metadata cache then spans steps: after the first step every message is one
+    transfer (no handshake), as long as shapes do not change.
+    """
+    transport = module._pipe_transport
+    if transport is None:
+        topo, s, p = module.topology, module.stage, module.num_stages
+        if module.num_virtual_stages > 1:
+            # Virtual stages form a ring: the last stage feeds the first stage's next chunk.
+            dp, tp = topo.data_parallel_rank, topo.model_parallel_rank
+            prev_rank, next_rank = topo.rank_of((s - 1) % p, dp, tp), topo.rank_of((s + 1) % p, dp, tp)
+            transport = PipeTransport(prev_rank, next_rank, topo.device, ring=True)
+        else:
+            transport = PipeTransport(topo.previous_pipe_rank, topo.next_pipe_rank, topo.device)
+        module._pipe_transport = transport
+    return transport
+
+
 class StageExecutor:
     """Runs instructions for one stage; holds the per-(micro-batch, chunk) buffers."""
 
@@ -115,8 +137,7 @@ class StageExecutor:
         self.step_output: Any = None
         self.transport: Any = None
         if self.p > 1:
-            topo = module.topology
-            self.transport = PipeTransport(topo.previous_pipe_rank, topo.next_pipe_rank, topo.device)
+            self.transport = _pipe_transport(module)
 
     def _vs(self, chunk: int) -> int:
         return chunk * self.p + self.s
@@ -227,15 +248,27 @@ class StageExecutor:
         self.grads_out[(ins.micro_batch, ins.chunk)] = list(self.transport.recv_backward())
 
     def _Exchange(self, ins: Exchange) -> None:
-        send, recv = ins.ops
-        if isinstance(send, SendActivation) and isinstance(recv, RecvGrad):
-            grads = self.transport.send_forward_recv_backward(self.outputs[(send.micro_batch, send.chunk)])
-            self.grads_out[(recv.micro_batch, recv.chunk)] = list(grads)
-        elif isinstance(send, SendGrad) and isinstance(recv, RecvActivation):
-            grads_in = self.grads_in.pop((send.micro_batch, send.chunk))
-            self.inputs[(recv.micro_batch, recv.chunk)] = self.transport.send_backward_recv_forward(grads_in)
-        else:
-            raise NotImplementedError(f"{ins!r}: PipeTransport has no batched call for this pair")
+        # Any mix of the four transfers (1F1B pairs; interleaved rounds post up to all four).
+        kwargs: dict[str, Any] = {}
+        for op in ins.ops:
+            key = (op.micro_batch, op.chunk)  # type: ignore[attr-defined]
+            if isinstance(op, SendActivation):
+                kwargs["send_forward"] = self.outputs[key]
+            elif isinstance(op, SendGrad):
+                kwargs["send_backward"] = self.grads_in.pop(key)
+            elif isinstance(op, RecvActivation):
+                kwargs["recv_forward"] = True
+            elif isinstance(op, RecvGrad):
+                kwargs["recv_backward"] = True
+            else:
+                raise NotImplementedError(f"{ins!r}: {op!r} is not a transfer")
+        forward, backward = self.transport.exchange(**kwargs)
+        for op in ins.ops:
+            key = (op.micro_batch, op.chunk)  # type: ignore[attr-defined]
+            if isinstance(op, RecvActivation):
+                self.inputs[key] = forward
+            elif isinstance(op, RecvGrad):
+                self.grads_out[key] = list(backward)
 
     # ---------------------------------------------------------------- step
     def _ReduceTiedGrads(self, ins: ReduceTiedGrads) -> None:
@@ -249,33 +282,6 @@ class StageExecutor:
     def _OptimizerStep(self, ins: OptimizerStep) -> None:
         assert self.optimizer is not None
         self.step_output = self.optimizer.step()
-
-
-def _default_aggregation(topology: Any, metrics: list[dict[str, Any]]) -> dict[str, Any]:
-    if not metrics:
-        return {}
-    return {k: sum(float(m[k]) for m in metrics) / len(metrics) for k in metrics[0]}
-
-
-def _gather_results(ex: StageExecutor, aggregate: MetricsAggregation | None) -> tuple[float, dict[str, float]]:
-    """Loss and metrics from the last stage, broadcast over the pipe group, averaged over DP."""
-    topo = ex.module.topology
-    result: Any = None
-    if topo.is_last_pipe_stage:
-        mb = sorted(ex.losses)
-        loss = sum(float(ex.losses[i]) for i in mb) / len(mb)
-        metrics = (aggregate or _default_aggregation)(topo, [ex.metrics[i] for i in mb])
-        result = {"loss": loss, "metrics": {k: float(v) for k, v in metrics.items()}}
-    if ex.p > 1:
-        result = broadcast_pytree(
-            result, topo.rank_of(ex.p - 1, topo.data_parallel_rank, topo.model_parallel_rank), topo.pipe_parallel_group
-        )
-    if topo.data_parallel_size > 1:
-        values = torch.tensor([result["loss"], *result["metrics"].values()], dtype=torch.float64, device=topo.device)
-        all_reduce(values, topo.data_parallel_group)
-        values /= topo.data_parallel_size
-        result = {"loss": float(values[0]), "metrics": dict(zip(result["metrics"], values[1:].tolist()))}
-    return float(result["loss"]), dict(result["metrics"])
 
 
 def run_train_step(
@@ -293,7 +299,7 @@ def run_train_step(
     ex = StageExecutor(module, list(micro_batches), loss_function, optimizer, sync)
     extra = (module.num_virtual_stages,) if module.schedule_name == "interleaved_1f1b" else ()
     ex.run(module.schedule_fn(module.num_stages, len(ex.micro_batches), module.stage, *extra))
-    loss, metrics = _gather_results(ex, aggregate)
+    loss, metrics = gather_results(ex, aggregate)
     out = ex.step_output
     return TrainStepOutput(
         loss=loss,
@@ -323,7 +329,7 @@ def run_evaluation_step(
                 module.num_stages, len(ex.micro_batches), module.stage, module.num_virtual_stages
             )
             ex.run(schedule)
-            loss, metrics = _gather_results(ex, aggregate)
+            loss, metrics = gather_results(ex, aggregate)
     finally:
         module.train(was_training)
     return TrainStepOutput(loss, metrics, None, {}, None, time.perf_counter() - start)

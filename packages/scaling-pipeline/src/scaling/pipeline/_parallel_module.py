@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scaling.collectives import all_reduce, broadcast
+from scaling.collectives import PipeTransport, all_reduce, broadcast
 from scaling.nn import ParameterMeta, get_parameter_meta, set_layer_index
 from scaling.pipeline._executor import (
     LossFunction,
@@ -82,18 +82,15 @@ class ParallelModule(torch.nn.Module):
         super().__init__()
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is unknown; choose one of {sorted(SCHEDULES)}")
-        if schedule == "interleaved_1f1b" and topology.pipe_parallel_size > 1:
-            raise ValueError(
-                f"schedule='interleaved_1f1b' with pipe_parallel_size={topology.pipe_parallel_size} needs "
-                "send_forward_recv_forward / send_backward_recv_backward and a ring (last stage -> first) in "
-                "scaling.collectives.PipeTransport, which it does not offer yet; use '1f1b' or 'zb_h1' (the "
-                "interleaved schedule itself is available for simulation)"
-            )
         if num_virtual_stages != 1 and schedule != "interleaved_1f1b":
             raise ValueError(
                 f"num_virtual_stages={num_virtual_stages} needs schedule='interleaved_1f1b' (got {schedule!r})"
             )
         self.topology = topology
+        # Made by the executor on first use and kept, so its shape cache spans steps.
+        self._pipe_transport: PipeTransport | None = None
+        # Metric names of the last step, the same on every rank of the pipe group (see _results.py).
+        self._metric_names: tuple[str, ...] | None = None
         self.schedule_name = schedule
         self.schedule_fn = SCHEDULES[schedule]
         self.num_stages = topology.pipe_parallel_size

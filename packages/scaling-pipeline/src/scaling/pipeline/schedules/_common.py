@@ -3,12 +3,16 @@
 A schedule decides only the order of its stage's compute (forward, backward, or the
 zero-bubble split of backward); :func:`lower` adds the loads and messages around it:
 a receive right before the compute that needs it, a send right after the compute that
-produced it. Sends never wait for the receiver; receives block (see the simulator).
+produced it, and :func:`fuse_exchanges` posts mirrored send + receive pairs together.
+:func:`lower_lockstep` is the alternative for schedules with a ring (interleaved): the
+stages advance in rounds and every message is sent and received in the same round's
+exchange, so blocking sends cannot deadlock (the Megatron-LM pattern).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
 
 from scaling.pipeline._instructions import (
     Backward,
@@ -160,25 +164,111 @@ def fuse_exchanges(programs: list[list[Instruction]], num_stages: int) -> list[l
     return fused
 
 
+_OP_ORDER: dict[type[Instruction], int] = {SendActivation: 0, RecvActivation: 1, SendGrad: 2, RecvGrad: 3}
+
+
+def lower_lockstep(
+    steps: Sequence[Sequence[Sequence[Instruction]]], num_stages: int, num_virtual: int, *, train: bool = True
+) -> list[list[Instruction]]:
+    """Lower every stage's compute, given as steps, into programs that exchange in rounds.
+
+    In each round every stage runs its next step (one forward, one forward + one
+    backward, or one backward) if the inputs it needs arrived in an earlier round, then
+    posts one exchange: the sends of the step, and the receives of whatever its
+    neighbours sent in this round (used in a later step). Each message's send and
+    receive sit in the same round on both sides, so every exchange meets its partners
+    and none waits on a later round: deadlock-free with blocking sends, including the
+    ring from the last stage to the first. Ops within an exchange are in a fixed order
+    (send activation, receive activation, send gradient, receive gradient), so two
+    stages that talk both ways (``p == 2``) post their transfers in matching order.
+
+    Args:
+        steps: per stage, its steps in run order; each step a list of ``Forward`` /
+            ``Backward``.
+        num_stages: pipeline stages ``p``.
+        num_virtual: chunks per stage ``v``.
+        train: append ``ReduceTiedGrads`` and ``OptimizerStep``.
+    """
+    p, last_vs = num_stages, num_stages * num_virtual - 1
+    have: list[set[tuple[str, int, int]]] = [set() for _ in range(p)]  # received in earlier rounds
+    loaded: list[set[int]] = [set() for _ in range(p)]
+    pos = [0] * p
+    programs: list[list[Instruction]] = [[] for _ in range(p)]
+
+    def need(ins: Instruction, s: int) -> tuple[str, int, int] | None:
+        vs = virtual_stage(s, ins.chunk, p)  # type: ignore[attr-defined]
+        if p == 1:
+            return None
+        if isinstance(ins, Forward):
+            return ("act", ins.micro_batch, ins.chunk) if vs > 0 else None
+        return ("grad", ins.micro_batch, ins.chunk) if vs < last_vs else None  # type: ignore[attr-defined]
+
+    while any(pos[s] < len(steps[s]) for s in range(p)):
+        ops: list[list[Instruction]] = [[] for _ in range(p)]
+        ready = [
+            s
+            for s in range(p)
+            if pos[s] < len(steps[s]) and all(need(i, s) in have[s] or need(i, s) is None for i in steps[s][pos[s]])
+        ]
+        # Every round some stage can run: the order is a valid schedule (checked by the simulator).
+        assert ready, f"lockstep lowering stuck at steps {pos}"
+        for s in ready:
+            for ins in steps[s][pos[s]]:
+                assert isinstance(ins, (Forward, Backward)), ins
+                mb, c, vs = ins.micro_batch, ins.chunk, virtual_stage(s, ins.chunk, p)
+                if isinstance(ins, Forward) and vs in (0, last_vs) and mb not in loaded[s]:
+                    loaded[s].add(mb)
+                    programs[s].append(LoadMicroBatch(mb))
+                programs[s].append(ins)
+                if p > 1 and isinstance(ins, Forward) and vs < last_vs:
+                    nxt = (s + 1) % p
+                    ops[s].append(SendActivation(mb, c, nxt))
+                    ops[nxt].append(RecvActivation(mb, c + (nxt == 0), s))
+                    have[nxt].add(("act", mb, c + (nxt == 0)))
+                elif p > 1 and isinstance(ins, Backward) and vs > 0:
+                    prv = (s - 1) % p
+                    ops[s].append(SendGrad(mb, c, prv))
+                    ops[prv].append(RecvGrad(mb, c - (s == 0), s))
+                    have[prv].add(("grad", mb, c - (s == 0)))
+            pos[s] += 1
+        for s in range(p):
+            round_ops = sorted(ops[s], key=lambda op: _OP_ORDER[type(op)])
+            if len(round_ops) > 1:
+                programs[s].append(Exchange(tuple(round_ops)))
+            elif round_ops:
+                programs[s].append(round_ops[0])
+    if train:
+        for prog in programs:
+            prog += [ReduceTiedGrads(), OptimizerStep()]
+    return programs
+
+
 def build(
-    compute_order: Callable[[int], Iterable[Instruction]],
+    compute_order: Callable[[int], Iterable[Any]],
     num_stages: int,
     stage: int,
     num_virtual: int = 1,
     *,
     train: bool = True,
     cache_key: Hashable = None,
+    lockstep: bool = False,
 ) -> list[Instruction]:
     """Lower every stage's compute order, fuse mirrored exchanges, return ``stage``'s list.
 
     Fusing needs every stage's list, so all are built; with ``cache_key`` (the schedule
     and its arguments) they are kept, and asking for each stage in turn costs one build.
+    With ``lockstep`` the compute order is a list of steps, lowered by :func:`lower_lockstep`.
     """
-    key = (cache_key, num_stages, num_virtual, train)
+    key = (cache_key, num_stages, num_virtual, train, lockstep)
     programs = _CACHE.get(key) if cache_key is not None else None
     if programs is None:
-        lowered = [lower(compute_order(s), num_stages, s, num_virtual, train=train) for s in range(num_stages)]
-        programs = tuple(tuple(p) for p in fuse_exchanges(lowered, num_stages))
+        if lockstep:
+            stage_steps = [list(compute_order(s)) for s in range(num_stages)]
+            lowered = lower_lockstep(stage_steps, num_stages, num_virtual, train=train)
+            programs = tuple(tuple(p) for p in lowered)
+        else:
+            lowered = [lower(compute_order(s), num_stages, s, num_virtual, train=train) for s in range(num_stages)]
+            programs = tuple(tuple(p) for p in fuse_exchanges(lowered, num_stages))
         if cache_key is not None:
             if len(_CACHE) >= _CACHE_SIZE:
                 _CACHE.pop(next(iter(_CACHE)))

@@ -5,6 +5,13 @@ stage ``v`` times and the pipeline fills ``v`` times faster: the bubble shrinks 
 ``(p - 1) / (v * m + p - 1)``. Micro-batches go in groups of ``p``: a group passes
 chunk 0 on every stage, then chunk 1, and so on; the backward walks the chunks in
 reverse. Stage ``s`` warms up with ``2 (p - s - 1) + (v - 1) p`` chunk-forwards.
+
+The messages are lowered in lockstep rounds (:func:`lower_lockstep`): a step is one
+warm-up forward, one steady-state forward + backward or one cool-down backward, and
+after each step a stage posts one batched exchange (send forward / receive forward /
+send backward / receive backward, Megatron-LM's combined calls). Sends that wait for
+their receiver, as gloo's and NCCL's do, therefore cannot deadlock on the ring from
+the last stage back to the first.
 """
 
 from __future__ import annotations
@@ -54,12 +61,11 @@ def interleaved_1f1b_schedule(
     forwards = _order(num_microbatches, group, num_virtual, backward=False)
     backwards = _order(num_microbatches, group, num_virtual, backward=True)
 
-    def order(s: int) -> list[Instruction]:
+    def steps(s: int) -> list[list[Instruction]]:
         total = len(forwards)
         warmup = min(total, 2 * (num_stages - s - 1) + (num_virtual - 1) * group)
-        compute: list[Instruction] = [Forward(mb, c) for mb, c in forwards[:warmup]]
-        for i in range(total - warmup):
-            compute += [Forward(*forwards[warmup + i]), Backward(*backwards[i])]
-        return compute + [Backward(mb, c) for mb, c in backwards[total - warmup :]]
+        out: list[list[Instruction]] = [[Forward(mb, c)] for mb, c in forwards[:warmup]]
+        out += [[Forward(*forwards[warmup + i]), Backward(*backwards[i])] for i in range(total - warmup)]
+        return out + [[Backward(mb, c)] for mb, c in backwards[total - warmup :]]
 
-    return build(order, num_stages, stage, num_virtual, cache_key=("interleaved", num_microbatches))
+    return build(steps, num_stages, stage, num_virtual, cache_key=("interleaved", num_microbatches), lockstep=True)

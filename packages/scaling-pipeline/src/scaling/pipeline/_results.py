@@ -1,0 +1,72 @@
+"""Loss and metrics of a step: computed on the last stage, returned on every rank.
+
+The last stage broadcasts them over the pipe group, then data-parallel replicas average
+them. Once the metric names are known (the first step, cached on the module on every
+rank of the pipe group alike) the broadcast is one ``float64`` tensor
+``[names changed?, loss, *metrics]``; only when the names change does a pytree broadcast
+(three collectives) follow.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from scaling.collectives import all_reduce, broadcast, broadcast_pytree
+
+if TYPE_CHECKING:
+    from scaling.pipeline._parallel_module import ParallelModule
+
+
+class _Executor(Protocol):
+    module: ParallelModule
+    p: int
+    losses: dict[int, torch.Tensor]
+    metrics: dict[int, dict[str, Any]]
+
+
+def default_aggregation(topology: Any, metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean of each metric over the micro-batches."""
+    if not metrics:
+        return {}
+    return {k: sum(float(m[k]) for m in metrics) / len(metrics) for k in metrics[0]}
+
+
+def gather_results(ex: _Executor, aggregate: Any) -> tuple[float, dict[str, float]]:
+    """Loss and metrics from the last stage, broadcast over the pipe group, averaged over DP."""
+    topo = ex.module.topology
+    result: Any = None
+    if topo.is_last_pipe_stage:
+        mb = sorted(ex.losses)
+        loss = sum(float(ex.losses[i]) for i in mb) / len(mb)
+        metrics = (aggregate or default_aggregation)(topo, [ex.metrics[i] for i in mb])
+        result = {"loss": loss, "metrics": {k: float(v) for k, v in metrics.items()}}
+    if ex.p > 1:
+        src = topo.rank_of(ex.p - 1, topo.data_parallel_rank, topo.model_parallel_rank)
+        result = _broadcast_result(ex.module, result, src)
+    if topo.data_parallel_size > 1:
+        values = torch.tensor([result["loss"], *result["metrics"].values()], dtype=torch.float64, device=topo.device)
+        all_reduce(values, topo.data_parallel_group)
+        values /= topo.data_parallel_size
+        result = {"loss": float(values[0]), "metrics": dict(zip(result["metrics"], values[1:].tolist()))}
+    return float(result["loss"]), dict(result["metrics"])
+
+
+def _broadcast_result(module: ParallelModule, result: dict[str, Any] | None, src: int) -> dict[str, Any]:
+    group, names = module.topology.pipe_parallel_group, module._metric_names
+    values = torch.zeros(2 + (0 if names is None else len(names)), dtype=torch.float64)
+    if result is not None:  # the last stage
+        if names is not None and tuple(result["metrics"]) == names:
+            values[1:] = torch.tensor([result["loss"], *result["metrics"].values()], dtype=torch.float64)
+        else:
+            values[0] = 1.0
+    values = broadcast(values.to(module.topology.device), src, group).cpu()
+    if values[0] == 1.0:
+        result = broadcast_pytree(result, src, group)
+        assert result is not None
+        module._metric_names = tuple(result["metrics"])
+        return result
+    assert names is not None
+    got = values.tolist()
+    return {"loss": got[1], "metrics": dict(zip(names, got[2:]))}
