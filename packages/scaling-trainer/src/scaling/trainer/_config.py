@@ -26,6 +26,14 @@ class TrainerConfig(BaseConfig):
     keep_last_n_checkpoints: int | None = Field(
         None, ge=1, description="Keep only the newest N committed checkpoints; None = keep all."
     )
+    diagnostics_dir: Path | None = Field(
+        None,
+        description=(
+            "Folder where each rank writes rank_<R>.json (step, last collectives, byte counters) when a "
+            "collective fails or a stuck rank is ended; None = <save_dir>/diagnostics when save_dir is set, "
+            "else no files."
+        ),
+    )
     load_dir: Path | None = Field(
         None, description="Resume from the latest committed checkpoint in this folder; None = start fresh."
     )
@@ -62,6 +70,12 @@ class TrainerConfig(BaseConfig):
         ),
     )
     progress_bar: bool = Field(False, description="Show a tqdm progress bar on global rank 0 (needs tqdm).")
+
+    def resolved_diagnostics_dir(self) -> Path | None:
+        """``diagnostics_dir``, else ``save_dir / "diagnostics"``, else ``None`` (no files)."""
+        if self.diagnostics_dir is not None:
+            return self.diagnostics_dir
+        return None if self.save_dir is None else self.save_dir / "diagnostics"
 
     @model_validator(mode="after")
     def _check(self) -> TrainerConfig:

@@ -9,7 +9,9 @@ SIGINT), the shell convention, so launchers see an interrupted run, not a succes
 A rank that cannot reach the step boundary (stuck in a collective with a dead peer, or
 hung) would ignore the signal; so the handler also arms a watchdog: if the ranks have not
 agreed on the signal within ``grace_seconds`` (the collective timeout), the process exits
-at once with the same code. torchrun's teardown SIGTERM thus ends a stuck rank promptly.
+at once with the same code. torchrun's teardown SIGTERM thus ends a stuck rank promptly,
+and the rank first writes its collective diagnostics file (step, last collectives) when
+the recorder has a directory (the trainer's ``diagnostics_dir``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from scaling.collectives import get_recorder
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -61,12 +65,17 @@ class SignalWatcher:
             self._watchdog.start()
 
     def _force_exit(self, signum: int) -> None:
-        print(
+        message = (
             f"scaling: signal {signum} received but the ranks did not reach a step boundary within "
-            f"{self.grace_seconds:.0f} s (a rank is stuck or dead); exiting with {exit_code_for(signum)} without saving",
-            file=sys.stderr,
-            flush=True,
+            f"{self.grace_seconds:.0f} s (a rank is stuck or dead); exiting with {exit_code_for(signum)} without saving"
         )
+        try:
+            path = get_recorder().write_diagnostics(message.removeprefix("scaling: "))
+        except OSError as exc:  # exiting matters more than the file
+            path, message = None, f"{message} (could not write the diagnostics file: {exc})"
+        if path is not None:
+            message = f"{message}; diagnostics: {path}"
+        print(message, file=sys.stderr, flush=True)
         os._exit(exit_code_for(signum))
 
     def disarm(self) -> None:

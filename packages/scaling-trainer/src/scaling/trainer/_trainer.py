@@ -15,7 +15,7 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-from scaling.collectives import all_reduce
+from scaling.collectives import all_reduce, get_recorder
 from scaling.data import BaseDataset, DataLoader
 from scaling.trainer._config import TrainerConfig
 from scaling.trainer._context import BaseContext
@@ -225,16 +225,24 @@ class BaseTrainer(Generic[ContextT]):
         SIGTERM or SIGINT on any rank stops every rank after the same step, saves a
         checkpoint (when ``save_dir`` is set; not twice when the step was just saved) and
         exits with ``128 + signal``. A rank that cannot reach the step boundary within the
-        collective timeout exits with the same code without saving.
+        collective timeout exits with the same code without saving. A rank whose collective
+        fails, or that the watchdog ends, first writes ``rank_<R>.json`` (step, last
+        collectives, byte counters) to ``diagnostics_dir`` (default ``<save_dir>/diagnostics``).
         """
         cfg = self.config
         topology = self.context.topology
         profiler = StepProfiler(self.profiler_config, topology.global_rank, self.parallel_module, topology.device)
         progress = progress_bar(cfg, topology.global_rank, self.context.iterations)
         self._print_flops_formula()
+        # A failed collective, or the watchdog ending a stuck rank, leaves <dir>/rank_<R>.json.
+        recorder = get_recorder()
+        previous_diagnostics = (recorder.diagnostics_dir, recorder.rank)
+        if cfg.resolved_diagnostics_dir() is not None:
+            recorder.configure(diagnostics_dir=cfg.resolved_diagnostics_dir(), rank=topology.global_rank)
         watcher = SignalWatcher(topology.device, grace_seconds=topology.config.timeout_seconds).install()
         try:
             while self.context.iterations < cfg.train_iterations:
+                recorder.step = self.context.iterations + 1
                 profiler.step_begin(self.context.iterations + 1)
                 metrics = self.train_step()
                 step = self.context.iterations
@@ -258,6 +266,8 @@ class BaseTrainer(Generic[ContextT]):
                     self._stop_on_signal(signum)
         finally:
             watcher.uninstall()
+            recorder.step = None
+            recorder.configure(*previous_diagnostics)
             profiler.close()
             if progress is not None:
                 progress.close()

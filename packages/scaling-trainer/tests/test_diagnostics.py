@@ -1,0 +1,81 @@
+"""The trainer's collective diagnostics: where the files go, the step they carry, the watchdog's file."""
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import trainer_model
+
+from scaling.collectives import get_recorder
+from scaling.testing import run_distributed
+from scaling.trainer import TrainerConfig
+
+
+def test_diagnostics_dir_defaults_to_save_dir_and_can_be_set():
+    assert TrainerConfig().resolved_diagnostics_dir() is None
+    assert TrainerConfig(save_dir="/ckpt").resolved_diagnostics_dir() == Path("/ckpt/diagnostics")
+    assert TrainerConfig(save_dir="/ckpt", diagnostics_dir="/diag").resolved_diagnostics_dir() == Path("/diag")
+
+
+def _spy_worker(diagnostics_dir):
+    seen = []
+    real = trainer_model.loss_function
+
+    def spy(out, batch):
+        recorder = get_recorder()
+        seen.append((recorder.step, str(recorder.diagnostics_dir), recorder.rank))
+        return real(out, batch)
+
+    trainer_model.loss_function = spy  # train_worker's loss looks the name up at call time
+    try:
+        trainer_model.train_worker(1, 1, {"train_iterations": 2, "diagnostics_dir": diagnostics_dir})
+    finally:
+        trainer_model.loss_function = real
+    after = get_recorder()
+    return sorted(set(seen)), after.step, after.diagnostics_dir
+
+
+@pytest.mark.distributed
+def test_run_training_sets_the_directory_rank_and_step(tmp_path):
+    out = run_distributed(_spy_worker, 2, str(tmp_path), timeout_seconds=180)
+    for rank, (seen, step_after, dir_after) in enumerate(out):
+        # Every micro-batch's loss ran with the step being trained and this rank's file location.
+        assert seen == [(1, str(tmp_path), rank), (2, str(tmp_path), rank)]
+        # The process-wide recorder is handed back as it was found.
+        assert (step_after, dir_after) == (None, None)
+
+
+WATCHDOG = """
+import os, signal, sys, time
+import torch
+from scaling.collectives import get_recorder
+from scaling.trainer._signals import SignalWatcher
+
+recorder = get_recorder()
+recorder.configure(diagnostics_dir=sys.argv[1], rank=5)
+recorder.step = 7
+recorder.record("send", None, (torch.ones(2, 3),), peer=4)  # the p2p ring needs no process group
+SignalWatcher(torch.device("cpu"), grace_seconds=0.5).install()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(60)  # stuck: never reaches a step boundary
+"""
+
+
+def test_watchdog_writes_the_diagnostics_file_before_it_ends_a_stuck_rank(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(WATCHDOG), str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    path = tmp_path / "rank_5.json"
+    assert f"diagnostics: {path}" in proc.stderr
+    report = json.loads(path.read_text())
+    assert (report["rank"], report["step"]) == (5, 7)
+    assert report["reason"].startswith("signal 15 received but the ranks did not reach a step boundary")
+    last = report["last_collectives"][-1]
+    assert (last["op"], last["group"], last["shapes"], last["peer"]) == ("send", "p2p", [[2, 3]], 4)
+    assert report["bytes_by_op_and_group"] == {"send/p2p": 24}
+    assert not list(tmp_path.glob("*.tmp"))  # written atomically: no temporary file left
