@@ -21,7 +21,7 @@ from scaling.trainer.checkpoint import (
 sys.path.insert(0, os.path.dirname(__file__))
 from ckpt_helpers import build_params, full_tensors, optimizer_state, stage_layers  # noqa: E402
 
-TIMEOUT = 90
+TIMEOUT = 240  # the first call also starts the pooled workers, slow on a loaded machine
 
 
 def _state(topo, fill: bool):

@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 
-# The defining submodules: mypy sees the package __init__'s names as not re-exported.
+# The defining submodule: mypy sees the package __init__'s names as not re-exported.
 from torch.distributed.checkpoint import state_dict_saver as dcp_saver
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from scaling.trainer.checkpoint import _marker as mk
+from scaling.trainer.checkpoint._hashing_writer import Digest, HashingFileSystemWriter, write_file_hashed
 from scaling.trainer.checkpoint._tree import encode_pytree, flatten_state
 
 if TYPE_CHECKING:
@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 EXTRA_FILE = "extra.json"
 SCALARS_FILE = "scalars.json"
+# DCP writer threads (and shard files) per rank for large writes: each thread hashes what it
+# writes, so two threads hash two files at once; the loader verifies them in parallel too.
+_WRITE_THREADS = 2
+_SPLIT_BYTES = 16 << 20
 
 
 def rank_file(rank: int, suffix: str) -> str:
@@ -91,23 +95,48 @@ def _merge_scalars(per_rank: list[dict[str, Any]]) -> tuple[dict[str, Any], list
     return {k: v for k, v in merged.items() if k not in conflicting}, sorted(conflicting)
 
 
-def _commit(save_dir: Path, step_dir: Path, step: int, info: dict[str, Any], pg: Any, keep_last: int | None) -> None:
+def _trusted(step_dir: Path, known: dict[str, Digest]) -> dict[str, Digest]:
+    """The digests of ``known`` whose file is still there with the size that was hashed."""
+    out = {}
+    for name, digest in known.items():
+        try:
+            size = (step_dir / name).stat().st_size
+        except FileNotFoundError:
+            continue
+        if size == digest["size"]:
+            out[name] = digest
+    return out
+
+
+def _hash_missing(step_dir: Path, files: dict[str, Digest], names: list[str]) -> None:
+    todo = [n for n in names if n not in files]
+    files.update(zip(todo, mk.hash_files([step_dir / n for n in todo])))
+
+
+def _commit(
+    save_dir: Path,
+    step_dir: Path,
+    step: int,
+    info: dict[str, Any],
+    pg: Any,
+    keep_last: int | None,
+    known: dict[str, Digest],
+) -> None:
     rank, world = _world(pg)
-    # Each rank hashes what it wrote (in parallel); rank 0 hashes the rest and checks coverage.
-    mine = {
-        name: mk.hash_file(step_dir / name)
-        for name in mk.list_files(step_dir)
-        if name.startswith(f"__{rank}_") or name.startswith(rank_file(rank, ""))
-    }
+    # Every rank hashed what it wrote while writing it (``known``); a file of this rank
+    # without a digest is hashed from disk here, and rank 0 does the same for any other
+    # file in the folder, so the marker always covers every file.
+    mine = _trusted(step_dir, known)
+    own = [n for n in mk.list_files(step_dir) if n.startswith(f"__{rank}_") or n.startswith(rank_file(rank, ""))]
+    _hash_missing(step_dir, mine, own)
     gathered = _all_gather(mine, pg, world)
     if rank == 0:
         files: dict[str, Any] = {}
         for part in gathered:
             files.update(part)
-        for name in mk.list_files(step_dir):
-            if name not in files:
-                files[name] = mk.hash_file(step_dir / name)
-        mk.write_marker(step_dir, step, files, info)
+        names = mk.list_files(step_dir)
+        _hash_missing(step_dir, files, names)
+        mk.write_marker(step_dir, step, {n: files[n] for n in names}, info)
         mk.write_latest(save_dir, step)
         if keep_last is not None:
             mk.prune(save_dir, keep_last)
@@ -183,17 +212,20 @@ def save_checkpoint(
         mk.remove_uncommitted(save_dir)
         (step_dir / "ranks").mkdir(parents=True)
     merged, conflicting = _merge_scalars(_all_gather(scalars, process_group, world))  # also a barrier
-    (step_dir / rank_file(rank, "json")).write_text(json.dumps(rank_json, sort_keys=True))
+    side: dict[str, Digest] = {}
+    side_files: dict[str, str | bytes] = {rank_file(rank, "json"): json.dumps(rank_json, sort_keys=True)}
     if rank_tensors:
-        save_file(rank_tensors, str(step_dir / rank_file(rank, "safetensors")))
+        side_files[rank_file(rank, "safetensors")] = safetensors_bytes(rank_tensors)
     if rank == 0:
-        (step_dir / EXTRA_FILE).write_text(extra_json)
-        (step_dir / SCALARS_FILE).write_text(json.dumps({"values": merged, "per_rank_only": conflicting}))
+        side_files[EXTRA_FILE] = extra_json
+        side_files[SCALARS_FILE] = json.dumps({"values": merged, "per_rank_only": conflicting})
+    for name, data in side_files.items():
+        side[name] = write_file_hashed(step_dir / name, data)
     info = {"layout": _layout(topology), "world_size": world}
-    writer = FileSystemWriter(step_dir, thread_count=1)
+    writer = HashingFileSystemWriter(step_dir, max_threads=_WRITE_THREADS, split_bytes=_SPLIT_BYTES)
     if not async_save:
         dcp_saver.save(tensors, storage_writer=writer, process_group=process_group)
-        _commit(save_dir, step_dir, step, info, process_group, keep_last)
+        _commit(save_dir, step_dir, step, info, process_group, keep_last, {**side, **writer.digests(step_dir)})
         return PendingSave(step_dir)
 
     response = dcp_saver.async_save(tensors, storage_writer=writer, process_group=process_group)
@@ -204,7 +236,7 @@ def save_checkpoint(
     def finish() -> None:
         try:
             upload.result()
-            _commit(save_dir, step_dir, step, info, process_group, keep_last)
+            _commit(save_dir, step_dir, step, info, process_group, keep_last, {**side, **writer.digests(step_dir)})
         except BaseException as e:  # noqa: BLE001 - re-raised by wait() in the caller's thread
             pending.error = e
 
