@@ -1,4 +1,4 @@
-"""Parity: unmodified tiny Llama / GPT-2 trained with the plain loop, dp2·tp2 vs one process."""
+"""Parity: unmodified tiny Llama / GPT-2 trained with the plain loop, dp2·tp2 and pp2·dp2 vs one process."""
 
 from __future__ import annotations
 
@@ -48,12 +48,18 @@ def train_worker(name: str, constraints: dict) -> list[float]:
     return (stacked / model.topology.data_parallel_size).tolist()
 
 
+LAYOUTS = {
+    "dp2_tp2": {"data_parallel_size": 2, "tensor_parallel.size": 2},
+    # GPT-2's LM head is tied to the input embedding: held by both stages, gradients summed
+    "pp2_dp2": {"data_parallel_size": 2, "pipeline_parallel.size": 2, "pipeline_parallel.num_micro_batches": 2},
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_dp2_tp2_matches_one_process(name: str) -> None:
+def test_layout_matches_one_process(name: str, layout: str) -> None:
     expected = reference_losses(name)
-    results = run_distributed(
-        train_worker, 4, name, {"data_parallel_size": 2, "tensor_parallel.size": 2}, timeout_seconds=240
-    )
+    results = run_distributed(train_worker, 4, name, LAYOUTS[layout], timeout_seconds=420)
     for losses in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0.0)
     assert expected[-1] < expected[0]  # it trains

@@ -3,7 +3,8 @@
 from scaling.trainer.auto._checkpoint import load, save
 from scaling.trainer.auto._deferred import deferred_init, is_deferred, materialize
 from scaling.trainer.auto._generate import CONSTRAINT_KEYS, generate_plan
-from scaling.trainer.auto._parallelize import ParallelModel, ParallelOptimizer, parallelize
+from scaling.trainer.auto._optimizer import ParallelOptimizer
+from scaling.trainer.auto._parallelize import ParallelModel, parallelize
 from scaling.trainer.auto._plan import ModuleSharding, Plan
 
 __all__ = [

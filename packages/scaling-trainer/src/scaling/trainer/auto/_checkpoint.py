@@ -15,7 +15,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from scaling.nn import ParameterMeta
-from scaling.trainer.auto._parallelize import ParallelModel, ParallelOptimizer
+from scaling.trainer.auto._optimizer import ParallelOptimizer
+from scaling.trainer.auto._parallelize import ParallelModel
 from scaling.trainer.auto._plan import Plan
 from scaling.trainer.auto._tp import unshard_view
 from scaling.trainer.checkpoint import load_checkpoint, model_state_dict, save_checkpoint
@@ -77,6 +78,12 @@ def _tree(state: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(model, ParallelModel):
         raise TypeError(f"state['model'] must be the model parallelize() returned, got {type(model).__name__}")
     tree: dict[str, Any] = {"model": model_state_dict(_entries(model), model.topology)}
+    if state.get("optimizer") is not None and state["optimizer"].engine is not None:
+        raise ValueError(
+            "save/load: the optimizer state of a plan with zero_stage > 0 or precision != 'float32' "
+            "(scaling.optim) is not checkpointed by scaling.trainer.auto yet; pass optimizer=None to save the "
+            "model and scheduler only"
+        )
     if state.get("optimizer") is not None:
         tree["optimizer"] = _optimizer_tree(model, state["optimizer"])
     if state.get("lr_scheduler") is not None:

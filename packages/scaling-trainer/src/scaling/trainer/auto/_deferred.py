@@ -115,6 +115,10 @@ def materialize(model: M, seed: int = 42, shard_fn: ShardFn | None = None) -> M:
         replacement = shard_fn(path, module) if shard_fn is not None else None
         if replacement is not None:
             _swap(model, path, replacement)
+            # The loop's module list still holds the original: drop its full tensors now,
+            # or every replaced module's full parameters would live until the loop ends.
+            for name in fresh:
+                module._parameters[name] = None
             module = replacement
         for name, meta_p in fresh.items():
             local[id(meta_p)] = module._parameters[name]

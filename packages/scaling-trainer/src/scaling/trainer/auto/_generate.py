@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from scaling.trainer.auto._plan import Plan
+from scaling.trainer.auto._plan import PIPELINE_SCHEDULES, PRECISIONS, Plan
 from scaling.trainer.auto._policy import apply_overrides, check_divisible, megatron_policy, out_in, shard_dim
 from scaling.trainer.auto._split import find_blocks, split_blocks
 
@@ -20,6 +21,10 @@ CONSTRAINT_KEYS = (
     "pipeline_parallel.split_method",
     "pipeline_parallel.split_points",
     "pipeline_parallel.forbidden_split_points",
+    "pipeline_parallel.schedule",
+    "pipeline_parallel.num_micro_batches",
+    "zero_stage",
+    "precision",
     "global_batch_size",
     "seed",
 )
@@ -30,6 +35,34 @@ def _positive(constraints: Mapping[str, Any], key: str, default: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"constraint {key}={value!r} must be an int >= 1")
     return value
+
+
+def _choice(constraints: Mapping[str, Any], key: str, choices: tuple[Any, ...]) -> Any:
+    value = constraints.get(key, choices[0])
+    if value not in choices:
+        raise ValueError(f"constraint {key}={value!r} is invalid; choose one of {list(choices)}")
+    return value
+
+
+def _pipeline_and_optimizer(constraints: Mapping[str, Any], plan: Plan) -> None:
+    plan.pipeline_schedule = _choice(constraints, "pipeline_parallel.schedule", PIPELINE_SCHEDULES)
+    per_rank = plan.global_batch_size // plan.data_parallel_size
+    # Default: one micro-batch per stage where the per-rank batch allows it (gcd: always a divisor).
+    default = math.gcd(plan.pipe_parallel_size, per_rank)
+    plan.num_micro_batches = _positive(constraints, "pipeline_parallel.num_micro_batches", default)
+    if per_rank % plan.num_micro_batches:
+        raise ValueError(
+            f"pipeline_parallel.num_micro_batches={plan.num_micro_batches} does not divide the per-DP-rank batch "
+            f"global_batch_size/data_parallel_size={per_rank}; choose a divisor of {per_rank}"
+        )
+    stage = constraints.get("zero_stage", 0)
+    if stage not in (0, 1, 2):
+        raise ValueError(
+            f"constraint zero_stage={stage!r} is invalid; choose 0, 1 or 2 (ZeRO-3 needs the explicit way in: "
+            "scaling.optim.Optimizer with zero3_modules)"
+        )
+    plan.zero_stage = stage
+    plan.precision = _choice(constraints, "precision", PRECISIONS)
 
 
 def _check_heads(model: torch.nn.Module, plan: Plan) -> None:
@@ -96,6 +129,10 @@ def generate_plan(model: torch.nn.Module, constraints: Mapping[str, Any] | None 
             ``pipeline_parallel.forbidden_split_points`` (module paths never split before),
             ``tensor_parallel.sharding_policy`` (``megatron``),
             ``tensor_parallel.overrides`` (``{module_path: style or "replicate"}``),
+            ``pipeline_parallel.schedule`` (``1f1b`` or ``gpipe``),
+            ``pipeline_parallel.num_micro_batches`` (per DP rank and step; divides
+            ``global_batch_size / data_parallel_size``; default its gcd with the pipeline size),
+            ``zero_stage`` (0, 1 or 2), ``precision`` (``float32``, ``bfloat16``, ``float16``),
             ``global_batch_size`` (default ``data_parallel_size``) and ``seed`` (default 42).
 
     Returns:
@@ -132,6 +169,7 @@ def generate_plan(model: torch.nn.Module, constraints: Mapping[str, Any] | None 
             f"global_batch_size={plan.global_batch_size} is not divisible by data_parallel_size={dp}; "
             f"choose a multiple of {dp}"
         )
+    _pipeline_and_optimizer(constraints, plan)
     _tp_plan(model, constraints, plan)
     if plan.pipe_parallel_size > 1 or "pipeline_parallel.split_points" in constraints:
         plan.blocks_path, blocks = find_blocks(model)

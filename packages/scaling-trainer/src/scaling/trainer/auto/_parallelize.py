@@ -9,69 +9,48 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from scaling.collectives import all_reduce_gradients
 from scaling.nn import ParameterMeta, get_parameter_meta
 from scaling.topology import Topology, TopologyConfig
 from scaling.trainer.auto._deferred import is_deferred, materialize
+from scaling.trainer.auto._optimizer import ParallelOptimizer, precision_dtype
+from scaling.trainer.auto._pipeline import PipelineStage
 from scaling.trainer.auto._plan import Plan
 from scaling.trainer.auto._policy import shard_dim
 from scaling.trainer.auto._tp import make_shard_fn
 
 
 class ParallelModel(torch.nn.Module):
-    """The user's model, TP-sharded per the plan; ``forward(batch)`` returns the loss.
+    """The user's model, split per the plan; ``model(batch)`` returns the loss.
 
     A mapping batch is passed as keyword arguments (``model(**batch)``), anything else
     positionally; an output with a ``loss`` attribute (``transformers``) yields that loss.
+
+    With pipeline parallelism (``plan.pipe_parallel_size > 1``) ``model(batch)`` runs the
+    whole schedule over ``plan.num_micro_batches`` micro-batches of ``batch``, forward
+    *and* backward (the way DeepSpeed's ``train_batch`` and ``torch.distributed.pipelining``'s
+    ``schedule.step`` do), and returns the mean micro-batch loss on every stage as a leaf
+    tensor: ``loss.backward()`` is then a no-op, so the plain loop runs unchanged. Gradients
+    accumulate over calls until ``optimizer.step()``.
     """
 
-    def __init__(self, module: torch.nn.Module, plan: Plan, topology: Topology) -> None:
+    def __init__(self, module: torch.nn.Module, plan: Plan, topology: Topology, pipeline: Any = None) -> None:
         super().__init__()
         self.module, self.plan, self.topology = module, plan, topology
+        self.pipeline = pipeline
+        self.scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None  # fp16: set by the optimizer
 
     def forward(self, batch: Any) -> Any:
+        if self.pipeline is not None:
+            if not self.training:
+                raise RuntimeError("a pipelined model runs training steps only (model.train())")
+            return self.pipeline.run(batch).requires_grad_()
         out = self.module(**batch) if isinstance(batch, Mapping) else self.module(batch)
-        return getattr(out, "loss", out)
+        loss = getattr(out, "loss", out)
+        return self.scale_loss(loss) if self.scale_loss is not None else loss
 
     def named_parameters_with_meta(self) -> list[tuple[str, torch.nn.Parameter, ParameterMeta]]:
-        """``(path, param, meta)`` for each unique parameter, paths as in the unmodified model."""
+        """``(path, param, meta)`` for each unique local parameter, paths as in the unmodified model."""
         return [(n, p, get_parameter_meta(p)) for n, p in self.module.named_parameters()]
-
-
-class ParallelOptimizer:
-    """Wraps the optimizer ``optimizer_fn`` built: ``step()`` first averages gradients over DP.
-
-    Everything else (``zero_grad``, ``param_groups``, ``state``, schedulers built on it)
-    is the wrapped optimizer's; ``optimizer.optimizer`` is the wrapped one.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, model: ParallelModel) -> None:
-        self.optimizer, self.model = optimizer, model
-        self._params = [p for p in model.parameters() if p.requires_grad]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """As ``torch.optim.Optimizer.zero_grad``."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Average gradients over the data-parallel group, then step the wrapped optimizer."""
-        all_reduce_gradients(self._params, self.model.topology.data_parallel_group)
-        return self.optimizer.step(closure)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's (local-shard) state; use :func:`save` for layout-independent checkpoints."""
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
 
 
 def _topology(plan: Plan, topology: Topology | None) -> Topology:
@@ -126,11 +105,14 @@ def parallelize(
 ) -> tuple[ParallelModel, ParallelOptimizer, Any, DataLoader | None]:
     """Make ``model`` nD-parallel per ``plan``; the returned objects run the plain loop.
 
-    Materialises a deferred model shard by shard (values equal to the slices of a
-    one-process :func:`materialize` under ``plan.seed``), replaces planned modules by
-    TP shards, builds the optimizer on the local parameters, wraps it so ``step()``
-    averages gradients over DP, and shards ``dataset`` over DP (each DP rank gets
-    ``global_batch_size / dp`` samples per step, in order).
+    Keeps only this rank's pipeline stage, materialises a deferred model shard by shard
+    (values equal to the slices of a one-process :func:`materialize` under ``plan.seed``),
+    replaces planned modules by TP shards, casts to ``plan.precision``, builds the
+    optimizer on the local parameters, wraps it so ``step()`` reduces gradients (tied
+    weights over stages, DP; ZeRO and fp32 master weights through ``scaling.optim`` when
+    the plan asks), and shards ``dataset`` over DP (each DP rank gets
+    ``global_batch_size / dp`` samples per step, in order; every stage of a pipeline reads
+    the same samples).
 
     Args:
         plan: from :func:`generate_plan`.
@@ -146,27 +128,36 @@ def parallelize(
         ``(model, optimizer, scheduler, data_loader)``.
 
     Raises:
-        ValueError: the world size differs from the plan, or the plan pipelines
-            (``pipe_parallel_size > 1`` is not supported by :func:`parallelize` yet).
+        ValueError: the world size differs from the plan, ``zero_stage=2`` with weights
+            tied across pipeline stages, or an optimizer ``scaling.optim`` cannot run
+            (ZeRO / reduced precision need AdamW, Adam or SGD).
     """
-    if plan.pipe_parallel_size > 1:
-        raise ValueError(
-            f"parallelize: pipe_parallel_size={plan.pipe_parallel_size} is not supported yet for unmodified "
-            "models; use pipeline_parallel.size=1 (or the explicit LayerSpec/ParallelModule way in)"
-        )
     topology = _topology(plan, topology)
+    pipeline = None
+    if plan.pipe_parallel_size > 1:
+        if not plan.split_points:
+            raise ValueError("parallelize: the plan has pipe_parallel_size > 1 but no split_points; use generate_plan")
+        pipeline = PipelineStage(model, plan, topology)  # drops other stages' modules before materialising
+        if plan.zero_stage == 2 and pipeline.tied:
+            raise ValueError(
+                "parallelize: zero_stage=2 keeps no full gradient of the weights tied across pipeline stages "
+                f"({len(pipeline.tied)} here, e.g. a tied LM head) to sum; use zero_stage=1 or untie them"
+            )
     tp_rank, tp = topology.model_parallel_rank, topology.model_parallel_size
     group = topology.model_parallel_group if tp > 1 else None
     shard_fn = make_shard_fn(model, plan.module_sharding, group, tp_rank, tp)
     if is_deferred(model):
         materialize(model, plan.seed, shard_fn)
     else:
-        for path in plan.module_sharding:
+        present = dict(model.named_modules())
+        for path in (p for p in plan.module_sharding if p in present):  # other stages' modules are gone
             replacement = shard_fn(path, model.get_submodule(path))
             parent, _, name = path.rpartition(".")
             setattr(model.get_submodule(parent), name, replacement)
+    if plan.precision != "float32":
+        model.to(precision_dtype(plan.precision))
     attach_metas(model, plan)
-    wrapped = ParallelModel(model, plan, topology)
+    wrapped = ParallelModel(model, plan, topology, pipeline)
     optimizer = ParallelOptimizer(optimizer_fn(model), wrapped)
     scheduler = lr_scheduler_fn(optimizer.optimizer) if lr_scheduler_fn is not None else None
     loader = None

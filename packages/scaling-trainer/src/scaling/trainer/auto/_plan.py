@@ -13,6 +13,10 @@ import yaml
 #: ``chunks`` equal parts (q, k, v), each split over TP; ``vocab``: embedding split over
 #: the vocabulary; ``vocab_head``: LM head split over the vocabulary, logits gathered.
 TP_STYLES = ("column", "column_fused", "row", "vocab", "vocab_head")
+#: Pipeline schedules a plan can name (run by ``scaling.pipeline``'s executor).
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+#: Parameter dtypes a plan can name.
+PRECISIONS = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -44,6 +48,11 @@ class Plan:
         split_method: ``flops``, ``parameters`` or ``uniform``.
         blocks_path: the ``ModuleList`` the pipeline splits (``""`` when not split).
         split_points: module paths where stages 1..pp-1 begin.
+        pipeline_schedule: ``1f1b`` or ``gpipe`` (pipelined plans).
+        num_micro_batches: micro-batches per DP rank and step (pipelined plans).
+        zero_stage: ZeRO stage over DP (0: plain DP; 1, 2: through ``scaling.optim``).
+        precision: parameter dtype, ``float32``, ``bfloat16`` or ``float16`` (the last two
+            keep fp32 master weights in ``scaling.optim``; ``float16`` scales the loss).
         sharding_policy: ``megatron``.
         module_sharding: ``{module_path: ModuleSharding}``; absent modules are replicated.
         parameter_sharding: ``{parameter_path: "Shard(d)" or "Replicate()"}`` (readable
@@ -58,6 +67,10 @@ class Plan:
     split_method: str = "parameters"
     blocks_path: str = ""
     split_points: list[str] = field(default_factory=list)
+    pipeline_schedule: str = "1f1b"
+    num_micro_batches: int = 1
+    zero_stage: int = 0
+    precision: str = "float32"
     sharding_policy: str = "megatron"
     module_sharding: dict[str, ModuleSharding] = field(default_factory=dict)
     parameter_sharding: dict[str, str] = field(default_factory=dict)
@@ -101,6 +114,8 @@ class Plan:
             f"(world_size={self.world_size}), global_batch_size={self.global_batch_size}, seed={self.seed}",
             f"pipeline_parallel.split_method : {self.split_method}",
             f"pipeline_parallel.split_points : {self.split_points}",
+            f"pipeline_parallel.schedule : {self.pipeline_schedule}, num_micro_batches={self.num_micro_batches}",
+            f"optimizer : zero_stage={self.zero_stage}, precision={self.precision}",
             f"tensor_parallel.sharding_policy : {self.sharding_policy}",
             "tensor_parallel.sharding_plan :",
         ]

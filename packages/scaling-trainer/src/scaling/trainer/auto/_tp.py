@@ -29,7 +29,9 @@ def shard_tensor(full: torch.Tensor, dim: int, rank: int, size: int, chunks: int
     separately and the pieces concatenated, so every rank holds whole parts of each.
     """
     parts = [c.chunk(size, dim)[rank] for c in full.chunk(chunks, dim)]
-    return torch.cat(parts, dim).contiguous() if chunks > 1 else parts[0].contiguous()
+    # A copy, never a view: a view (a dim-0 chunk is already contiguous) would keep the
+    # full tensor's storage alive on every rank.
+    return torch.cat(parts, dim) if chunks > 1 else parts[0].clone(memory_format=torch.contiguous_format)
 
 
 def unshard_view(local: torch.Tensor, dim: int, chunks: int) -> tuple[torch.Tensor, int]:

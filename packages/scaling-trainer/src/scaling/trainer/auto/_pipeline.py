@@ -1,0 +1,266 @@
+"""Pipeline stages of an unmodified model, run by scaling.pipeline's executor and schedules.
+
+A stage keeps the model's own ``forward`` (so masks, rotary embeddings and the loss stay
+the model's) and changes only which modules exist on it:
+
+- the blocks ``ModuleList`` keeps only this stage's blocks (under their original indices,
+  so parameter paths are layout-independent);
+- parameter-owning modules registered before the blocks live on the first stage, those
+  after them on the last stage; elsewhere they are replaced by :class:`_Absent` (an
+  embedding returns zeros of its output shape, anything else its input), unless a
+  parameter of theirs is needed here (a tied LM head keeps the input embedding);
+- a stage other than the first swaps the received activation in as its first block's
+  input; a stage other than the last stops the forward after its last block.
+
+Modules that own only buffers (e.g. rotary embeddings) are kept everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scaling.collectives import all_reduce, broadcast
+from scaling.pipeline import OptimizerStep, ReduceTiedGrads, StageExecutor, gpipe_schedule, one_f_one_b_schedule
+from scaling.topology import Topology
+from scaling.trainer.auto._plan import Plan
+
+SCHEDULE_FNS = {"1f1b": one_f_one_b_schedule, "gpipe": gpipe_schedule}
+
+
+class _StageBlocks(torch.nn.ModuleList):
+    """This stage's blocks under their original indices; iterating or indexing sees only them."""
+
+    def __init__(self, blocks: Mapping[str, torch.nn.Module]) -> None:
+        torch.nn.Module.__init__(self)
+        for index, block in blocks.items():
+            self.add_module(index, block)
+
+    def __getitem__(self, idx: Any) -> Any:
+        values = list(self._modules.values())
+        return torch.nn.ModuleList(values[idx]) if isinstance(idx, slice) else values[idx]
+
+
+class _Absent(torch.nn.Module):
+    """Stands in for a module that runs before the blocks but belongs to the first stage."""
+
+    def __init__(self, original: torch.nn.Module) -> None:
+        super().__init__()
+        self.embedding_dim = original.embedding_dim if isinstance(original, torch.nn.Embedding) else None
+        weight = getattr(original, "weight", None)
+        self.dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
+        self.kind = type(original).__name__
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.embedding_dim is None:
+            return x
+        # The first block's input is replaced by the received activation: the value is unused.
+        return torch.zeros((), dtype=self.dtype, device=x.device).expand(*x.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind} on another pipeline stage"
+
+
+class _StageDone(Exception):  # noqa: N818 (control flow, not an error)
+    def __init__(self, output: Any) -> None:
+        super().__init__()
+        self.output = output
+
+
+def _direct_owners(model: torch.nn.Module, blocks_path: str) -> tuple[list[str], list[str]]:
+    """Paths of the parameter-owning modules outside the blocks: (before them, after them)."""
+    before: list[str] = []
+    after: list[str] = []
+    seen_blocks = False
+    for path, module in model.named_modules():
+        if path == blocks_path:
+            seen_blocks = True
+        if path == blocks_path or path.startswith(blocks_path + "."):
+            continue
+        if any(True for _ in module.parameters(recurse=False)):
+            (after if seen_blocks else before).append(path)
+    return before, after
+
+
+def _block_list(model: torch.nn.Module, plan: Plan) -> torch.nn.ModuleList | torch.nn.Sequential:
+    """The indexable container of the model's repeated blocks that the plan splits."""
+    blocks = model.get_submodule(plan.blocks_path)
+    if not isinstance(blocks, torch.nn.ModuleList | torch.nn.Sequential):
+        raise TypeError(
+            f"plan.blocks_path={plan.blocks_path!r} is a {type(blocks).__name__}; a pipeline split needs a "
+            "ModuleList or Sequential of blocks there"
+        )
+    return blocks
+
+
+def stage_ranges(model: torch.nn.Module, plan: Plan) -> list[range]:
+    """Block indices of each stage from the plan's split points."""
+    num_blocks = len(_block_list(model, plan))
+    starts = [0] + [int(p.rpartition(".")[2]) for p in plan.split_points] + [num_blocks]
+    return [range(a, b) for a, b in zip(starts, starts[1:])]
+
+
+def _needed(model: torch.nn.Module, plan: Plan, stage: int) -> set[int]:
+    """ids of the parameters stage ``stage`` computes with."""
+    before, after = _direct_owners(model, plan.blocks_path)
+    blocks = _block_list(model, plan)
+    owners = [blocks[i] for i in stage_ranges(model, plan)[stage]]
+    if stage == 0:
+        owners += [model.get_submodule(p) for p in before]
+    if stage == plan.pipe_parallel_size - 1:
+        owners += [model.get_submodule(p) for p in after]
+    return {id(p) for m in owners for p in m.parameters()}
+
+
+class PipelineStage:
+    """This rank's stage of ``model``: restructured in place, driven by :meth:`run`.
+
+    Call :meth:`__init__` on the deferred (meta) model before materialising it, so the
+    modules of other stages are never allocated.
+
+    Args:
+        model: the unmodified model (meta device or materialised).
+        plan: a plan with ``pipe_parallel_size > 1`` and ``split_points``.
+        topology: the initialised topology.
+    """
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, topology: Topology) -> None:
+        self.model, self.plan, self.topology = model, plan, topology
+        self.num_stages, self.stage, self.num_virtual_stages = plan.pipe_parallel_size, topology.pipe_parallel_rank, 1
+        self.schedule_name = plan.pipeline_schedule
+        self.backward_fn: Any = None  # set by parallelize: the optimizer's backward (loss scaling)
+        needed = [_needed(model, plan, s) for s in range(self.num_stages)]
+        self.tied = self._tied_groups(needed)
+        mine = needed[self.stage]
+        before, after = _direct_owners(model, plan.blocks_path)
+        for path in before + after:
+            module = model.get_submodule(path)
+            if not any(id(p) in mine for p in module.parameters(recurse=False)):
+                parent, _, name = path.rpartition(".")
+                setattr(model.get_submodule(parent), name, _Absent(module))
+        full = _block_list(model, plan)
+        local = stage_ranges(model, plan)[self.stage]
+        self.chunks = [local]
+        self.blocks = _StageBlocks({str(i): full[i] for i in local})
+        parent, _, name = plan.blocks_path.rpartition(".")
+        setattr(model.get_submodule(parent), name, self.blocks)
+        self.layers = {str(i): b for i, b in zip(local, self.blocks)}  # the executor's weight pass reads it
+        self._incoming: Any = None
+        # The executor keeps its PipeTransport (and its metadata cache) on the module across steps.
+        self._pipe_transport: Any = None
+        first, last = self.blocks[0], self.blocks[-1]
+        if self.stage > 0:
+            first.register_forward_pre_hook(self._swap_input, with_kwargs=True)
+        if self.stage < self.num_stages - 1:
+            last.register_forward_hook(self._stop)
+
+    # ------------------------------------------------------------ tied weights
+    def _tied_groups(self, needed: list[set[int]]) -> list[tuple[str, Any]]:
+        """Per parameter used on several stages: (its path, group of its holders at this (dp, tp))."""
+        topo = self.topology
+        out = []
+        # Model order, the same on every rank; paths, since materialising replaces the meta parameters.
+        for path, param in self.model.named_parameters():
+            stages = [s for s in range(self.num_stages) if id(param) in needed[s]]
+            if len(stages) < 2:
+                continue
+            # new_group is collective over the default group: every rank creates every group.
+            for dp in range(topo.data_parallel_size):
+                for tp in range(topo.model_parallel_size):
+                    ranks = [topo.rank_of(s, dp, tp) for s in stages]
+                    group = dist.new_group(ranks)
+                    if topo.global_rank in ranks:
+                        out.append((path, group))
+        return out
+
+    def reduce_tied_gradients(self) -> None:
+        """Sum the gradients of parameters held on several stages (e.g. a tied LM head)."""
+        for path, group in self.tied:
+            param = self.model.get_parameter(path)
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            all_reduce(param.grad, group)
+
+    # ------------------------------------------------------------ forward
+    def _swap_input(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if args:
+            return (self._incoming, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self._incoming}
+
+    def _stop(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        raise _StageDone(output)
+
+    def forward_chunk(self, chunk: int, x: Any) -> Any:
+        """The executor's hook: micro-batch (first stage) or received activation in, activation or output out."""
+        if self.stage == 0:
+            batch = x
+        else:
+            batch, self._incoming = x["batch"], x["hidden_states"]
+        try:
+            return self.model(**batch)
+        except _StageDone as done:
+            hidden = done.output[0] if isinstance(done.output, tuple) else done.output
+            return {"hidden_states": hidden, "batch": batch}
+        finally:
+            self._incoming = None
+
+    # ------------------------------------------------------------ one schedule
+    def run(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of ``batch`` (this DP rank's) over the schedule; the mean loss.
+
+        Gradients accumulate into ``.grad``; tied-weight and DP reductions and the update
+        are the optimizer's (``step()``), as in the plain loop.
+        """
+        if not isinstance(batch, Mapping):
+            raise TypeError(
+                f"a pipelined model takes a mapping batch (model(**batch) keywords), got {type(batch).__name__}"
+            )
+        n = self.plan.num_micro_batches
+        sizes = {k: v.shape[0] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        if any(s % n for s in sizes.values()):
+            raise ValueError(
+                f"pipeline_parallel.num_micro_batches={n} does not divide the batch sizes {sizes}; "
+                "make the per-DP-rank batch a multiple of it"
+            )
+        micro = [{k: (v.chunk(n)[i] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()} for i in range(n)]
+        executor = StageExecutor(self, micro, _loss_of, _Backward(self.backward_fn), None)  # type: ignore[arg-type]
+        program = SCHEDULE_FNS[self.schedule_name](self.num_stages, n, self.stage)
+        # The update and the tied-weight sum belong to optimizer.step(), so several calls
+        # before one step accumulate gradients exactly as on one device.
+        executor.run([i for i in program if not isinstance(i, (OptimizerStep, ReduceTiedGrads))])
+        loss = torch.zeros((), dtype=torch.float32, device=self.topology.device)
+        if self.stage == self.num_stages - 1:
+            loss += torch.stack([executor.losses[i].float() for i in range(n)]).mean()
+        topo = self.topology
+        broadcast(
+            loss,
+            topo.rank_of(self.num_stages - 1, topo.data_parallel_rank, topo.model_parallel_rank),
+            topo.pipe_parallel_group,
+        )
+        return loss
+
+
+def _loss_of(output: Any, _targets: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+    loss = getattr(output, "loss", output)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError(
+            "the last pipeline stage's model output must be a scalar loss (or have a .loss, e.g. pass labels to a "
+            f"transformers model), got {type(output).__name__}"
+        )
+    return loss, {}
+
+
+class _Backward:
+    """What the executor calls on the last stage: the optimizer's backward (loss scale) or plain."""
+
+    def __init__(self, backward_fn: Any) -> None:
+        self.backward_fn = backward_fn
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.backward_fn is None:
+            loss.backward()
+        else:
+            self.backward_fn(loss)

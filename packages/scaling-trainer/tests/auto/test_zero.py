@@ -1,0 +1,57 @@
+"""ZeRO and precision through the optimizer wrapper: the user's AdamW run by scaling.optim."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_parity import reference_losses, train_worker
+
+from scaling.testing import run_distributed
+from scaling.trainer.auto import deferred_init, generate_plan
+from scaling.trainer.auto._optimizer import _config
+
+
+def zero_worker(name: str) -> tuple[list[float], list[float]]:
+    zero1 = train_worker(name, {"data_parallel_size": 2, "zero_stage": 1})
+    bf16 = train_worker(name, {"data_parallel_size": 2, "zero_stage": 1, "precision": "bfloat16"})
+    return zero1, bf16
+
+
+def test_dp2_zero1_matches_one_process_and_bf16_trains() -> None:
+    expected = reference_losses("llama")
+    for zero1, bf16 in run_distributed(zero_worker, 2, "llama", timeout_seconds=420):
+        torch.testing.assert_close(torch.tensor(zero1), torch.tensor(expected), rtol=1e-5, atol=0.0)
+        # bf16 parameters with fp32 master weights: the same curve within bf16 rounding
+        torch.testing.assert_close(torch.tensor(bf16), torch.tensor(expected), rtol=3e-2, atol=0.0)
+        assert bf16[-1] < bf16[0]
+
+
+def test_optimizer_wrapper_errors() -> None:
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match=r"implements AdamW, Adam and SGD; optimizer_fn returned Adagrad"):
+        _config(torch.optim.Adagrad(params), 1, "float32")
+    with pytest.raises(ValueError, match=r"no amsgrad=True"):
+        _config(torch.optim.AdamW(params, amsgrad=True), 1, "float32")
+    config = _config(torch.optim.AdamW(params, betas=(0.8, 0.95), eps=1e-6), 2, "float16")
+    assert (config.method, config.beta1, config.beta2, config.eps) == ("adamw", 0.8, 0.95, 1e-6)
+    assert config.zero_stage == 2 and config.loss_scaler.enable and config.master_weights
+
+
+def test_plan_optimizer_and_pipeline_constraints() -> None:
+    from auto_models import MODELS
+
+    cls, config = MODELS["llama"]
+    model = deferred_init(cls, config())
+    plan = generate_plan(model, {"zero_stage": 1, "precision": "bfloat16", "data_parallel_size": 2})
+    assert (plan.zero_stage, plan.precision) == (1, "bfloat16")
+    assert "zero_stage=1, precision=bfloat16" in str(plan)
+    with pytest.raises(ValueError, match=r"zero_stage=3 is invalid; choose 0, 1 or 2"):
+        generate_plan(model, {"zero_stage": 3})
+    with pytest.raises(ValueError, match=r"precision='fp8' is invalid; choose one of"):
+        generate_plan(model, {"precision": "fp8"})
+    with pytest.raises(ValueError, match=r"pipeline_parallel.schedule='zb' is invalid"):
+        generate_plan(model, {"pipeline_parallel.size": 2, "pipeline_parallel.schedule": "zb"})
+    with pytest.raises(ValueError, match=r"num_micro_batches=3 does not divide the per-DP-rank batch"):
+        generate_plan(
+            model, {"pipeline_parallel.size": 2, "pipeline_parallel.num_micro_batches": 3, "global_batch_size": 4}
+        )
