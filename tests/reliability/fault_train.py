@@ -7,7 +7,8 @@ is a dict with ``kind``, ``rank`` and ``step`` (the optimizer step being run, 1-
 
 - ``signal``: the rank sends itself ``signum`` in the middle of the step (inside the loss);
 - ``sleep``: the rank sleeps ``seconds`` in the middle of the step, before its next collective;
-- ``exit``: the rank exits with ``code`` at the start of the step;
+- ``exit``: the rank exits with ``code`` at the start of the step; with a ``step`` past
+  ``train_iterations``, after training finished on every rank (its peers exit 0);
 - ``nan_loss``: the rank's loss of that step is NaN;
 - ``inf_grad``: one element of the gradient of the rank's first-layer weight is +Inf;
 - ``kill_in_save``: the rank SIGKILLs itself while committing the checkpoint of ``step``,
@@ -17,6 +18,8 @@ Every rank writes ``out_dir/rank<R>.json`` at the start (pid, and a sha256 of ea
 environment variable listed in ``echo_env_hash``: proof the worker can read a secret
 without it appearing anywhere) and ``out_dir/steps_rank<R>.jsonl`` (one line per finished
 step: loss, whether the optimizer skipped it, and a hash of parameters and optimizer state).
+A rank whose trainer (loading included) raises writes the exception to
+``out_dir/error_rank<R>.txt`` first.
 """
 
 from __future__ import annotations
@@ -183,6 +186,7 @@ def main() -> None:
     record = {
         "rank": rank,
         "pid": os.getpid(),
+        "pipe_rank": topology.pipe_parallel_rank,
         "env_sha256": {
             k: hashlib.sha256(os.environ[k].encode()).hexdigest() if k in os.environ else None
             for k in payload.get("echo_env_hash", [])
@@ -220,31 +224,43 @@ def main() -> None:
 
     for fault in faults:
         if fault["kind"] == "kill_in_save" and fault["rank"] == rank:
-            real_hash, target = _save.mk.hash_file, _save.mk.step_dir_name(fault["step"])
+            # _save._commit runs once this rank's shards are written and before anyone writes the
+            # marker (whether the shards were hashed while written or are hashed there).
+            real_commit, target = _save._commit, _save.mk.step_dir_name(fault["step"])
 
-            def hash_then_die(path: Path, real_hash: Any = real_hash, target: str = target) -> Any:
-                if Path(path).parent.name == target or Path(path).parent.parent.name == target:
+            def commit_or_die(
+                save_dir: Path, step_dir: Path, *args: Any, real_commit: Any = real_commit, target: str = target
+            ) -> Any:
+                if Path(step_dir).name == target:
                     print(f"fault: rank {rank} SIGKILLs itself while committing {target}", flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
-                return real_hash(path)
+                return real_commit(save_dir, step_dir, *args)
 
-            _save.mk.hash_file = hash_then_die
+            _save._commit = commit_or_die
 
-    trainer = FaultyTrainer(
-        faults,
-        out_dir,
-        config=config.trainer,
-        context=context,
-        parallel_module=module,
-        optimizer=optimizer,
-        dataset=dataset,
-        dataset_evaluation=None,
-        sync_batch_to_model_parallel=dataset.sync_batch_to_model_parallel,
-        metrics_aggregation_fn=None,
-        loss_function=loss_function,
-    )
-    trainer.run_training()
+    try:
+        trainer = FaultyTrainer(
+            faults,
+            out_dir,
+            config=config.trainer,
+            context=context,
+            parallel_module=module,
+            optimizer=optimizer,
+            dataset=dataset,
+            dataset_evaluation=None,
+            sync_batch_to_model_parallel=dataset.sync_batch_to_model_parallel,
+            metrics_aggregation_fn=None,
+            loss_function=loss_function,
+        )
+        trainer.run_training()
+    except Exception as exc:
+        (out_dir / f"error_rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+        raise
     topology.destroy()
+    for fault in faults:
+        if fault["kind"] == "exit" and fault["rank"] == rank and fault["step"] > config.trainer.train_iterations:
+            print(f"fault: rank {rank} exits with {fault['code']} after training", flush=True)
+            sys.exit(fault["code"])
 
 
 if __name__ == "__main__":

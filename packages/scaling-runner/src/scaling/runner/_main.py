@@ -13,7 +13,7 @@ from typing import Any
 
 from scaling.runner._commands import DEFAULT_REMOTE_PORT, Launch, build_launches, free_port
 from scaling.runner._config import RunnerConfig
-from scaling.runner._failures import worst_exit_code
+from scaling.runner._failures import signal_name, worst_exit_code
 from scaling.runner._payload import (
     PAYLOAD_INLINE_ENV,
     PAYLOAD_PATH_ENV,
@@ -53,7 +53,10 @@ def runner_main(config: RunnerConfig, payload: Mapping[str, Any] | None = None, 
 
     Returns:
         0 when every rank succeeded, else the worst exit code of any rank (shell style:
-        128 + N for a rank killed by signal N).
+        128 + N for a rank killed by signal N). When the runner itself receives SIGTERM or
+        SIGINT while the ranks run, it forwards the signal to torchrun (which passes it to
+        the workers: scaling's trainer saves and stops), waits for every process to end and
+        returns ``128 + signal`` (143 for SIGTERM, 130 for SIGINT).
 
     Raises:
         ValueError: for a payload that holds secrets or is too large to pass inline.
@@ -70,9 +73,15 @@ def runner_main(config: RunnerConfig, payload: Mapping[str, Any] | None = None, 
             return 0
         from scaling.runner._run import run_launches
 
-        codes, failures = run_launches(launches, config.teardown_timeout_s)
+        codes, failures, signum = run_launches(launches, config.teardown_timeout_s)
         code = worst_exit_code(failures, codes)
-        if code != 0:
+        if signum is not None:
+            # Stopped on request: the shell convention for the signal, whatever the ranks returned.
+            code = 128 + signum
+            lines = [f"scaling-run: stopped by {signal_name(signum)}; exit code {code}"]
+            lines += [f"scaling-run: {f.describe()}" for f in failures]
+            print("\n".join(lines), file=sys.stderr, flush=True)
+        elif code != 0:
             lines = [f"scaling-run: the run failed with exit code {code}"]
             lines += [f"scaling-run: {f.describe()}" for f in failures if f.root_cause]
             stopped = [f.describe() for f in failures if not f.root_cause]

@@ -4,6 +4,14 @@ Inside a node torchrun's elastic agent supervises the workers. Across launches (
 command per slots group) nothing else would: when one launch fails, the others get
 ``teardown_timeout_s`` to fail on their own (their workers lose their peers) and are then
 sent SIGTERM, then SIGKILL, so the runner always returns.
+
+Each launch runs in its own session (so teardown reaches a whole process tree), which
+also means a SIGTERM or SIGINT sent to the runner (``kill``, Ctrl-C, a scheduler's
+preemption) would not reach torchrun. While the launches run, the runner therefore
+forwards SIGTERM and SIGINT to every launch's process group and keeps waiting: torchrun
+passes the signal to its workers, which stop at a step boundary and save (scaling's
+trainer), and the runner then reports the signal (``run_launches`` returns its number).
+Handlers are installed only when the runner runs in the main thread (Python's rule).
 """
 
 from __future__ import annotations
@@ -15,17 +23,25 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from scaling.runner._commands import Launch
 from scaling.runner._failures import FailureParser, RankFailure
 
 _KILL_GRACE_S = 10.0
+# After a forwarded signal: time for torchrun to stop its workers (its own grace is 30 s) before SIGKILL.
+SIGNAL_GRACE_S = 90.0
+_FORWARDED = (signal.SIGTERM, signal.SIGINT)
 _POLL_S = 0.1
 
 
-def run_launches(launches: list[Launch], teardown_timeout_s: float) -> tuple[list[int], list[RankFailure]]:
-    """Run ``launches`` concurrently; return their exit codes and the rank failures torchrun reported."""
+def run_launches(launches: list[Launch], teardown_timeout_s: float) -> tuple[list[int], list[RankFailure], int | None]:
+    """Run ``launches`` concurrently.
+
+    Returns:
+        The launches' exit codes, the rank failures torchrun reported, and the number of
+        the signal (SIGTERM or SIGINT) the runner received and forwarded, or ``None``.
+    """
     for launch in launches:
         for path, content in launch.files:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -33,8 +49,12 @@ def run_launches(launches: list[Launch], teardown_timeout_s: float) -> tuple[lis
     parsers = [FailureParser() for _ in launches]
     procs: list[subprocess.Popen[bytes]] = []
     pumps: list[threading.Thread] = []
+    forwarder = _Forwarder(procs)
+    forwarder.install()
     try:
         for launch, parser in zip(launches, parsers):
+            if forwarder.received is not None:
+                break  # stopped while starting: launch nothing more (the started ones got the signal)
             proc = subprocess.Popen(
                 list(launch.argv),
                 env={**os.environ, **launch.env},
@@ -44,22 +64,78 @@ def run_launches(launches: list[Launch], teardown_timeout_s: float) -> tuple[lis
                 start_new_session=True,  # its own process group, so teardown reaches torchrun's workers too
             )
             procs.append(proc)
+            forwarder.catch_up()  # a signal that arrived while this launch was being started
             prefix = f"[{launch.label.split(':')[0]}] " if len(launches) > 1 else ""
             assert proc.stdout is not None and proc.stderr is not None
             for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
                 pump = threading.Thread(target=_pump, args=(stream, sink, prefix, parser), daemon=True)
                 pump.start()
                 pumps.append(pump)
-        _wait(procs, teardown_timeout_s)
+        _wait(procs, teardown_timeout_s, forwarder)
     except BaseException:
         _stop(procs)
         raise
     finally:
+        forwarder.uninstall()
         for pump in pumps:
             pump.join(timeout=5.0)
     codes = [p.returncode for p in procs]
     failures = sorted((f for p in parsers for f in p.failures.values()), key=lambda f: f.rank)
-    return codes, failures
+    return codes, failures, forwarder.received
+
+
+class _Forwarder:
+    """Passes SIGTERM / SIGINT received by the runner on to every launch's process group."""
+
+    def __init__(self, procs: list[subprocess.Popen[bytes]]) -> None:
+        self.procs = procs
+        self.received: int | None = None
+        self.at: float | None = None
+        self._previous: dict[int, Any] = {}
+        self._signalled: set[int] = set()
+        self._announced = False
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in _FORWARDED:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        # No printing here: the handler may interrupt a write to the same stream (see announce).
+        if self.received is None:
+            self.received, self.at = signum, time.monotonic()
+        self._signalled.clear()
+        self.catch_up(signum)
+
+    def announce(self) -> None:
+        """Say once, outside the handler, that a signal was received and forwarded."""
+        if self.received is not None and not self._announced:
+            self._announced = True
+            print(
+                f"scaling-run: received {signal.Signals(self.received).name}; forwarding it to the ranks and "
+                f"waiting up to {SIGNAL_GRACE_S:.0f} s for them to stop",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def catch_up(self, signum: int | None = None) -> None:
+        """Send the received signal to every running launch that has not had it yet."""
+        signum = signum or self.received
+        if signum is None:
+            return
+        for proc in self.procs:
+            if proc.pid not in self._signalled and proc.poll() is None:
+                self._signalled.add(proc.pid)
+                try:
+                    os.killpg(proc.pid, signum)
+                except ProcessLookupError:
+                    pass
 
 
 def _pump(stream: IO[bytes], sink: IO[str], prefix: str, parser: FailureParser) -> None:
@@ -71,11 +147,14 @@ def _pump(stream: IO[bytes], sink: IO[str], prefix: str, parser: FailureParser) 
     stream.close()
 
 
-def _wait(procs: list[subprocess.Popen[bytes]], teardown_timeout_s: float) -> None:
+def _wait(procs: list[subprocess.Popen[bytes]], teardown_timeout_s: float, forwarder: _Forwarder) -> None:
     deadline: float | None = None
     while any(p.poll() is None for p in procs):
         if deadline is None and any(p.returncode not in (None, 0) for p in procs):
             deadline = time.monotonic() + teardown_timeout_s
+        forwarder.announce()
+        if forwarder.at is not None and (deadline is None or deadline > forwarder.at + SIGNAL_GRACE_S):
+            deadline = forwarder.at + SIGNAL_GRACE_S
         if deadline is not None and time.monotonic() > deadline:
             _stop(procs)
             return

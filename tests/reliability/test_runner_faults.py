@@ -1,0 +1,121 @@
+"""Runner exit codes: bad config, missing checkpoint, invalid pointer, failing ranks and nodes (docs/reliability.md 14).
+
+Every failure is a non-zero exit of ``runner_main`` / ``scaling-run``, and a run whose
+ranks fail returns the worst exit code of a rank that failed on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+from reliability_testlib import SCRIPT, cli_config, config, launch, reap, steps
+
+from scaling.runner import RunnerConfig, main, runner_main
+
+pytestmark = [pytest.mark.distributed]
+
+
+def _pids(out: Path) -> list[int]:
+    return [json.loads(p.read_text())["pid"] for p in out.glob("rank*.json")]
+
+
+def test_bad_runner_config_exits_2_before_anything_starts(tmp_path, capfd):
+    out = tmp_path / "out"
+    path = cli_config(tmp_path / "run.json", config(tmp_path, tp=1, dp=2), out)
+    assert main([str(path), "runner.nproc_per_node=0"]) == 2
+    err = capfd.readouterr().err
+    assert err.startswith("scaling-run: ") and "nproc_per_node" in err, err
+    assert not list(out.iterdir())  # no process ran
+
+
+@pytest.mark.slow
+def test_bad_training_config_fails_every_rank_before_any_process_group(tmp_path, capfd):
+    out = tmp_path / "out"
+    code = launch(config(tmp_path, tp=1, dp=2, trainer={"train_iterations": 0}), out)
+    err = capfd.readouterr().err
+    assert code == 1
+    assert "train_iterations" in err and "scaling-run: the run failed with exit code 1" in err, err[-3000:]
+    assert not list(out.glob("rank*.json"))  # each rank stopped at the config, before Topology.from_env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("latest", "expected"),
+    [
+        (None, "latest does not exist: no committed checkpoint in"),
+        ("step_00000010\n", "points to 'step_00000010', which is not a committed checkpoint"),
+        ("\x00garbage", "garbled content"),
+    ],
+    ids=["missing", "uncommitted", "garbled"],
+)
+def test_missing_or_invalid_checkpoint_exits_non_zero_naming_the_file(tmp_path, capfd, latest, expected):
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    if latest is not None:
+        (ckpt / "step_00000010").mkdir(parents=True)  # an uncommitted folder, as a crash leaves it
+        (ckpt / "latest").write_text(latest)
+    code = launch(config(tmp_path, tp=1, dp=2, trainer={"load_dir": str(ckpt)}), out)
+    err = capfd.readouterr().err
+    try:
+        assert code == 1, err[-3000:]
+        assert "scaling-run: the run failed with exit code 1" in err
+        for rank in range(2):
+            message = (out / f"error_rank{rank}.txt").read_text()
+            assert message.startswith("CheckpointError: ") and str(ckpt / "latest") in message, message
+            assert expected in message, message
+        assert not steps(out, 0)  # nothing trained from scratch behind the user's back
+    finally:
+        reap(_pids(out))
+
+
+@pytest.mark.slow
+def test_runner_returns_the_worst_rank_code_when_the_other_rank_succeeded(tmp_path, capfd):
+    out = tmp_path / "out"
+    # Rank 1 exits 3 after training finished; rank 0 exits 0.
+    code = launch(config(tmp_path, steps=2, tp=1, dp=2), out, [{"kind": "exit", "rank": 1, "step": 99, "code": 3}])
+    err = capfd.readouterr().err
+    assert code == 3, err[-3000:]
+    assert "scaling-run: rank 1 (local_rank 1 on " in err and "exited with code 3" in err
+    assert [r["step"] for r in steps(out, 0)] == [1, 2] == [r["step"] for r in steps(out, 1)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("pdsh") is None, reason="pdsh is not installed; apt-get install -y pdsh")
+@pytest.mark.parametrize(
+    ("fault", "expected", "described"),
+    [
+        ({"kind": "exit", "code": 3}, 3, "exited with code 3"),
+        ({"kind": "signal", "signum": int(signal.SIGKILL)}, 128 + signal.SIGKILL, "was killed by signal 9 (SIGKILL)"),
+    ],
+    ids=["exit3", "sigkill"],
+)
+def test_failing_remote_node_under_pdsh_gives_the_worst_rank_code(tmp_path, capfd, fault, expected, described):
+    # Two "nodes" on this machine through pdsh's exec module; the rank on node2 fails at step 2,
+    # its peer on node1 then fails with a lost connection (exit 1): the runner returns the worse code.
+    out = tmp_path / "out"
+    out.mkdir()
+    runner = RunnerConfig(
+        runner_type="pdsh", pdsh_rcmd="exec", script=SCRIPT, hosts=["node1 slots=1", "node2 slots=1"],
+        master_addr="127.0.0.1", master_port=_free_port(), teardown_timeout_s=10,
+    )  # fmt: skip
+    payload = {"config": config(tmp_path, steps=50, tp=1, dp=2, timeout_s=10.0), "out_dir": str(out)}
+    payload["faults"] = [{**fault, "rank": 1, "step": 2}]
+    code = runner_main(runner, payload)
+    captured = capfd.readouterr()
+    try:
+        assert code == expected, captured.err[-3000:]
+        assert f"scaling-run: the run failed with exit code {expected}" in captured.err
+        assert "scaling-run: rank 1 (local_rank 0 on " in captured.err and described in captured.err
+        assert max(r["step"] for r in steps(out, 0)) < 50  # node1's rank did not go on alone
+    finally:
+        reap(_pids(out))

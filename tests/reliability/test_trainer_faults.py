@@ -1,0 +1,57 @@
+"""Non-finite gradients on a pipeline stage that does not own the loss (docs/reliability.md 8).
+
+pp2 on 2 ranks: rank 0 is stage 0 (the first layer), rank 1 stage 1 (the head and the loss);
+pp2·dp2 on 4 ranks: ranks 0, 1 are stage 0 (two DP replicas), ranks 2, 3 stage 1. An Inf is
+written into the gradient of rank 0's first weight at step 5 of an AdamW run, so the
+optimizer already holds moments when the step is skipped or fails.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from reliability_testlib import config, launch, reap, steps, worker_pids
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+BAD_STEP = 5
+FAULTS = [{"kind": "inf_grad", "rank": 0, "step": BAD_STEP}]
+
+
+def _cfg(tmp, policy: str, dp: int = 1) -> dict:
+    return config(tmp, steps=8, tp=1, pp=2, dp=dp, timeout_s=10.0, optimizer={"non_finite_policy": policy})
+
+
+@pytest.mark.parametrize("dp", [1, 2], ids=["pp2", "pp2dp2"])
+def test_inf_grad_on_stage_without_loss_skips_the_same_step_everywhere(tmp_path, dp):
+    out, world = tmp_path / "out", 2 * dp
+    assert launch(_cfg(tmp_path, "skip", dp), out, FAULTS) == 0
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    # The Inf is on stage 0 (rank 0 only), the loss on stage 1.
+    assert [r["pipe_rank"] for r in ranks] == [0] * dp + [1] * dp
+    for rank in range(world):
+        records = {r["step"]: r for r in steps(out, rank)}
+        assert sorted(records) == list(range(1, 9))
+        # Only the bad step is skipped, on every rank ...
+        assert [s for s, r in records.items() if r["skipped"]] == [BAD_STEP], rank
+        # ... with parameters and optimizer state (AdamW moments) bitwise unchanged ...
+        assert records[BAD_STEP]["hash"] == records[BAD_STEP - 1]["hash"], rank
+        # ... and training goes on afterwards.
+        assert records[BAD_STEP + 1]["hash"] != records[BAD_STEP]["hash"], rank
+
+
+def test_inf_grad_on_stage_without_loss_fails_every_rank_naming_the_step(tmp_path, capfd):
+    out = tmp_path / "out"
+    code = launch(_cfg(tmp_path, "fail"), out, FAULTS)
+    err = capfd.readouterr().err
+    try:
+        assert code != 0
+        assert "non-finite loss or gradient at step 5" in err, err[-3000:]
+        for rank in range(2):
+            # Each rank raised on its own (not stopped because its peer died), after the steps before it.
+            message = (out / f"error_rank{rank}.txt").read_text()
+            assert message.startswith("FloatingPointError: non-finite loss or gradient at step 5"), message
+            assert [r["step"] for r in steps(out, rank)] == list(range(1, BAD_STEP))
+    finally:
+        reap(worker_pids(out, 2))
