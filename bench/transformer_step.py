@@ -3,11 +3,14 @@
 python bench/transformer_step.py                      # CPU default: hidden 256, 4 layers, seq 256, batch 8
 python bench/transformer_step.py --hidden 2048 --layers 16 --seq 2048 --batch 4 --device cuda --dtype bf16
 
-Both sides: the same shapes, weights and kernels (SDPA causal attention, SwiGLU, RMSNorm,
+Both sides: the same shapes, weight layout and kernels (SDPA causal attention, SwiGLU, RMSNorm,
 tied embeddings, AdamW). Ours runs ParallelModule.train_step + scaling.optim.Optimizer
 (no document masking, so the same is_causal SDPA kernel); the reference is a hand-written
-nn.Module with torch.optim.AdamW. Prints median step times and ours / reference
-(target <= 1.05), plus tokens/s and, with --peak-tflops, MFU.
+nn.Module with torch.optim.AdamW. The two alternate step by step (and which goes first) in
+one process. Prints median wall-clock step times and ours / reference (target <= 1.05),
+tokens/s and, with --peak-tflops, MFU; on CPU also the process CPU time of each side, which
+a shared machine's load changes far less than the wall clock. CPU runs use one intra-op
+thread by default (--threads 0 keeps torch's default).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -84,22 +89,21 @@ class RefModel(torch.nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def _time(step, warmup: int, iters: int, device: torch.device) -> list[float]:
-    times = []
-    for i in range(warmup + iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-    return times
+@dataclass
+class Bench:
+    """Both sides built on the same arguments: ``ours()`` and ``reference()`` each run one step."""
+
+    ours: Callable[[], None]
+    reference: Callable[[], None]
+    arch: TransformerArchitectureConfig
+    topo: Topology
+    device: torch.device
+    optimizer: Optimizer  # ours, for profiling its share of the step
+    ref_optimizer: torch.optim.AdamW
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
@@ -109,11 +113,17 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20, help="timed steps per side")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per side")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU (0: torch's default)")
     p.add_argument("--peak-tflops", type=float, default=None, help="device dense peak for MFU (H200 bf16: 989)")
-    a = p.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    return p.parse_args(argv)
+
+
+def build(a: argparse.Namespace) -> Bench:
+    """Our model, optimizer and loss and the reference, with one shared batch."""
+    if a.threads > 0 and a.device == "cpu":
+        torch.set_num_threads(a.threads)
     device = torch.device(a.device)
     arch = TransformerArchitectureConfig(
         vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers, num_attention_heads=a.heads,
@@ -150,22 +160,60 @@ def main() -> None:
         ref(batch.input_token_ids, batch.target_token_ids).backward()
         ref_opt.step()
 
-    # Interleave the two so drift in machine load hits both alike.
-    t_ours, t_ref = [], []
-    for _ in range(2):
-        t_ours += _time(ours, a.warmup, a.iters // 2, device)
-        t_ref += _time(reference, a.warmup, a.iters // 2, device)
-    mo, mr = statistics.median(t_ours), statistics.median(t_ref)
+    return Bench(ours, reference, arch, topo, device, optimizer, ref_opt)
+
+
+def _timed(step: Callable[[], None], device: torch.device) -> tuple[float, float]:
+    """Wall-clock and process CPU seconds of one step."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    wall, cpu = time.perf_counter(), time.process_time()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def _spread(xs: list[float]) -> str:
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return f"median {statistics.median(xs):.3f} (IQR {q[0]:.3f}-{q[2]:.3f}, min {min(xs):.3f}, max {max(xs):.3f})"
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    b = build(a)
+    # Alternate the sides every step (and which goes first) so drift in machine load hits both alike.
+    wall: dict[str, list[float]] = {"ours": [], "ref": []}
+    cpu: dict[str, list[float]] = {"ours": [], "ref": []}
+    sides = [("ours", b.ours), ("ref", b.reference)]
+    for i in range(a.warmup + a.iters):
+        for name, step in sides if i % 2 == 0 else sides[::-1]:
+            w, c = _timed(step, b.device)
+            if i >= a.warmup:
+                wall[name].append(w)
+                cpu[name].append(c)
+    mo, mr = statistics.median(wall["ours"]), statistics.median(wall["ref"])
     tokens = a.batch * a.seq
-    fpt = flops_per_token(arch, a.seq)
-    print(f"model: hidden {a.hidden}, layers {a.layers}, heads {a.heads}/{arch.kv_heads}, vocab {a.vocab}, "
-          f"seq {a.seq}, batch {a.batch}, {a.dtype} on {device}; FLOPs/token = 6*N + 12*L*H*S = {fpt:.3e}")  # fmt: skip
+    fpt = flops_per_token(b.arch, a.seq)
+    threads = torch.get_num_threads() if b.device.type == "cpu" else "-"
+    print(f"model: hidden {a.hidden}, layers {a.layers}, heads {a.heads}/{b.arch.kv_heads}, vocab {a.vocab}, "
+          f"seq {a.seq}, batch {a.batch}, {a.dtype} on {b.device} ({threads} threads); "
+          f"FLOPs/token = 6*N + 12*L*H*S = {fpt:.3e}; {a.iters} steps per side after {a.warmup} warm-up")  # fmt: skip
     print(f"ours      {mo * 1e3:9.2f} ms/step  {tokens / mo:10.0f} tokens/s  {tokens * fpt / mo / 1e12:.3f} TFLOP/s")
     print(f"reference {mr * 1e3:9.2f} ms/step  {tokens / mr:10.0f} tokens/s  {tokens * fpt / mr / 1e12:.3f} TFLOP/s")
-    print(f"ratio ours/reference = {mo / mr:.3f} (target <= 1.05)")
+    paired = [o / r for o, r in zip(wall["ours"], wall["ref"])]
+    print(f"wall ratio ours/reference = {mo / mr:.3f} (target <= 1.05); per-step pairs {_spread(paired)}")
+    if b.device.type == "cpu":
+        # CPU time is what each side computed; wall time adds waiting for the cores on a shared machine.
+        co, cr = statistics.median(cpu["ours"]), statistics.median(cpu["ref"])
+        paired = [o / r for o, r in zip(cpu["ours"], cpu["ref"])]
+        print(
+            f"cpu-time  ours {co * 1e3:.2f} ms, reference {cr * 1e3:.2f} ms, ratio = {co / cr:.3f}; "
+            f"per-step pairs {_spread(paired)}"
+        )
     if a.peak_tflops:
         print(f"MFU ours = {tokens * fpt / mo / 1e12 / a.peak_tflops:.1%} of {a.peak_tflops} TFLOP/s")
-    topo.destroy()
+    b.topo.destroy()
 
 
 if __name__ == "__main__":

@@ -131,3 +131,30 @@ def _lm_head_with_tied_embedding(tp):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tied_lm_head_over_padded_vocab(tp):
     assert run_distributed(_lm_head_with_tied_embedding, tp, tp, timeout_seconds=60) == [True] * tp
+
+
+def test_one_rank_cross_entropy_masks_padding_columns_and_reduces_like_torch():
+    """Without a TP group the fused path runs; padded columns and every reduction match torch."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 5, VOCAB + 2, generator=g) * 3
+    targets = torch.randint(0, VOCAB, (2, 5), generator=g)
+    targets[1, 2] = -100
+    weights = torch.rand(2, 5, generator=g)
+    keep = (targets != -100).float()
+    for reduction in ("mean", "sum", "none"):
+        for w in (None, weights):
+            x = logits.clone().requires_grad_(True)
+            loss = vocab_parallel_cross_entropy(
+                x, targets, None, label_smoothing=0.1, loss_weights=w, vocab_size=VOCAB, reduction=reduction
+            )
+            x_ref = logits[..., :VOCAB].clone().requires_grad_(True)
+            per_token = F.cross_entropy(
+                x_ref.flatten(0, 1), targets.flatten(), reduction="none", label_smoothing=0.1
+            ).view(2, 5) * (keep if w is None else keep * w)
+            ref = {"mean": per_token.sum() / (keep if w is None else keep * w).sum(), "sum": per_token.sum()}
+            ref_loss = ref.get(reduction, per_token)
+            close(loss, ref_loss, f"{reduction} weights={w is not None}")
+            loss.sum().backward()
+            ref_loss.sum().backward()
+            close(x.grad[..., :VOCAB], x_ref.grad, "logits grad")
+            assert torch.equal(x.grad[..., VOCAB:], torch.zeros(2, 5, 2))

@@ -115,7 +115,8 @@ def vocab_parallel_cross_entropy(
 
     Equals ``F.cross_entropy(full_logits.flatten(0, -2), targets.flatten(), ignore_index=...,
     label_smoothing=...)`` of the gathered logits. Only ``[..., 1]``-sized statistics
-    (max, sum of exponentials, target logit) cross ranks.
+    (max, sum of exponentials, target logit) cross ranks. With one rank (``group`` is
+    ``None`` or has size 1) it is torch's fused ``F.cross_entropy`` on the real columns.
 
     Args:
         logits_shard: ``[..., V_p / tp]`` logits of this rank's vocabulary block (rank ``r``
@@ -138,7 +139,11 @@ def vocab_parallel_cross_entropy(
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"vocab_parallel_cross_entropy: label_smoothing={label_smoothing} must be in [0, 1)")
     size = dist.get_world_size(group) if group is not None else 1
-    rank = dist.get_rank(group) if group is not None else 0
+    if size == 1:
+        return _cross_entropy_one_rank(
+            logits_shard, targets, ignore_index, label_smoothing, loss_weights, vocab_size, reduction
+        )
+    rank = dist.get_rank(group)
     local_vocab = logits_shard.shape[-1]
     start = rank * local_vocab
     real_vocab = vocab_size if vocab_size is not None else local_vocab * size
@@ -167,6 +172,41 @@ def vocab_parallel_cross_entropy(
         smooth = log_z - sum_shifted / real_vocab
         loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
 
+    keep = (targets != ignore_index).to(loss.dtype)
+    weights = keep if loss_weights is None else keep * loss_weights.to(loss.dtype)
+    loss = loss * weights
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / weights.sum()
+
+
+def _cross_entropy_one_rank(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    loss_weights: torch.Tensor | None,
+    vocab_size: int | None,
+    reduction: str,
+) -> torch.Tensor:
+    """The whole vocabulary on one rank: torch's fused log-softmax + NLL, same math and reductions.
+
+    The split path's max/exp/gather/sum chain makes several full passes over ``[tokens, V]``
+    in the forward and backward; the fused kernel makes one each way.
+    """
+    logits = logits.float()
+    if vocab_size is not None and vocab_size < logits.shape[-1]:
+        logits = logits[..., :vocab_size]  # padding columns take no part in the softmax
+    flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    if loss_weights is None and reduction != "none":
+        return F.cross_entropy(
+            flat_logits, flat_targets, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction
+        )
+    loss = F.cross_entropy(
+        flat_logits, flat_targets, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none"
+    ).view(targets.shape)
     keep = (targets != ignore_index).to(loss.dtype)
     weights = keep if loss_weights is None else keep * loss_weights.to(loss.dtype)
     loss = loss * weights

@@ -50,14 +50,18 @@ class RotaryEmbedding(torch.nn.Module):
         cos = angles.cos().unsqueeze(1)  # [b, 1, s, r/2]
         sin = angles.sin().unsqueeze(1)
         r = self.rotary_dim
-        x_rot, x_pass = x_bhsd[..., :r].float(), x_bhsd[..., r:]
+        # Whole heads rotated (the usual case): no slice and no concatenation with an empty
+        # pass-through part, each of which costs a full copy in the forward or the backward.
+        whole = r == x_bhsd.shape[-1]
+        x_rot = (x_bhsd if whole else x_bhsd[..., :r]).float()
         if self.interleaved:
             x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
             rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
         else:
             x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2 :]
             rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return torch.cat((rotated.to(x_bhsd.dtype), x_pass), dim=-1)
+        rotated = rotated.to(x_bhsd.dtype)
+        return rotated if whole else torch.cat((rotated, x_bhsd[..., r:]), dim=-1)
 
     def extra_repr(self) -> str:
         return f"rotary_dim={self.rotary_dim}, base={self.base}, interleaved={self.interleaved}"
