@@ -4,18 +4,21 @@ import json
 
 import pytest
 import torch
+import yaml
+from transformer_testlib import TINY_VOCAB, tiny_config, train_worker
 
+from scaling.testing import run_distributed
 from scaling.transformer.__main__ import main
 from scaling.transformer.generate import generate
-from scaling.transformer.hf import CHECKPOINT_SUBDIR, export_hf, import_hf
+from scaling.transformer.hf import CHECKPOINT_SUBDIR, export_hf, export_peft, import_hf
 from scaling.transformer.inference import load_model
 
 transformers = pytest.importorskip("transformers")
 
 
-def _tiny_llama(tmp_path, tie=False):
+def _tiny_llama(tmp_path, tie=False, vocab_size=101):
     config = transformers.LlamaConfig(
-        vocab_size=101,
+        vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=48,
         num_hidden_layers=2,
@@ -73,3 +76,43 @@ def test_export_refuses_non_llama_architecture(tmp_path):
     (tmp_path / "gelu.yml").write_text(cfg)
     with pytest.raises(ValueError, match="needs norm='rmsnorm'"):
         export_hf(tmp_path / "ours" / CHECKPOINT_SUBDIR, tmp_path / "back", config_path=tmp_path / "gelu.yml")
+
+
+@pytest.mark.distributed
+def test_lora_finetune_of_an_hf_model_loads_with_peft_on_it(tiny_corpus, tmp_path):
+    """import-hf, LoRA fine-tune from that checkpoint, export the adapter: peft.PeftModel on the original
+    HF model gives our logits (fp32, 1e-5)."""
+    peft = pytest.importorskip("peft")
+    hf_model = _tiny_llama(tmp_path, vocab_size=TINY_VOCAB)
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    save = tmp_path / "lora"
+    cfg = tiny_config(
+        tiny_corpus,
+        steps=4,
+        trainer={"save_dir": str(save), "save_interval": 4, "load_dir": str(tmp_path / "ours" / CHECKPOINT_SUBDIR),
+                 "load_optimizer_states": False, "load_context": False},
+        finetuning={"method": "lora", "rank": 4, "alpha": 8.0},
+    )  # fmt: skip
+    cfg["transformer_architecture"] = yaml.safe_load((tmp_path / "ours" / "config.yml").read_text())[
+        "transformer_architecture"
+    ]
+    run_distributed(train_worker, 1, cfg, timeout_seconds=120)
+    assert main(["export-hf", str(save), str(tmp_path / "base"), "--peft-dir", str(tmp_path / "adapter")]) == 0
+    ours, _ = load_model(save)
+    ids = torch.randint(0, TINY_VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base_logits = hf_model(ids).logits
+        exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "base").eval()
+        torch.testing.assert_close(exported(ids).logits, base_logits, rtol=1e-5, atol=1e-5)  # base untouched
+        peft_model = peft.PeftModel.from_pretrained(hf_model, str(tmp_path / "adapter")).eval()
+        expected = ours(ids)
+        # The adapter matters (B != 0 after training), and PEFT on the original model reproduces it.
+        assert (expected - base_logits).abs().max() > 1e-4
+        torch.testing.assert_close(peft_model(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_peft_export_needs_a_lora_checkpoint(tmp_path):
+    _tiny_llama(tmp_path)
+    import_hf(tmp_path / "hf", tmp_path / "ours")
+    with pytest.raises(ValueError, match="finetuning.method='none' in the checkpoint's config; a PEFT adapter needs"):
+        export_peft(tmp_path / "ours" / CHECKPOINT_SUBDIR, tmp_path / "adapter")

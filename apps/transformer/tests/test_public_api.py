@@ -4,6 +4,8 @@ EXPECTED = {
     "EmbeddingLayer", "LMHeadLayer", "TransformerArchitectureConfig", "TransformerBatch", "TransformerBlock",
     "TransformerConfig", "TransformerDataset", "TransformerHeadOutput", "TransformerLM", "TransformerLayerIO",
     "TransformerLoss", "export_hf", "generate", "import_hf", "layer_specs", "load_model", "sample_next",
+    "BlendSourceConfig", "FinetuningConfig", "TrainingGroupConfig", "PromptCompletionDataset", "apply_finetuning",
+    "build_datasets", "export_peft", "training_groups",
 }  # fmt: skip
 
 

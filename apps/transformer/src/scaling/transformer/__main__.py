@@ -7,6 +7,7 @@ scaling-transformer train --template                # every setting, commented
 scaling-transformer generate --checkpoint runs/transformer/checkpoints --prompt "def "
 scaling-transformer import-hf HF_DIR OUT_DIR        # Llama safetensors -> our checkpoint + config.yml
 scaling-transformer export-hf OUT_DIR HF_DIR        # ours -> Llama config.json + safetensors
+scaling-transformer export-hf CKPT HF_DIR --peft-dir ADAPTER_DIR   # + the LoRA adapter in PEFT format
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ def load_config(path: str | Path, overrides: list[str]) -> TransformerConfig:
                 f"{config.topology.world_size}; set runner.nproc_per_node={config.topology.world_size} "
                 "or change the topology"
             )
+    if config.data.finetuning_jsonl is not None or config.data.blend:
+        from scaling.transformer.data import build_datasets
+
+        # Reads, tokenises and checks the examples / token files here, not in N processes after launch.
+        build_datasets(config)
+        return config
     prefix = config.data.data_prefix
     if prefix is None:
         prefix = default_paths(config.data.default_corpus_dir)["train"]
@@ -104,7 +111,12 @@ def _export_hf(args: argparse.Namespace) -> int:
     from scaling.transformer.hf import export_hf
 
     out = export_hf(args.checkpoint, args.output, config_path=args.config)
-    print(f"exported {args.checkpoint} -> {out} (config.json, model.safetensors)")
+    print(f"exported {args.checkpoint} -> {out} (config.json, model.safetensors; base weights only)")
+    if args.peft_dir is not None:
+        from scaling.transformer.hf import export_peft
+
+        adapter = export_peft(args.checkpoint, args.peft_dir, config_path=args.config)
+        print(f"exported the LoRA adapter -> {adapter} (adapter_config.json, adapter_model.safetensors)")
     return 0
 
 
@@ -139,6 +151,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint")
     p.add_argument("output")
     p.add_argument("--config", default=None, help="config YAML (default: the one saved with the checkpoint)")
+    p.add_argument(
+        "--peft-dir", default=None, help="also write the LoRA adapter (finetuning.method=lora) as a PEFT folder"
+    )
     p.set_defaults(fn=_export_hf)
     return parser
 

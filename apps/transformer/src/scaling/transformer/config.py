@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -115,6 +116,65 @@ class TransformerArchitectureConfig(BaseConfig):
         return self
 
 
+class FinetuningConfig(BaseConfig):
+    """Parameter-efficient fine-tuning; every method freezes the base model."""
+
+    method: Literal["none", "lora", "bitfit", "adapter"] = Field(
+        "none",
+        description="'lora' (low-rank updates of the block's linear layers), 'bitfit' (biases only; needs "
+        "transformer_architecture.bias=true), 'adapter' (bottleneck adapters after attention and MLP), "
+        "'none' (train everything, or what training.groups selects).",
+    )
+    rank: int = Field(8, ge=1, description="LoRA rank r; >= 1.")
+    alpha: float = Field(16.0, gt=0.0, description="LoRA alpha: the update is (alpha / rank) * B A x; > 0.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input while training, [0, 1).")
+    target_modules: str | None = Field(
+        None,
+        description="Regex (re.fullmatch) over module names inside a block, e.g. 'attention\\.(qkv|dense)'. "
+        "None = every linear layer (lora) or 'attention|mlp' (adapter).",
+    )
+    adapter_size: int = Field(16, ge=1, description="Bottleneck width of each adapter; divisible by the TP size.")
+
+    @model_validator(mode="after")
+    def _check_regex(self) -> FinetuningConfig:
+        if self.target_modules is not None:
+            try:
+                re.compile(self.target_modules)
+            except re.error as err:
+                raise ValueError(
+                    f"finetuning.target_modules={self.target_modules!r} is not a valid regex ({err}); "
+                    "write e.g. 'attention\\.(qkv|dense)'"
+                ) from err
+        return self
+
+
+class TrainingGroupConfig(BaseConfig):
+    """One optimizer group selected by regexes (``re.search``) over parameter names."""
+
+    name: str = Field(min_length=1, description="Unique group name (keys its LR in the logs).")
+    include: list[str] = Field(
+        min_length=1, description="Regexes; a parameter whose name one of them matches joins the group."
+    )
+    exclude: list[str] = Field(default_factory=list, description="Regexes removing parameters from `include`.")
+    learning_rate: float | None = Field(
+        None, ge=0.0, description="Peak LR of this group (the schedule is scaled); None = learning_rate_scheduler's."
+    )
+    weight_decay: float | None = Field(None, ge=0.0, description="Weight decay; None = training.weight_decay.")
+
+    @model_validator(mode="after")
+    def _check_regexes(self) -> TrainingGroupConfig:
+        for field in ("include", "exclude"):
+            for pattern in getattr(self, field):
+                try:
+                    re.compile(pattern)
+                except re.error as err:
+                    raise ValueError(
+                        f"training.groups[{self.name!r}].{field}: {pattern!r} is not a valid regex ({err}); "
+                        "escape literal dots and brackets, e.g. 'attention\\.qkv'"
+                    ) from err
+        return self
+
+
 class TransformerTrainingConfig(BaseConfig):
     weight_decay: float = Field(0.01, ge=0.0, description="Weight decay of matrices (norms and biases get none).")
     schedule: Literal["gpipe", "1f1b", "zb_h1", "interleaved_1f1b"] = Field(
@@ -123,6 +183,18 @@ class TransformerTrainingConfig(BaseConfig):
     peak_tflops_per_device: float | None = Field(
         None, gt=0.0, description="Dense peak TFLOP/s of one device in this precision, for MFU; None = no MFU."
     )
+    groups: list[TrainingGroupConfig] = Field(
+        default_factory=list,
+        description="Optimizer groups by parameter-name regexes, each with its own LR and weight decay; "
+        "trainable parameters in no group are frozen. Empty = two groups (matrices decay, vectors do not).",
+    )
+
+
+class BlendSourceConfig(BaseConfig):
+    """One token dataset of a blend."""
+
+    prefix: Path = Field(description="Token files (.bin/.idx) prefix.")
+    weight: float = Field(gt=0.0, description="Relative weight (normalised over the blend); > 0.")
 
 
 class TransformerDataConfig(BaseConfig):
@@ -139,6 +211,37 @@ class TransformerDataConfig(BaseConfig):
     default_corpus_dir: Path = Field(
         Path("runs/transformer/corpus"), description="Where `preprocess` writes the default corpus and tokenizer."
     )
+    blend: list[BlendSourceConfig] = Field(
+        default_factory=list,
+        description="Train on several token datasets mixed by weight (replaces data_prefix), e.g. "
+        "[{prefix: a/train, weight: 3}, {prefix: b/train, weight: 1}].",
+    )
+    finetuning_jsonl: Path | None = Field(
+        None,
+        description='Prompt/completion JSONL ({"prompt": ..., "completion": ...} per line) to train on instead '
+        "of token files; the loss covers the completion tokens only. Tokenised with data.tokenizer_path.",
+    )
+    finetuning_jsonl_evaluation: Path | None = Field(
+        None, description="Prompt/completion JSONL for evaluation (with finetuning_jsonl); None = none."
+    )
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> TransformerDataConfig:
+        chosen = [
+            name
+            for name, value in (
+                ("data_prefix", self.data_prefix),
+                ("blend", self.blend),
+                ("finetuning_jsonl", self.finetuning_jsonl),
+            )
+            if value
+        ]
+        if len(chosen) > 1:
+            raise ValueError(
+                f"data.{chosen[0]} and data.{chosen[1]} are both set; choose one training source "
+                "(data_prefix, blend or finetuning_jsonl)"
+            )
+        return self
 
 
 class TransformerConfig(BaseConfig):
@@ -159,6 +262,9 @@ class TransformerConfig(BaseConfig):
         default_factory=TransformerArchitectureConfig, description="Model shape and numerics."
     )
     data: TransformerDataConfig = Field(default_factory=TransformerDataConfig, description="Token data.")
+    finetuning: FinetuningConfig = Field(
+        default_factory=FinetuningConfig, description="LoRA, BitFit or adapters on a frozen base."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -187,6 +293,16 @@ class TransformerConfig(BaseConfig):
             raise ValueError(
                 f"data.sequence_length={self.data.sequence_length} is not divisible by topology.model_parallel_size="
                 f"{self.topology.model_parallel_size}, which sequence_parallel=true needs"
+            )
+        if self.finetuning.method == "bitfit" and not arch.bias:
+            raise ValueError(
+                "finetuning.method='bitfit' trains biases only, but transformer_architecture.bias=false; "
+                "set bias=true or choose finetuning.method 'lora' or 'adapter'"
+            )
+        if self.finetuning.method == "adapter" and self.finetuning.adapter_size % tp:
+            raise ValueError(
+                f"finetuning.adapter_size={self.finetuning.adapter_size} is not divisible by "
+                f"topology.model_parallel_size={tp}; choose a multiple of {tp}"
             )
         if arch.precision == "fp16" and not self.optimizer.loss_scaler.enable:
             raise ValueError(

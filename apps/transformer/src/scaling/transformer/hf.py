@@ -225,3 +225,71 @@ def export_hf(checkpoint: str | Path, output_dir: str | Path, config_path: str |
     (out / "config.json").write_text(json.dumps(hf_config, indent=2))
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+# Our block-relative LoRA module -> the Llama modules (qkv is one fused module here, three in HF).
+_PEFT_NAMES = {
+    "attention.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attention.dense": ("self_attn.o_proj",),
+    "mlp.gate_proj": ("mlp.gate_proj",),
+    "mlp.up_proj": ("mlp.up_proj",),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+def export_peft(checkpoint: str | Path, output_dir: str | Path, config_path: str | Path | None = None) -> Path:
+    """Write the LoRA adapters of a ``finetuning.method='lora'`` checkpoint as a PEFT adapter folder.
+
+    The folder (``adapter_config.json``, ``adapter_model.safetensors``) loads with
+    ``peft.PeftModel.from_pretrained`` on the :func:`export_hf` model. The fused QKV adapter
+    becomes three: ``A`` shared, ``B`` split by rows like the fused weight, which is exact.
+
+    Raises:
+        ValueError: when the checkpoint was not trained with LoRA or the model is not Llama-compatible.
+    """
+    from safetensors.torch import save_file
+
+    config = TransformerConfig.from_yaml(config_path) if config_path is not None else None
+    model, config = load_model(checkpoint, config)
+    arch, ft = config.transformer_architecture, config.finetuning
+    _check_exportable(arch)
+    if ft.method != "lora":
+        raise ValueError(
+            f"finetuning.method={ft.method!r} in the checkpoint's config; a PEFT adapter needs a model trained "
+            "with finetuning.method='lora'"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    targets: set[str] = set()
+    for i, block in enumerate(model.blocks):
+        for name, module in block.named_modules():
+            if not hasattr(module, "lora_A"):
+                continue
+            a, b = module.lora_A.weight.detach(), module.lora_B.weight.detach()
+            hf_names = _PEFT_NAMES[name]
+            b_parts = _split_qkv(b, arch) if name == "attention.qkv" else (b,)
+            for hf_name, b_part in zip(hf_names, b_parts):
+                key = f"base_model.model.model.layers.{i}.{hf_name}"
+                tensors[f"{key}.lora_A.weight"] = a.contiguous().clone()
+                tensors[f"{key}.lora_B.weight"] = b_part.contiguous().clone()
+                targets.add(hf_name.rsplit(".", 1)[1])
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": None,
+        "r": ft.rank,
+        "lora_alpha": ft.alpha,
+        "lora_dropout": ft.dropout,
+        "target_modules": sorted(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return out

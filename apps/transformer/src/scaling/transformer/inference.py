@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from scaling.nn import KVCache, named_parameters_with_meta, set_layer_index
 from scaling.trainer import committed_steps, load_checkpoint, model_state_dict
 from scaling.transformer.config import TransformerArchitectureConfig, TransformerConfig
+from scaling.transformer.finetuning import apply_finetuning
 from scaling.transformer.model import EmbeddingLayer, LMHeadLayer, TransformerBlock, layer_specs
 
 
@@ -109,6 +110,9 @@ def _padded_block(block: TransformerBlock, x_bsh: torch.Tensor, cache: KVCache, 
     mask = mask | (torch.arange(offset, offset + s).unsqueeze(-1) == torch.arange(t)).unsqueeze(0).unsqueeze(0)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     out = attn.dense(out.transpose(1, 2).reshape(x_bsh.shape[0], s, -1))
+    adapter = getattr(attn, "adapter", None)  # finetuning.method='adapter' hooks the attention's output
+    if isinstance(adapter, torch.nn.Module):
+        out = adapter(out)
     x_bsh = x_bsh + out
     return x_bsh + block.mlp(block.mlp_norm(x_bsh))
 
@@ -142,6 +146,8 @@ def load_model(
     if config is None:
         config = TransformerConfig.from_dict(latest_config(checkpoint_dir))
     model = TransformerLM(config.transformer_architecture, seed=config.trainer.seed)
+    # Adapters trained with the checkpoint (finetuning.method) are part of the model.
+    apply_finetuning(list(enumerate(model.layers)), config.finetuning, seed=config.trainer.seed)
     params = list(named_parameters_with_meta(model))
     head_copy = rf"model\.layers\.{len(model.layers) - 1}\.embedding\.weight"
     load_checkpoint(

@@ -18,11 +18,13 @@ from scaling.runner import load_payload
 from scaling.topology import Topology
 from scaling.trainer import BaseContext, BaseTrainer
 from scaling.transformer.config import TransformerConfig
-from scaling.transformer.corpus import default_paths
-from scaling.transformer.data import TransformerDataset, open_tokens
+from scaling.transformer.data import build_datasets
+from scaling.transformer.finetuning import apply_finetuning, training_groups
 from scaling.transformer.model import TransformerLoss, flops_per_token, layer_specs
 
 FLOPS_FORMULA = "FLOPs/token = 6*N + 12*L*H*S"
+# Checkpoint keys of the adapters each fine-tuning method adds.
+ADAPTER_KEYS = {"lora": r".*\.lora_[AB]\.weight$", "adapter": r".*\.adapter\..*"}
 
 
 class TransformerContext(BaseContext[TransformerConfig]):
@@ -52,12 +54,24 @@ class TransformerTrainer(BaseTrainer[TransformerContext]):
         return metrics
 
 
-def parameter_groups(parallel_module: ParallelModule, config: TransformerConfig) -> list[OptimizerParamGroup]:
-    """Matrices decay; vectors (norm weights, biases, QK-norm scales) do not."""
+def parameter_groups(
+    parallel_module: ParallelModule, config: TransformerConfig, topology: Topology | None = None
+) -> list[OptimizerParamGroup]:
+    """``training.groups`` if set; otherwise matrices decay and vectors (norms, biases, QK-norm) do not.
+
+    Frozen parameters (fine-tuning's base model) join no group.
+    """
+    params = list(parallel_module.named_parameters_with_meta())
+    if config.training.groups:
+        pipe = topology.model_pipe_parallel_group if topology is not None and topology.pipe_parallel_size > 1 else None
+        return training_groups(
+            params, config.training.groups, config.learning_rate_scheduler, config.training.weight_decay, pipe
+        )
     decay: list[tuple[str, torch.nn.Parameter, ParameterMeta]] = []
     no_decay: list[tuple[str, torch.nn.Parameter, ParameterMeta]] = []
-    for name, param, meta in parallel_module.named_parameters_with_meta():
-        (decay if len(meta.logical_shape) >= 2 else no_decay).append((name, param, meta))
+    for name, param, meta in params:
+        if param.requires_grad:
+            (decay if len(meta.logical_shape) >= 2 else no_decay).append((name, param, meta))
     groups = []
     for group_name, params, weight_decay in (
         ("decay", decay, config.training.weight_decay),
@@ -82,17 +96,7 @@ def build_trainer(config: TransformerConfig, topology: Topology) -> TransformerT
     context = TransformerContext(config=config, topology=topology)
     context.initialize(seed=config.trainer.seed)
     arch = config.transformer_architecture
-    train_prefix, eval_prefix = config.data.data_prefix, config.data.evaluation_prefix
-    if train_prefix is None:
-        paths = default_paths(config.data.default_corpus_dir)
-        train_prefix = paths["train"]
-        eval_prefix = eval_prefix or paths["validation"]
-    seq = config.data.sequence_length
-    dataset = TransformerDataset(open_tokens(train_prefix, arch.vocab_size, "data.data_prefix"), seq)
-    dataset_evaluation = None
-    if eval_prefix is not None:
-        tokens = open_tokens(eval_prefix, arch.vocab_size, "data.evaluation_prefix")
-        dataset_evaluation = TransformerDataset(tokens, seq)
+    dataset, dataset_evaluation = build_datasets(config)
 
     parallel_module = ParallelModule(
         layer_specs=layer_specs(arch, topology, rng_tracker=context.rng_tracker),
@@ -100,11 +104,24 @@ def build_trainer(config: TransformerConfig, topology: Topology) -> TransformerT
         schedule=config.training.schedule,
         seed=config.trainer.seed,
     )
-    optimizer = Optimizer(
-        config=config.optimizer, parameter_groups=parameter_groups(parallel_module, config), topology=topology
+    apply_finetuning(
+        [(int(i), layer) for i, layer in parallel_module.layers.items()],
+        config.finetuning,
+        topology=topology,
+        sequence_parallel=arch.sequence_parallel,
+        rng_tracker=context.rng_tracker,
+        seed=config.trainer.seed,
     )
+    optimizer = Optimizer(
+        config=config.optimizer, parameter_groups=parameter_groups(parallel_module, config, topology), topology=topology
+    )
+    trainer_config = config.trainer
+    if config.finetuning.method in ADAPTER_KEYS and trainer_config.load_dir is not None:
+        # Fine-tuning starts from a base checkpoint, which has no adapters yet.
+        missing = [*trainer_config.allowed_missing_keys_in_checkpoint, ADAPTER_KEYS[config.finetuning.method]]
+        trainer_config = trainer_config.model_copy(update={"allowed_missing_keys_in_checkpoint": missing})
     return TransformerTrainer(
-        config=config.trainer,
+        config=trainer_config,
         context=context,
         parallel_module=parallel_module,
         optimizer=optimizer,
