@@ -37,8 +37,9 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
         (["runner.nproc_per_node=2"], "runner.nproc_per_node=2 processes do not match topology.world_size=1"),
         (["transformer_architecture.vocab_size=200"], f"holds token id {TINY_VOCAB - 1} but transformer_architecture"),
         (["transformer_architecture.mlp_type=relu"], "mlp_type"),
+        (["training.num_virtual_stages=2"], "num_virtual_stages=2 needs training.schedule='interleaved_1f1b'"),
     ],
-    ids=["kv-heads", "heads-hidden", "tp-heads", "seq-len", "fp16", "nproc", "data-vocab", "mlp-type"],
+    ids=["kv-heads", "heads-hidden", "tp-heads", "seq-len", "fp16", "nproc", "data-vocab", "mlp-type", "virtual"],
 )
 def test_bad_config_is_refused(capsys, tiny_corpus, tmp_path, overrides, match):
     code, err = _train(capsys, tiny_corpus, tmp_path, *overrides)

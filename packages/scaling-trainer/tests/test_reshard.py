@@ -16,44 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from trainer_model import AppConfig, Batch, Blobs, Head, Hidden, loss_function
+from trainer_model import Batch, Blobs, build_trainer, loss_function
 
-from scaling.nn import LayerSpec
-from scaling.optim import Optimizer, OptimizerConfig, OptimizerParamGroup, OptimizerParamGroupConfig
-from scaling.pipeline import ParallelModule
-from scaling.testing import make_topology, run_distributed
-from scaling.trainer import BaseContext, BaseTrainer, TrainerConfig, committed_steps
+from scaling.testing import run_distributed
+from scaling.trainer import BaseTrainer, committed_steps
 from scaling.trainer.checkpoint import model_state_dict
 
 TIMEOUT = 240
 STEPS = 2
-
-
-def _build(tp: int, pp: int, trainer: dict[str, Any]) -> BaseTrainer[Any]:
-    topology = make_topology(model_parallel_size=tp, pipe_parallel_size=pp, global_batch_size=16, micro_batch_size=4)
-    config = AppConfig(trainer=TrainerConfig(**trainer))
-    context = BaseContext(config=config, topology=topology)
-    context.initialize(seed=config.trainer.seed)
-    module = ParallelModule(
-        [LayerSpec(Hidden, topology=topology), LayerSpec(Head, topology=topology)], topology, seed=1
-    )
-    group = OptimizerParamGroup(
-        named_parameters_with_meta=list(module.named_parameters_with_meta()),
-        config=OptimizerParamGroupConfig(name="all", weight_decay=0.01),
-    )
-    optimizer = Optimizer(OptimizerConfig(zero_stage=1), [group], topology)
-    dataset = Blobs()
-    return BaseTrainer(
-        config=config.trainer,
-        context=context,
-        parallel_module=module,
-        optimizer=optimizer,
-        dataset=dataset,
-        dataset_evaluation=None,
-        sync_batch_to_model_parallel=dataset.sync_batch_to_model_parallel,
-        metrics_aggregation_fn=None,
-        loss_function=loss_function,
-    )
 
 
 def _full(value: Any) -> torch.Tensor:
@@ -98,10 +68,10 @@ def _logits(trainer: BaseTrainer[Any]) -> list[torch.Tensor] | None:
 def reshard_worker(tp: int, pp: int, load_dir: str | None, save_dir: str) -> dict[str, Any]:
     """Train ``STEPS`` steps and save (no ``load_dir``), or load and save again; return state and logits."""
     if load_dir is None:
-        trainer = _build(tp, pp, {"train_iterations": STEPS, "save_dir": save_dir})
+        trainer = build_trainer(tp, pp, {"train_iterations": STEPS, "save_dir": save_dir})
         trainer.run_training()
     else:
-        trainer = _build(tp, pp, {"train_iterations": STEPS, "load_dir": load_dir})
+        trainer = build_trainer(tp, pp, {"train_iterations": STEPS, "load_dir": load_dir})
         trainer.checkpointer.save(Path(save_dir))
         trainer.checkpointer.wait()
     return {"state": _gathered_state(trainer), "logits": _logits(trainer)}

@@ -103,10 +103,10 @@ def param_hash(module: ParallelModule) -> str:
     return h.hexdigest()
 
 
-def train_worker(
-    tp: int, pp: int, trainer: dict[str, Any], zero_stage: int = 1, sigterm_at: tuple[int, int] | None = None
-) -> dict[str, Any]:
-    """Train on this rank; ``sigterm_at=(rank, step)`` sends SIGTERM to that rank during that step."""
+def build_trainer(
+    tp: int, pp: int, trainer: dict[str, Any], zero_stage: int = 1, loss: Any = loss_function
+) -> BaseTrainer[Any]:
+    """The classifier at (tp, pp) with ZeRO ``zero_stage``, ready to train under ``trainer`` settings."""
     topology = make_topology(model_parallel_size=tp, pipe_parallel_size=pp, global_batch_size=16, micro_batch_size=4)
     config = AppConfig(trainer=TrainerConfig(**trainer))
     context = BaseContext(config=config, topology=topology)
@@ -120,13 +120,7 @@ def train_worker(
     )
     optimizer = Optimizer(OptimizerConfig(zero_stage=zero_stage), [group], topology)
     dataset = Blobs()
-
-    def loss_with_signal(out: IO, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if sigterm_at is not None and (topology.global_rank, context.iterations + 1) == sigterm_at:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return loss_function(out, batch)
-
-    trainer_obj = BaseTrainer(
+    return BaseTrainer(
         config=config.trainer,
         context=context,
         parallel_module=module,
@@ -135,8 +129,25 @@ def train_worker(
         dataset_evaluation=None,
         sync_batch_to_model_parallel=dataset.sync_batch_to_model_parallel,
         metrics_aggregation_fn=None,
-        loss_function=loss_with_signal,
+        loss_function=loss,
     )
+
+
+def train_worker(
+    tp: int, pp: int, trainer: dict[str, Any], zero_stage: int = 1, sigterm_at: tuple[int, int] | None = None
+) -> dict[str, Any]:
+    """Train on this rank; ``sigterm_at=(rank, step)`` sends SIGTERM to that rank during that step."""
+    built: list[BaseTrainer[Any]] = []
+
+    def loss_with_signal(out: IO, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        context = built[0].context
+        if sigterm_at is not None and (context.topology.global_rank, context.iterations + 1) == sigterm_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss_function(out, batch)
+
+    trainer_obj = build_trainer(tp, pp, trainer, zero_stage, loss_with_signal)
+    built.append(trainer_obj)
+    context, module = trainer_obj.context, trainer_obj.parallel_module
     try:
         history = trainer_obj.run_training(return_metrics=True) or []
     except SystemExit as exc:

@@ -178,7 +178,10 @@ class TrainingGroupConfig(BaseConfig):
 class TransformerTrainingConfig(BaseConfig):
     weight_decay: float = Field(0.01, ge=0.0, description="Weight decay of matrices (norms and biases get none).")
     schedule: Literal["gpipe", "1f1b", "zb_h1", "interleaved_1f1b"] = Field(
-        "1f1b", description="Pipeline schedule (interleaved_1f1b only with pipe_parallel_size=1 for now)."
+        "1f1b", description="Pipeline schedule; interleaved_1f1b runs num_virtual_stages model chunks per stage."
+    )
+    num_virtual_stages: int = Field(
+        1, ge=1, description="Model chunks per pipeline stage (> 1 only with schedule='interleaved_1f1b')."
     )
     peak_tflops_per_device: float | None = Field(
         None, gt=0.0, description="Dense peak TFLOP/s of one device in this precision, for MFU; None = no MFU."
@@ -293,6 +296,18 @@ class TransformerConfig(BaseConfig):
             raise ValueError(
                 f"data.sequence_length={self.data.sequence_length} is not divisible by topology.model_parallel_size="
                 f"{self.topology.model_parallel_size}, which sequence_parallel=true needs"
+            )
+        virtual = self.training.num_virtual_stages
+        if virtual > 1 and self.training.schedule != "interleaved_1f1b":
+            raise ValueError(
+                f"training.num_virtual_stages={virtual} needs training.schedule='interleaved_1f1b' "
+                f"(got {self.training.schedule!r}); set the schedule or num_virtual_stages=1"
+            )
+        if pp * virtual > arch.num_layers + 2:
+            raise ValueError(
+                f"topology.pipe_parallel_size={pp} x training.num_virtual_stages={virtual} chunks exceed the model's "
+                f"{arch.num_layers + 2} pipeline layers (num_layers={arch.num_layers} + embedding + head); "
+                "lower num_virtual_stages or add layers"
             )
         if self.finetuning.method == "bitfit" and not arch.bias:
             raise ValueError(

@@ -102,6 +102,7 @@ def build_trainer(config: TransformerConfig, topology: Topology) -> TransformerT
         layer_specs=layer_specs(arch, topology, rng_tracker=context.rng_tracker),
         topology=topology,
         schedule=config.training.schedule,
+        num_virtual_stages=config.training.num_virtual_stages,
         seed=config.trainer.seed,
     )
     apply_finetuning(

@@ -172,6 +172,13 @@ def vocab_parallel_cross_entropy(
         smooth = log_z - sum_shifted / real_vocab
         loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
 
+    return _weighted(loss, targets, ignore_index, loss_weights, reduction)
+
+
+def _weighted(
+    loss: torch.Tensor, targets: torch.Tensor, ignore_index: int, loss_weights: torch.Tensor | None, reduction: str
+) -> torch.Tensor:
+    """Per-token ``loss`` with ignored targets zeroed, times ``loss_weights``, then reduced."""
     keep = (targets != ignore_index).to(loss.dtype)
     weights = keep if loss_weights is None else keep * loss_weights.to(loss.dtype)
     loss = loss * weights
@@ -207,11 +214,4 @@ def _cross_entropy_one_rank(
     loss = F.cross_entropy(
         flat_logits, flat_targets, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none"
     ).view(targets.shape)
-    keep = (targets != ignore_index).to(loss.dtype)
-    weights = keep if loss_weights is None else keep * loss_weights.to(loss.dtype)
-    loss = loss * weights
-    if reduction == "none":
-        return loss
-    if reduction == "sum":
-        return loss.sum()
-    return loss.sum() / weights.sum()
+    return _weighted(loss, targets, ignore_index, loss_weights, reduction)
