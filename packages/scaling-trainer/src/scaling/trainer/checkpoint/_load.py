@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import re
@@ -23,6 +24,8 @@ from scaling.trainer.checkpoint._errors import CheckpointError
 from scaling.trainer.checkpoint._safe_io import SafeFileSystemReader, SafeLoadPlanner, safe_load_metadata
 from scaling.trainer.checkpoint._save import EXTRA_FILE, SCALARS_FILE, _all_gather, _world, rank_file
 from scaling.trainer.checkpoint._tree import decode_pytree, fill_state, flatten_state
+
+_LOAD_TAKES_NO_DIST = "no_dist" in inspect.signature(dcp_loader.load).parameters
 
 if TYPE_CHECKING:
     from scaling.topology import Topology
@@ -200,14 +203,16 @@ def _load_verified(
     if errors:
         raise CheckpointError("\n".join(errors))
 
-    no_dist = not (dist.is_available() and dist.is_initialized())
+    # torch 2.6's DCP load has no ``no_dist`` (without a process group it loads in one
+    # process by itself); later versions take it.
+    single = {"no_dist": not (dist.is_available() and dist.is_initialized())} if _LOAD_TAKES_NO_DIST else {}
     try:
         dcp_loader.load(
             to_load,
             storage_reader=SafeFileSystemReader(step_dir),
             planner=SafeLoadPlanner(allow_partial_load=True),
             process_group=pg,
-            no_dist=no_dist,
+            **single,
         )
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps rank failures in a BaseException
         raise CheckpointError(f"{step_dir}: reading the DCP shards failed (refused or corrupt): {e}") from e
