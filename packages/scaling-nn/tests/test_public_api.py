@@ -38,6 +38,7 @@ EXPECTED = [
     "valid_model_parallel_sizes",
     "vocab_parallel_cross_entropy",
     "vocab_range",
+    "write_peft_adapter",
 ]
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from scaling.nn import named_parameters_with_meta
+from scaling.nn import named_parameters_with_meta, write_peft_adapter
 from scaling.trainer import model_state_dict, save_checkpoint
 from scaling.transformer.config import TransformerArchitectureConfig, TransformerConfig
 from scaling.transformer.inference import TransformerLM, load_model
@@ -247,7 +247,6 @@ def export_peft(checkpoint: str | Path, output_dir: str | Path, config_path: str
     Raises:
         ValueError: when the checkpoint was not trained with LoRA or the model is not Llama-compatible.
     """
-    from safetensors.torch import save_file
 
     config = TransformerConfig.from_yaml(config_path) if config_path is not None else None
     model, config = load_model(checkpoint, config)
@@ -272,24 +271,8 @@ def export_peft(checkpoint: str | Path, output_dir: str | Path, config_path: str
                 tensors[f"{key}.lora_A.weight"] = a.contiguous().clone()
                 tensors[f"{key}.lora_B.weight"] = b_part.contiguous().clone()
                 targets.add(hf_name.rsplit(".", 1)[1])
-    adapter_config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": None,
-        "r": ft.rank,
-        "lora_alpha": ft.alpha,
-        "lora_dropout": ft.dropout,
-        "target_modules": sorted(targets),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "init_lora_weights": True,
-        "inference_mode": True,
-        "modules_to_save": None,
-    }
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
-    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    write_peft_adapter(
+        out, tensors, rank=ft.rank, alpha=ft.alpha, dropout=ft.dropout, target_modules=targets, task_type="CAUSAL_LM"
+    )
     return out

@@ -25,7 +25,7 @@ from scaling.nn._lora import (
 from scaling.nn._meta import ParameterMeta, get_parameter_meta
 from scaling.nn._mlp import ParallelMLP, ParallelSwiGLUMLP
 from scaling.nn._norm import LayerNorm, RMSNorm, reduce_sequence_parallel_gradients
-from scaling.nn._peft import export_peft_adapter, load_peft_adapter
+from scaling.nn._peft import export_peft_adapter, load_peft_adapter, write_peft_adapter
 from scaling.nn._rotary import KVCache, RotaryEmbedding
 
 __all__ = [
@@ -66,4 +66,5 @@ __all__ = [
     "valid_model_parallel_sizes",
     "vocab_parallel_cross_entropy",
     "vocab_range",
+    "write_peft_adapter",
 ]

@@ -34,6 +34,48 @@ def _full(param: torch.Tensor, group: Any) -> torch.Tensor:
     )
 
 
+def write_peft_adapter(
+    path: str | os.PathLike[str],
+    tensors: dict[str, torch.Tensor],
+    *,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    target_modules: set[str] | list[str],
+    task_type: str | None = None,
+    base_model_name_or_path: str | None = None,
+) -> None:
+    """Write full LoRA ``tensors`` (PEFT keys) and their ``adapter_config.json`` into ``path``.
+
+    The on-disk half of :func:`export_peft_adapter`, for callers that build the PEFT keys
+    themselves (e.g. splitting a fused QKV adapter into ``q_proj``/``k_proj``/``v_proj``).
+    """
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": task_type,
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": sorted(target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+    with open(os.path.join(path, CONFIG_NAME), "w") as f:
+        json.dump(adapter_config, f, indent=2)
+    save_file(
+        {k: t.contiguous() for k, t in tensors.items()}, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"}
+    )
+
+
 def export_peft_adapter(
     model: torch.nn.Module,
     config: LoRAConfig,
@@ -47,8 +89,6 @@ def export_peft_adapter(
     global rank 0 (or the only process) writes. ``name_map`` renames modules (ours ->
     the PEFT base model's). Returns the full tensors by PEFT key.
     """
-    from safetensors.torch import save_file
-
     name_map = name_map or {}
     tensors: dict[str, torch.Tensor] = {}
     for name, module in lora_modules(model):
@@ -58,26 +98,15 @@ def export_peft_adapter(
             full = _full(getattr(module, factor).weight, group)
             tensors[f"{_PREFIX}{target}.{factor}.weight"] = full.to("cpu").contiguous()
     if not dist.is_initialized() or dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
-        adapter_config = {
-            "peft_type": "LORA",
-            "task_type": None,
-            "base_model_name_or_path": base_model_name_or_path,
-            "r": config.rank,
-            "lora_alpha": config.alpha,
-            "lora_dropout": config.dropout,
-            "target_modules": sorted({name_map.get(n, n) for n, _ in lora_modules(model)}),
-            "bias": "none",
-            "fan_in_fan_out": False,
-            "use_rslora": False,
-            "use_dora": False,
-            "init_lora_weights": True,
-            "inference_mode": True,
-            "modules_to_save": None,
-        }
-        with open(os.path.join(path, CONFIG_NAME), "w") as f:
-            json.dump(adapter_config, f, indent=2)
-        save_file(tensors, os.path.join(path, WEIGHTS_NAME))
+        write_peft_adapter(
+            path,
+            tensors,
+            rank=config.rank,
+            alpha=config.alpha,
+            dropout=config.dropout,
+            target_modules={name_map.get(n, n) for n, _ in lora_modules(model)},
+            base_model_name_or_path=base_model_name_or_path,
+        )
     return tensors
 
 
