@@ -19,7 +19,8 @@ environment variable listed in ``echo_env_hash``: proof the worker can read a se
 without it appearing anywhere) and ``out_dir/steps_rank<R>.jsonl`` (one line per finished
 step: loss, whether the optimizer skipped it, and a hash of parameters and optimizer state).
 A rank whose trainer (loading included) raises writes the exception to
-``out_dir/error_rank<R>.txt`` first.
+``out_dir/error_rank<R>.txt`` first. A payload ``step_delay_s`` makes every step sleep that
+long (losses unchanged): a short run then lasts long enough to be signalled mid-run.
 """
 
 from __future__ import annotations
@@ -181,6 +182,7 @@ def main() -> None:
     out_dir = Path(payload["out_dir"])
     config = ReliabilityConfig.from_dict(payload["config"])
     faults = payload.get("faults", [])
+    step_delay_s = float(payload.get("step_delay_s", 0.0))
     topology = Topology.from_env(config.topology)
     rank = topology.global_rank
     record = {
@@ -217,6 +219,8 @@ def main() -> None:
                 print(f"fault: rank {rank} sleeps {fault['seconds']} s in step {step}", flush=True)
                 (out_dir / f"fault_rank{rank}.time").write_text(repr(time.time()))
                 time.sleep(fault["seconds"])
+        if step_delay_s:
+            time.sleep(step_delay_s)
         loss = F.cross_entropy(out.h, batch.y)
         if any(f["kind"] == "nan_loss" and f["rank"] == rank and f["step"] == step for f in faults):
             loss = loss * float("nan")

@@ -28,7 +28,8 @@ from reliability_testlib import (
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-STEPS = 300  # long enough (a few seconds of steps) to signal the runner mid-run
+STEPS = 40
+STEP_DELAY_S = 0.25  # the SIGTERM run's steps sleep this long (losses unchanged): it is still running when signalled
 TIMEOUT_S = 10.0
 
 
@@ -90,7 +91,8 @@ def test_sigkill_during_save_of_step_20_restarts_from_step_10_bitwise(reference,
 
 def test_sigterm_to_the_runner_saves_exits_143_and_continues_bitwise(reference, tmp_path):
     ckpt, first, resumed = tmp_path / "ckpt", tmp_path / "first", tmp_path / "resumed"
-    runner = start_cli(cli_config(tmp_path / "run.json", _cfg(tmp_path, ckpt), first), tmp_path / "logs")
+    cfg = cli_config(tmp_path / "run.json", _cfg(tmp_path, ckpt), first, step_delay_s=STEP_DELAY_S)
+    runner = start_cli(cfg, tmp_path / "logs")
     pids: list[int] = []
     try:
         deadline = time.monotonic() + 300

@@ -52,10 +52,6 @@ def run_and_check(worker_script: str, tmp_path: Path, monkeypatch, world_size: i
     assert len({rec["ppid"] for rec in records}) == 1  # one torchrun agent supervised them all
 
 
-def test_local_four_processes_train(worker_script, tmp_path, monkeypatch):
-    run_and_check(worker_script, tmp_path, monkeypatch, 4)
-
-
 @pytest.mark.slow
 def test_local_eight_processes_train(worker_script, tmp_path, monkeypatch):
     run_and_check(worker_script, tmp_path, monkeypatch, 8)

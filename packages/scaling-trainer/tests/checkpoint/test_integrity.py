@@ -92,6 +92,26 @@ def test_garbled_latest_and_fallback(tmp_path):
     assert torch.equal(loaded.state["model"]["layers.0.norm.weight"], full_tensors()["layers.0.norm.weight"])
 
 
+@pytest.mark.parametrize(
+    ("latest", "expected"),
+    [
+        (None, "latest does not exist: no committed checkpoint in"),
+        ("step_00000009\n", "points to 'step_00000009', which is not a committed checkpoint"),
+        ("\x00garbage", "garbled content"),
+    ],
+    ids=["missing", "uncommitted", "garbled"],
+)
+def test_bad_latest_pointer_names_the_file(tmp_path, latest, expected):
+    # What every rank reports when the trainer's load_dir has no usable `latest`
+    # (tests/reliability/test_runner_faults.py checks one of them end to end through the runner).
+    (tmp_path / "step_00000009").mkdir()  # an uncommitted folder, as a crash leaves it
+    if latest is not None:
+        (tmp_path / "latest").write_text(latest)
+    with pytest.raises(CheckpointError, match=str(tmp_path / "latest")) as err:
+        _load(tmp_path)
+    assert expected in str(err.value)
+
+
 def test_uncommitted_folder_ignored_then_cleaned_and_keep_last(tmp_path):
     _save(tmp_path, 1)
     half = tmp_path / "step_00000009"
