@@ -31,17 +31,14 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from scaling.config import BaseConfig
-from scaling.data import BaseDataset, BaseDatasetBatch, BaseDatasetItem
-from scaling.nn import BaseLayer, ColumnParallelLinear, LayerSpec, RowParallelLinear
+from scaling.nn import LayerSpec
 from scaling.optim import Optimizer, OptimizerConfig, OptimizerParamGroup, OptimizerParamGroupConfig
 from scaling.pipeline import ParallelModule
 from scaling.runner import load_payload
@@ -50,69 +47,9 @@ from scaling.trainer import BaseContext, BaseTrainer, TrainerConfig
 from scaling.trainer.checkpoint import _save
 from scaling.trainer.loggers import LoggerConfig
 
-
-@dataclass
-class Item(BaseDatasetItem):
-    x: torch.Tensor
-    y: torch.Tensor
-
-
-@dataclass
-class Batch(BaseDatasetBatch):
-    x: torch.Tensor | None
-    y: torch.Tensor | None
-
-    def only_inputs(self) -> Batch:
-        return Batch(self.x, None)
-
-    def only_targets(self) -> Batch:
-        return Batch(None, self.y)
-
-
-class Blobs(BaseDataset[Item, Batch]):
-    """Four Gaussian blobs in 8 dimensions (fixed seed)."""
-
-    def __init__(self, n: int = 512) -> None:
-        rng = np.random.default_rng(0)
-        centers = rng.normal(size=(4, 8)) * 3
-        labels = rng.integers(0, 4, n)
-        self.x = torch.from_numpy((centers[labels] + rng.normal(size=(n, 8))).astype(np.float32))
-        self.y = torch.from_numpy(labels.astype(np.int64))
-
-    def ident(self) -> str:
-        return "blobs"
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, i: int) -> Item:
-        return Item(self.x[i], self.y[i])
-
-    def collate(self, items: list[Item]) -> Batch:
-        return Batch(torch.stack([i.x for i in items]), torch.stack([i.y for i in items]))
-
-
-@dataclass
-class IO:
-    h: torch.Tensor
-
-
-class Hidden(BaseLayer[Any, IO]):
-    def __init__(self, topology: Topology) -> None:
-        super().__init__()
-        self.linear = ColumnParallelLinear(8, 16, parallel_output=True, topology=topology)
-
-    def forward(self, batch: Batch) -> IO:
-        return IO(F.dropout(torch.relu(self.linear(batch.x)), p=0.2, training=self.training))
-
-
-class Head(BaseLayer[IO, IO]):
-    def __init__(self, topology: Topology) -> None:
-        super().__init__()
-        self.linear = RowParallelLinear(16, 4, parallel_input=True, topology=topology)
-
-    def forward(self, x: IO) -> IO:
-        return IO(self.linear(x.h))
+# The classifier and its data are the trainer tests' own (one definition for both suites).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "packages" / "scaling-trainer" / "tests"))
+from trainer_model import IO, Batch, Blobs, Head, Hidden  # noqa: E402
 
 
 class ReliabilityConfig(BaseConfig):
@@ -205,7 +142,7 @@ def main() -> None:
         config=OptimizerParamGroupConfig(name="all", weight_decay=0.01),
     )
     optimizer = Optimizer(config.optimizer, [group], topology)
-    dataset = Blobs()
+    dataset = Blobs(512)
 
     def loss_function(out: IO, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         step = context.iterations + 1
