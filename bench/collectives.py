@@ -1,6 +1,6 @@
 """scaling.collectives wrappers against raw torch.distributed calls, in the same run.
 
-Run: python bench/collectives.py [--world-size 2] [--max-mib 64] [--min-pairs 48]
+Run: python bench/collectives.py [--world-size 2] [--max-mib 64] [--min-pairs 48] [--cpu-split CALLS]
 Spawns ``--world-size`` gloo ranks on this machine (``file://`` rendezvous in a temp
 dir) and times fp32 all_reduce and all_gather from 1 KiB to ``--max-mib`` MiB. Raw and
 wrapper calls alternate one by one (ABBA), so both see the same interference from
@@ -81,12 +81,63 @@ def _interleaved(raw, ours, x: torch.Tensor, group: dist.ProcessGroup, pairs: in
 
 
 def _recorder_overhead(x: torch.Tensor, group: dist.ProcessGroup, n: int = 20000) -> float:
-    """Seconds per call the recorder adds (ring append, counters, call site), measured alone."""
+    """Seconds per call the recorder adds (ring append, counters, call site), measured alone.
+
+    The wrappers' path: the group's cached state, then ``_record_one``. In a tight loop
+    the caches stay warm, so this is a floor; after a real collective the calling thread
+    wakes with cold caches and the same work costs several times more (the "wrapper CPU"
+    column). Calling-thread CPU time, like that column.
+    """
     recorder = get_recorder()
-    start = time.perf_counter()
+    start = time.thread_time()  # CPU of this thread: other processes on the cores do not inflate it
     for _ in range(n):
-        recorder.record("bench", group, (x,))
-    return (time.perf_counter() - start) / n
+        recorder._record_one(recorder._group_state(group), "bench", x)
+    return (time.thread_time() - start) / n
+
+
+def _cpu_split(group: dist.ProcessGroup, calls: int) -> list[tuple[str, int, float, float]]:
+    """Median calling-thread CPU per call spent outside the ``torch.distributed`` function.
+
+    A shim around that function (``dist.all_reduce``; the all_gather entry the raw call and
+    the wrapper both use) times the CPU spent inside it on the same call; subtracting it
+    leaves what runs around it (the wrapper's Python, the raw call's output allocation),
+    without the backend's wait, whose CPU cost varies from call to call. Raw and wrapper
+    calls alternate one by one. Returns ``(op, bytes, raw_us, ours_us)`` rows.
+    """
+    global _gather_single
+    from scaling.collectives import _compat  # the name the wrapper calls all_gather_single through
+
+    inside = [0.0]
+
+    def shim(fn):
+        def timed(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside[0] = time.thread_time() - start
+
+        return timed
+
+    saved = dist.all_reduce, _compat.all_gather_single, _gather_single
+    dist.all_reduce, _compat.all_gather_single, _gather_single = shim(saved[0]), shim(saved[1]), shim(saved[2])
+    rows = []
+    try:
+        for op, (raw, ours, _) in OPS.items():
+            for nbytes in (1 << 10, 1 << 20):
+                x = torch.zeros(nbytes // 4)
+                raw(x, group), ours(x, group)
+                spent: tuple[list[float], list[float]] = ([], [])
+                for i in range(calls):
+                    for j in (0, 1) if i % 2 == 0 else (1, 0):
+                        start = time.thread_time()
+                        (raw if j == 0 else ours)(x, group)
+                        spent[j].append(time.thread_time() - start - inside[0])
+                med = [torch.tensor(v).median().item() * 1e6 for v in spent]
+                rows.append((op, nbytes, med[0], med[1]))
+    finally:
+        dist.all_reduce, _compat.all_gather_single, _gather_single = saved
+    return rows
 
 
 def _human(nbytes: int) -> str:
@@ -97,6 +148,15 @@ def _worker(rank: int, world_size: int, init_file: str, args: argparse.Namespace
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     group = dist.group.WORLD
+    if args.cpu_split:
+        split = _cpu_split(group, args.cpu_split)
+        if rank == 0:
+            print(f"calling-thread CPU outside the torch.distributed call, median of {args.cpu_split} calls each")
+            print("| op | size | raw (us) | scaling (us) | wrapper extra (us) |\n|---|---|---|---|---|")
+            for op, nbytes, raw_us, ours_us in split:
+                print(f"| {op} | {_human(nbytes)} | {raw_us:.1f} | {ours_us:.1f} | {ours_us - raw_us:.1f} |")
+        dist.destroy_process_group()
+        return
     sizes = [1 << e for e in range(10, 21 + (args.max_mib.bit_length() - 1) + 1, 2)]
     rows = []
     for op, (raw, ours, bus_factor) in OPS.items():
@@ -129,7 +189,7 @@ def _worker(rank: int, world_size: int, init_file: str, args: argparse.Namespace
             f"sizes >= 1 MiB (goal <= 1.05): max wall ratio {max(w for w, _ in big):.3f}, "
             f"max ratio from the wrapper's CPU time {max(c for _, c in big):.3f}"
         )
-        print(f"recorder cost per call, measured alone: {overhead * 1e6:.1f} us")
+        print(f"recorder cost per call, measured alone (warm loop, calling-thread CPU): {overhead * 1e6:.1f} us")
     dist.destroy_process_group()
 
 
@@ -138,6 +198,13 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--max-mib", type=int, default=64, help="largest size in MiB (a power of 4: 1, 4, 16, 64)")
     parser.add_argument("--min-pairs", type=int, default=48, help="raw/wrapper pairs at least, for sizes >= 1 MiB")
+    parser.add_argument(
+        "--cpu-split",
+        type=int,
+        default=0,
+        metavar="CALLS",
+        help="instead of the table: CPU per call outside the torch.distributed function, at 1 KiB and 1 MiB",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="scaling-bench-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")

@@ -14,6 +14,7 @@ def test_public_api():
         "PendingCollective",
         "PipeTransport",
         "all_gather",
+        "all_gather_async",
         "all_gather_flat",
         "all_reduce",
         "all_reduce_async",
@@ -74,8 +75,16 @@ def test_signatures_in_docs_architecture():
         "recv_backward",
         "send_forward_recv_backward",
         "send_backward_recv_forward",
+        "wait_sends",
     ):
         assert callable(getattr(scaling.collectives.PipeTransport, method))
+
+    def keyword_only(fn):
+        return [(p.name, p.default) for p in inspect.signature(fn).parameters.values() if p.kind == p.KEYWORD_ONLY]
+
+    for method in ("send_forward", "send_backward"):
+        assert keyword_only(getattr(scaling.collectives.PipeTransport, method)) == [("wait", True)]
+    assert keyword_only(scaling.collectives.PipeTransport.exchange)[-1] == ("wait_sends", True)
 
 
 def test_recorder_diagnostics_interface():

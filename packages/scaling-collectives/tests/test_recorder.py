@@ -53,14 +53,24 @@ def _record_and_count():
     else:
         recv(torch.empty(3), me - 1)
     p2p = recorder.records(None)[-1]
-    return records, p2p, recorder.bytes_by_op_and_group(), recorder.calls_by_op_and_group()
+    counters = recorder.bytes_by_op_and_group(), recorder.calls_by_op_and_group()
+    # Each group's state caches its counters: a rename and a reset must still take effect.
+    extra = dist.new_group(list(range(dist.get_world_size())))
+    recorder.name_group(extra, "before")
+    all_reduce(torch.ones(2), extra)
+    recorder.name_group(extra, "after")
+    all_reduce(torch.ones(2), extra)
+    renamed = recorder.calls_by_op_and_group()
+    recorder.reset_counters()
+    all_reduce(torch.ones(2), extra)
+    return records, p2p, *counters, renamed, recorder.calls_by_op_and_group()
 
 
 @pytest.mark.distributed
 def test_every_op_is_recorded_with_seq_group_shapes_and_call_site():
     # tp2 x dp2: with tp spanning the whole world the mesh would reuse the default group ("world").
     out = run_distributed(_record_and_count, 4, timeout_seconds=180)  # includes a cold pool start
-    for rank, (records, p2p, nbytes, calls) in enumerate(out):
+    for rank, (records, p2p, nbytes, calls, renamed, after_reset) in enumerate(out):
         assert [r.op for r in records] == ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier"]
         assert [r.seq for r in records] == list(range(records[0].seq, records[0].seq + 5))
         assert {r.group for r in records} == {"tp"} and records[0].ranks == ((0, 1) if rank < 2 else (2, 3))
@@ -75,6 +85,8 @@ def test_every_op_is_recorded_with_seq_group_shapes_and_call_site():
         assert calls[("barrier", "tp")] == 1
         assert p2p.op == ("send" if rank % 2 == 0 else "recv") and p2p.peer == rank ^ 1 and p2p.group == "p2p"
         assert nbytes[(p2p.op, "p2p")] == 12
+        assert renamed[("all_reduce", "before")] == 1 and renamed[("all_reduce", "after")] == 1
+        assert after_reset == {("all_reduce", "after"): 1}
 
 
 def _mismatch(debug):

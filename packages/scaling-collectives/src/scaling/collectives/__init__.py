@@ -17,6 +17,7 @@ from scaling.collectives._gradients import (
 from scaling.collectives._ops import (
     PendingCollective,
     all_gather,
+    all_gather_async,
     all_reduce,
     all_reduce_async,
     barrier,
@@ -50,6 +51,7 @@ __all__ = [
     "PendingCollective",
     "PipeTransport",
     "all_gather",
+    "all_gather_async",
     "all_gather_flat",
     "all_reduce",
     "all_reduce_async",

@@ -5,6 +5,13 @@ makes it the identity (no communication). Every call goes through the recorder (
 ring append and a counter: microseconds), in debug mode through a cross-rank check
 first, and a failure (timeout, closed connection) is turned into an error that names
 the group, the op and the ranks that diverged or did not arrive.
+
+The blocking wrappers (``all_reduce``, ``all_gather``, ``reduce_scatter``,
+``broadcast``) inline their path instead of going through :func:`_collective`: the
+calling thread wakes from the previous collective with cold caches, so every Python
+call, object and lookup on the way costs several times its warm price (see the
+collectives section of ``docs/benchmarks.md``). Group size and rank come from the
+recorder's per-group state, not from torch, and no handle is built for a blocking call.
 """
 
 from __future__ import annotations
@@ -15,9 +22,12 @@ import torch
 import torch.distributed as dist
 
 from scaling.collectives import _compat, _diagnosis, _p2p_diagnosis
-from scaling.collectives._recorder import get_recorder
+from scaling.collectives._recorder import CollectiveRecord, _GroupState, get_recorder
 
 ProcessGroup = dist.ProcessGroup
+_RECORDER = get_recorder()
+_group_state = _RECORDER._group_state
+_record_one = _RECORDER._record_one
 
 
 def group_size(group: ProcessGroup | None) -> int:
@@ -78,6 +88,16 @@ class PendingCollective:
             self._then()
 
 
+def _begin(
+    group: ProcessGroup, state: _GroupState, op: str, tensor: torch.Tensor, peer: int | None = None
+) -> CollectiveRecord:
+    """Record a blocking call of one tensor (and, in debug mode, cross-check it) before it is issued."""
+    rec = _record_one(state, op, tensor, peer)
+    if _RECORDER.debug:
+        _diagnosis.pre_check(group, state, rec)
+    return rec
+
+
 def _collective(
     op: str,
     group: ProcessGroup,
@@ -87,9 +107,12 @@ def _collective(
     async_op: bool = False,
     then: Callable[[], object] | None = None,
 ) -> PendingCollective:
-    recorder = get_recorder()
-    state, rec = recorder.record(op, group, tensors, peer)
-    if recorder.debug:
+    if len(tensors) > 1:
+        state, rec = _RECORDER.record(op, group, tensors, peer)
+    else:
+        state = _group_state(group)
+        rec = _record_one(state, op, tensors[0] if tensors else None, peer)
+    if _RECORDER.debug:
         _diagnosis.pre_check(group, state, rec)
     try:
         work = run()
@@ -107,9 +130,8 @@ def all_reduce_async(
     backward hooks). It is recorded when issued; ``handle.wait()`` raises the same
     named errors as :func:`all_reduce`. ``None`` or one rank returns a done handle.
     """
-    if group_size(group) == 1:
+    if group is None or _group_state(group).size == 1:
         return PendingCollective(None, group, None, None)
-    assert group is not None
     return _collective(
         "all_reduce",
         group,
@@ -140,7 +162,8 @@ def reduce_scatter_async(
     Raises:
         ValueError: when the sizes do not match.
     """
-    world = group_size(group)
+    state = None if group is None else _group_state(group)
+    world = 1 if state is None else state.size
     if tensor.dim() != 1 or output.dim() != 1 or tensor.numel() != world * output.numel():
         raise ValueError(
             f"reduce_scatter_async: input of shape {list(tensor.shape)} and output of shape {list(output.shape)} "
@@ -149,9 +172,9 @@ def reduce_scatter_async(
     if world == 1:
         output.copy_(tensor)
         return PendingCollective(None, group, None, None)
-    assert group is not None
+    assert group is not None and state is not None
     if tensor.device.type == "cpu":
-        chunk = tensor.view(world, -1)[group_rank(group)]
+        chunk = tensor.view(world, -1)[state.rank]
         return _collective(
             "reduce_scatter",
             group,
@@ -183,10 +206,16 @@ def all_reduce(
         CollectiveMismatchError: ranks called different collectives (named).
         CollectiveTimeoutError: a rank did not arrive within the group timeout (named).
     """
-    if group_size(group) == 1:
+    if group is None:
         return tensor
-    assert group is not None
-    _collective("all_reduce", group, (tensor,), lambda: dist.all_reduce(tensor, op=op, group=group))
+    state = _group_state(group)
+    if state.size == 1:
+        return tensor
+    rec = _begin(group, state, "all_reduce", tensor)
+    try:
+        dist.all_reduce(tensor, op=op, group=group)
+    except RuntimeError as exc:  # gloo/NCCL timeouts and transport errors (DistError is a RuntimeError)
+        raise _diagnosis.diagnose_failure(group, state, rec, exc) from exc
     return tensor
 
 
@@ -195,15 +224,23 @@ def all_gather(tensor: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -
 
     Every rank must pass the same shape. ``None`` or one rank returns ``tensor``.
     """
-    world = group_size(group)
+    if group is None:
+        return tensor
+    state = _group_state(group)
+    world = state.size
     if world == 1:
         return tensor
-    assert group is not None
-    dim = dim % tensor.dim()
+    if dim != 0:
+        dim = dim % tensor.dim()
     moved = tensor.contiguous() if dim == 0 else tensor.movedim(dim, 0).contiguous()
-    out = torch.empty((world * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    _collective("all_gather", group, (tensor,), lambda: _compat.all_gather_single(out, moved, group=group))
-    return out.movedim(0, dim).contiguous() if dim != 0 else out
+    shape = moved.shape
+    out = moved.new_empty((world * shape[0], *shape[1:]))
+    rec = _begin(group, state, "all_gather", tensor)
+    try:
+        _compat.all_gather_single(out, moved, group=group)
+    except RuntimeError as exc:
+        raise _diagnosis.diagnose_failure(group, state, rec, exc) from exc
+    return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
 def reduce_scatter(
@@ -214,36 +251,50 @@ def reduce_scatter(
     Raises:
         ValueError: when ``tensor.shape[dim]`` is not divisible by the group size.
     """
-    world = group_size(group)
+    if group is None:
+        return tensor
+    state = _group_state(group)
+    world = state.size
     if world == 1:
         return tensor
-    assert group is not None
     dim = dim % tensor.dim()
     _check_divisible(tensor, dim, world, "reduce_scatter")
     moved = tensor.contiguous() if dim == 0 else tensor.movedim(dim, 0).contiguous()
-    out = torch.empty((moved.shape[0] // world, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    _collective(
-        "reduce_scatter", group, (tensor,), lambda: _compat.reduce_scatter_single(out, moved, op=op, group=group)
-    )
-    return out.movedim(0, dim).contiguous() if dim != 0 else out
+    shape = moved.shape
+    out = moved.new_empty((shape[0] // world, *shape[1:]))
+    rec = _begin(group, state, "reduce_scatter", tensor)
+    try:
+        _compat.reduce_scatter_single(out, moved, op=op, group=group)
+    except RuntimeError as exc:
+        raise _diagnosis.diagnose_failure(group, state, rec, exc) from exc
+    return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
 def split(tensor: torch.Tensor, group: ProcessGroup | None, dim: int = -1) -> torch.Tensor:
     """This rank's equal chunk of ``tensor`` along ``dim`` (no communication), contiguous."""
-    world = group_size(group)
+    if group is None:
+        return tensor
+    state = _group_state(group)
+    world = state.size
     if world == 1:
         return tensor
     dim = dim % tensor.dim()
     _check_divisible(tensor, dim, world, "split")
-    return tensor.chunk(world, dim=dim)[group_rank(group)].contiguous()
+    return tensor.chunk(world, dim=dim)[state.rank].contiguous()
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> torch.Tensor:
     """Broadcast ``tensor`` in place from global rank ``src`` to every rank of ``group``."""
-    if group_size(group) == 1:
+    if group is None:
         return tensor
-    assert group is not None
-    _collective("broadcast", group, (tensor,), lambda: dist.broadcast(tensor, src=src, group=group), peer=src)
+    state = _group_state(group)
+    if state.size == 1:
+        return tensor
+    rec = _begin(group, state, "broadcast", tensor, src)
+    try:
+        dist.broadcast(tensor, src=src, group=group)
+    except RuntimeError as exc:
+        raise _diagnosis.diagnose_failure(group, state, rec, exc) from exc
     return tensor
 
 
@@ -305,3 +356,44 @@ def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> t
     """Receive into ``tensor`` from global rank ``src``; returns ``tensor``."""
     batch_send_recv([("recv", tensor, src)], group)
     return tensor
+
+
+def all_gather_async(output: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup | None) -> PendingCollective:
+    """Start gathering every rank's flat ``tensor`` into ``output`` in group-rank order.
+
+    The overlapped form of :func:`all_gather` for flat buffers (a ZeRO optimizer gathers
+    updated shards with it, bucket by bucket, while it updates the next bucket).
+    ``output`` is 1-D with ``group_size * tensor.numel()`` elements; rank ``i``'s
+    ``tensor`` lands in ``output[i * n : (i + 1) * n]``. ``tensor`` may be this rank's own slice of
+    ``output`` (the in-place form, as NCCL defines it); it must not overlap ``output``
+    otherwise. The call is recorded (op ``"all_gather"``) when issued; waiting raises
+    the same named errors as :func:`all_gather`. ``None`` or one rank copies ``tensor``
+    into ``output`` and returns a done handle.
+
+    Raises:
+        ValueError: when the sizes, dtypes or devices do not match.
+    """
+    world = group_size(group)
+    if (
+        tensor.dim() != 1
+        or output.dim() != 1
+        or output.numel() != world * tensor.numel()
+        or output.dtype != tensor.dtype
+        or output.device != tensor.device
+    ):
+        raise ValueError(
+            f"all_gather_async: input of shape {list(tensor.shape)} ({tensor.dtype}, {tensor.device}) and output of "
+            f"shape {list(output.shape)} ({output.dtype}, {output.device}) do not fit a group of {world}; pass a 1-D "
+            "output of group_size * input.numel() elements with the input's dtype and device"
+        )
+    if world == 1:
+        output.copy_(tensor)
+        return PendingCollective(None, group, None, None)
+    assert group is not None
+    return _collective(
+        "all_gather",
+        group,
+        (tensor,),
+        lambda: _compat.all_gather_single(output, tensor, group=group, async_op=True),
+        async_op=True,
+    )

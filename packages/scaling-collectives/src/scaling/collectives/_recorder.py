@@ -8,8 +8,11 @@ logs as communication volume.
 
 The recorder is per process (like torch's flight recorder); it holds no process
 group. Group state is keyed weakly by the group object, so a destroyed and re-created
-group starts again at sequence number 1. Recording costs a few microseconds per call
-(``bench/collectives.py`` measures it).
+group starts again at sequence number 1; it also caches the group's size and rank, so
+the wrappers ask torch nothing per call. Recording costs a few microseconds per call
+warm, several times that on a thread that just woke from a collective with cold caches
+(``bench/collectives.py`` measures it); nothing is formatted until an error or a
+diagnostics file needs it.
 
 :meth:`CollectiveRecorder.write_diagnostics` dumps what this rank did last (recent
 records of every group, byte counters, the training step) to a small JSON file per
@@ -100,6 +103,12 @@ class _GroupState:
     ranks: tuple[int, ...]
     ring: collections.deque[CollectiveRecord]
     seq: int = 0
+    # Cached once per group so a wrapper asks torch nothing on the hot path (both are fixed).
+    size: int = 1
+    rank: int = 0
+    # op -> the [bytes, calls] list of ``CollectiveRecorder._counts[(op, name)]``: skips building
+    # and hashing that key per call. Cleared on a rename or a counter reset.
+    counts: dict[str, list[int]] = field(default_factory=dict)
     # Counters the diagnosis uses to build store keys every rank of the group agrees on.
     checks: int = 0
     incidents: int = 0
@@ -124,7 +133,9 @@ class CollectiveRecorder:
         self.debug = False
         # Upper bound on how long a failed collective waits for its peers' reports.
         self.max_diagnosis_seconds = 60.0
-        self._lock = threading.Lock()
+        # Reentrant: the first call on a new group creates its state under the lock that
+        # record() or records() already holds.
+        self._lock = threading.RLock()
         # id(group) -> (weak ref to the group, state): the hot path pays one dict lookup and
         # one dereference; the ref tells a live group from a new one at a recycled address.
         self._states: dict[int, tuple[weakref.ref[dist.ProcessGroup], _GroupState]] = {}
@@ -166,10 +177,12 @@ class CollectiveRecorder:
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"name={name!r} must be a non-empty string, e.g. 'tp'")
-        self._names[group] = name
-        entry = self._states.get(id(group))
-        if entry is not None and entry[0]() is group:
-            entry[1].name = name
+        with self._lock:
+            self._names[group] = name
+            entry = self._states.get(id(group))
+            if entry is not None and entry[0]() is group:
+                entry[1].name = name
+                entry[1].counts.clear()
 
     def group_name(self, group: dist.ProcessGroup | None) -> str:
         """The display name of ``group`` (``p2p`` for ``None``, used by send/recv)."""
@@ -193,13 +206,22 @@ class CollectiveRecorder:
                 self._p2p_pairs.clear()
                 self._p2p_world = None if world is None else weakref.ref(world)
             return self._p2p
+        return self._group_state(group)
+
+    def _group_state(self, group: dist.ProcessGroup) -> _GroupState:
+        """The state of a process group (not ``None``): the wrappers' hot-path lookup."""
         entry = self._states.get(id(group))
         if entry is not None and entry[0]() is group:
             return entry[1]
-        ranks = tuple(dist.get_process_group_ranks(group))
-        state = self._new_state(self.group_name(group), str(group.group_name), ranks)
-        self._states[id(group)] = (weakref.ref(group, functools.partial(self._forget, id(group))), state)
-        return state
+        with self._lock:
+            entry = self._states.get(id(group))
+            if entry is not None and entry[0]() is group:
+                return entry[1]
+            ranks = tuple(dist.get_process_group_ranks(group))
+            state = self._new_state(self.group_name(group), str(group.group_name), ranks)
+            state.size, state.rank = group.size(), group.rank()
+            self._states[id(group)] = (weakref.ref(group, functools.partial(self._forget, id(group))), state)
+            return state
 
     def _forget(self, key: int, _ref: object) -> None:
         entry = self._states.get(key)
@@ -212,20 +234,48 @@ class CollectiveRecorder:
     ) -> tuple[_GroupState, CollectiveRecord]:
         """Append one call to ``group``'s ring and count its bytes; returns (state, record).
 
-        ``group=None`` records into the point-to-point ring (``p2p``).
+        ``group=None`` records into the point-to-point ring (``p2p``). The blocking
+        wrappers use :meth:`_record_one` instead (the same record, less work per call).
+        """
+        size = sum(t.nbytes for t in tensors)
+        shapes = tuple(t.shape for t in tensors)  # torch.Size is already an immutable tuple
+        dtypes = tuple(_dtype_name(t.dtype) for t in tensors)
+        site = _call_site(sys._getframe(1))
+        with self._lock:
+            state = self.state(group)
+            state.seq += 1
+            # tuple.__new__ skips the Python-level __new__ a NamedTuple class call goes through.
+            rec = _new_tuple(
+                CollectiveRecord, (state.seq, op, state.name, state.ranks, shapes, dtypes, size, peer, site, _now())
+            )
+            state.ring.append(rec)
+            counts = state.counts.get(op) or self._counter(state, op)
+            counts[0] += size
+            counts[1] += 1
+            if group is None:
+                self._p2p_pairs[(op, peer)] += 1
+        return state, rec
+
+    def _record_one(
+        self, state: _GroupState, op: str, tensor: torch.Tensor | None, peer: int | None = None
+    ) -> CollectiveRecord:
+        """:meth:`record` for one tensor (or none) on the group of ``state``: the wrappers' hot path.
+
+        Same record as :meth:`record`, with less work per call: the caller already holds
+        the group's state (see :meth:`_group_state`), and every step is inlined. Nothing
+        is formatted here; ``describe()`` and ``call_site`` format on demand.
         """
         shapes: tuple[tuple[int, ...], ...]
         dtypes: tuple[str, ...]
-        if len(tensors) == 1:  # the common case, without generator overhead
-            t = tensors[0]
-            size, shapes, dtypes = t.nbytes, (t.shape,), (_dtype_name(t.dtype),)
+        if tensor is None:
+            size, shapes, dtypes = 0, (), ()
         else:
-            size = sum(t.nbytes for t in tensors)
-            shapes = tuple(t.shape for t in tensors)  # torch.Size is already an immutable tuple
-            dtypes = tuple(_dtype_name(t.dtype) for t in tensors)
-        # Call site, inlined (this runs on every collective): the first frame outside this
-        # package and torch; frame 1 is the wrapper that called us.
-        frame: types.FrameType | None = sys._getframe(1)
+            dtype = tensor.dtype
+            name = _DTYPE_NAMES.get(dtype) or _dtype_name(dtype)
+            size, shapes, dtypes = tensor.nbytes, (tensor.shape,), (name,)
+        # _call_site inlined (one call less per collective). Frame 1 is the wrapper that
+        # called us: start at its caller.
+        frame: types.FrameType | None = sys._getframe(1).f_back
         site = _UNKNOWN_SITE
         while frame is not None:
             code = frame.f_code
@@ -235,22 +285,23 @@ class CollectiveRecorder:
             frame = frame.f_back
         del frame
         with self._lock:
-            state = self.state(group)
-            state.seq += 1
-            # tuple.__new__ skips the Python-level __new__ a NamedTuple class call goes through.
+            seq = state.seq = state.seq + 1
             rec = _new_tuple(
-                CollectiveRecord, (state.seq, op, state.name, state.ranks, shapes, dtypes, size, peer, site, _now())
+                CollectiveRecord, (seq, op, state.name, state.ranks, shapes, dtypes, size, peer, site, _now())
             )
             state.ring.append(rec)
-            key = (op, state.name)
-            counts = self._counts.get(key)
-            if counts is None:
-                counts = self._counts[key] = [0, 0]
+            counts = state.counts.get(op) or self._counter(state, op)
             counts[0] += size
             counts[1] += 1
-            if group is None:
-                self._p2p_pairs[(op, peer)] += 1
-        return state, rec
+        return rec
+
+    def _counter(self, state: _GroupState, op: str) -> list[int]:
+        """The [bytes, calls] counter of ``(op, state.name)``, cached on the state (lock held)."""
+        counts = self._counts.get((op, state.name))
+        if counts is None:
+            counts = self._counts[(op, state.name)] = [0, 0]
+        state.counts[op] = counts
+        return counts
 
     def p2p_snapshot(self) -> tuple[list[CollectiveRecord], dict[tuple[str, int | None], int]]:
         """The send/recv ring and the number of calls ever made per ``(op, peer)``."""
@@ -321,6 +372,9 @@ class CollectiveRecorder:
         """Zero the byte and call counters (the rings and sequence numbers are kept)."""
         with self._lock:
             self._counts.clear()
+            for _, state in list(self._states.values()):
+                state.counts.clear()
+            self._p2p.counts.clear()
 
 
 def _record_dict(rec: CollectiveRecord) -> dict[str, Any]:
@@ -337,6 +391,16 @@ def _record_dict(rec: CollectiveRecord) -> dict[str, Any]:
         "call_site": rec.call_site,
         "start_time": rec.start_time,
     }
+
+
+def _call_site(frame: types.FrameType | None) -> tuple[str, int, str]:
+    """``(filename, line, function)`` of the first frame from ``frame`` outward outside this package and torch."""
+    while frame is not None:
+        code = frame.f_code
+        if not code.co_filename.startswith(_SKIP_DIRS):
+            return (code.co_filename, frame.f_lineno, code.co_name)
+        frame = frame.f_back
+    return _UNKNOWN_SITE
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}

@@ -1,15 +1,30 @@
-"""The one place that adapts to torch versions.
+"""The one place that adapts to torch versions and touches private torch APIs.
 
 torch 2.13 renamed ``all_gather_into_tensor``/``reduce_scatter_tensor`` to
 ``all_gather_single``/``reduce_scatter_single`` (the old names warn); torch 2.6 has only
-the old names.
+the old names. The multi-tensor kernels (``torch._foreach_*``, ``torch._fused_adam(w)_``)
+are what ``torch.optim`` itself runs with ``foreach=True`` / ``fused=True``; they exist
+with these signatures from torch 2.4 on (CPU fused Adam included).
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-__all__ = ["all_gather_single", "reduce_scatter_single"]
+foreach_mul_ = torch._foreach_mul_
+foreach_norm = torch._foreach_norm
+fused_adam_ = torch._fused_adam_
+fused_adamw_ = torch._fused_adamw_
+
+__all__ = [
+    "all_gather_single",
+    "foreach_mul_",
+    "foreach_norm",
+    "fused_adam_",
+    "fused_adamw_",
+    "reduce_scatter_single",
+]

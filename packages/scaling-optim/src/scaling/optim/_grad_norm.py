@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from scaling.collectives import all_reduce
 from scaling.optim._comm import group_size
+from scaling.optim._compat import foreach_norm
 from scaling.optim._slots import ParamSlot
 from scaling.topology import Topology
 
@@ -60,12 +61,15 @@ def global_norm_squared(
         ``(norm_squared, non_finite)``, identical on every rank.
     """
     device = topology.device
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for slot, grad in zip(slots, grads):
-        if slot.counts_in_norm and grad.numel():
-            # Per-tensor norm in the gradient's dtype (as clip_grad_norm_), summed in fp64:
-            # an fp64 copy of every gradient would cost more than the update itself.
-            total += torch.linalg.vector_norm(grad).double() ** 2
+    counted = [g for s, g in zip(slots, grads) if s.counts_in_norm and g.numel()]
+    if counted:
+        # Per-tensor norms in the gradient's dtype (as clip_grad_norm_) in one multi-tensor
+        # call, squared and summed in fp64: an fp64 copy of every gradient would cost more
+        # than the update itself.
+        norms = foreach_norm(counted)
+        total = torch.stack([n.to(torch.float64) for n in norms]).square().sum()
+    else:
+        total = torch.zeros((), dtype=torch.float64, device=device)
     non_finite = loss_non_finite.to(device=device, dtype=torch.float64).reshape(())
     # Count non-finite values separately: a NaN is kept apart from the sum that the DP
     # replicas zero out below, so every rank sees it.

@@ -10,15 +10,17 @@ from typing import Any
 
 import torch
 
-from scaling.optim._comm import all_gather_chunks, all_reduce_, group_size, reduce_scatter_mean
+from scaling.optim._comm import all_reduce_, group_size, reduce_scatter_mean
+from scaling.optim._compat import foreach_mul_
 from scaling.optim._config import OptimizerConfig
 from scaling.optim._grad_norm import global_norm_squared, mark_norm_owners
 from scaling.optim._loss_scaler import LossScaler
 from scaling.optim._param_group import OptimizerParamGroup
 from scaling.optim._reducer import GradientReducer
+from scaling.optim._shard_gather import ShardGather
 from scaling.optim._slots import ParamSlot
 from scaling.optim._state import load_optimizer_state, optimizer_state
-from scaling.optim._update import apply_update, state_names
+from scaling.optim._update import UpdateItem, apply_updates, state_names
 from scaling.optim._zero3 import ParameterGatherer, check_own_storage, check_zero3, free_storage
 from scaling.topology import Topology
 
@@ -138,6 +140,9 @@ class Optimizer:
             # ZeRO 0 all-reduces buckets; ZeRO 1 and 2 reduce-scatter them into the owned shards.
             mode = ("all_reduce", "shard", "shard_free")[config.zero_stage]
             self.reducer = GradientReducer(self.slots, topology.data_parallel_group, config.allreduce_bucket_size, mode)
+        self._shard_gather: ShardGather | None = None
+        if self.gatherer is None and self._shard_world > 1:
+            self._shard_gather = ShardGather(self.slots, topology.data_parallel_group, config.allreduce_bucket_size)
 
     # ----------------------------------------------------------------- backward
     def zero_grad(self) -> None:
@@ -243,21 +248,30 @@ class Optimizer:
             factor *= coef
             clipped = norm * coef
         self.step_count += 1
+        if factor != 1.0:
+            foreach_mul_(grads, factor)
+        items = []
         for slot, grad in zip(self.slots, grads):
-            if factor != 1.0:
-                grad.mul_(factor)
             group = self.parameter_groups[slot.group_index]
-            apply_update(
-                self.config,
-                slot.work_param(),
-                grad,
-                slot.state,
-                self.step_count,
-                lrs[group.name],
-                group.config.weight_decay,
-                group.config.independent_weight_decay,
+            items.append(
+                UpdateItem(
+                    slot.work_param(),
+                    grad,
+                    slot.state,
+                    lrs[group.name],
+                    group.config.weight_decay,
+                    group.config.independent_weight_decay,
+                )
             )
-        self._write_back()
+        if self._shard_gather is not None:
+            # ZeRO 1/2: each entry's gather runs while the next entry is updated.
+            for entry, indices in enumerate(self._shard_gather.entries):
+                apply_updates(self.config, [items[i] for i in indices], self.step_count)
+                self._shard_gather.launch(entry)
+            self._shard_gather.finish()
+        else:
+            apply_updates(self.config, items, self.step_count)
+            self._write_back()
         self._clear_grad_shards()
         for group in self.parameter_groups:
             group.scheduler.step()
@@ -265,21 +279,17 @@ class Optimizer:
         return self._output(norm, clipped, lrs, overflow=False)
 
     def _write_back(self) -> None:
-        """Copy updated shards into the parameters; with ZeRO, all-gather them over DP."""
+        """Copy updated master weights into the parameters (no ZeRO) or the ZeRO-3 shards."""
         if self.gatherer is not None:
             # ZeRO-3: parameters stay sharded; the next forward gathers the new values.
             for slot in self.slots:
                 if slot.master is not None and slot.param_shard is not None:
                     slot.param_shard.copy_(slot.master)
             return
-        if self._shard_world == 1:
-            for slot in self.slots:
-                if slot.master is not None:
-                    slot.flat_param().copy_(slot.master)
-            return
-        chunks = [slot.padded_chunk(slot.work_param()) for slot in self.slots]
-        outputs = [slot.flat_param() for slot in self.slots]
-        all_gather_chunks(chunks, outputs, self.topology.data_parallel_group, self.config.allreduce_bucket_size)
+        # Without ZeRO (ZeRO 1/2 gather in step(), see ShardGather).
+        for slot in self.slots:
+            if slot.master is not None:
+                slot.flat_param().copy_(slot.master)
 
     def _clear_grad_shards(self) -> None:
         for slot in self.slots:

@@ -1,0 +1,117 @@
+"""ZeRO 1/2 write-back: gather the updated shards into the parameters, overlapped with the update.
+
+After the update every DP rank holds the new values of the elements it owns; each
+parameter must become whole again on every rank. :class:`ShardGather` plans, once, how:
+
+- a large parameter whose elements split evenly over the ranks (no padding) is gathered
+  straight into its own storage (``all_gather_async`` with this rank's owned slice,
+  which sits at this rank's offset of the output: the in-place form), so no flat
+  buffer is allocated and nothing is copied back on this thread;
+- small or padded parameters are packed, in model order (skipping the large ones),
+  into buckets of at most ``bucket_size_bytes`` over all ranks, gathered as one flat
+  buffer and copied out.
+
+:meth:`ShardGather.launch` starts one entry's gather as soon as its shards are updated,
+so it runs while the next entry is being updated; :meth:`ShardGather.finish` waits
+for all and copies the bucketed ones out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from scaling.collectives import PendingCollective, all_gather_async
+from scaling.optim._comm import group_size
+from scaling.optim._slots import ParamSlot
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+# A parameter of at least this many bytes gets its own gather (in place, no copies);
+# smaller ones share a bucket, so a model of many biases does not pay one call each.
+DIRECT_MIN_BYTES = 256 * 1024
+
+
+class ShardGather:
+    """Gathers the updated ZeRO shards of ``slots`` over ``group`` into the parameters.
+
+    Args:
+        slots: the trainable parameters, in model order (sharded over ``group``).
+        group: the data-parallel group (size > 1).
+        bucket_size_bytes: the most bytes all ranks' chunks of one bucket may hold.
+        direct_min_bytes: a parameter of at least this size that splits evenly is
+            gathered on its own, in place.
+    """
+
+    def __init__(
+        self,
+        slots: Sequence[ParamSlot],
+        group: ProcessGroup,
+        bucket_size_bytes: int,
+        direct_min_bytes: int = DIRECT_MIN_BYTES,
+    ) -> None:
+        self.slots, self.group = list(slots), group
+        self.world = group_size(group)
+        self.entries: list[list[int]] = []
+        self._direct: list[bool] = []
+        per_rank_cap = max(bucket_size_bytes // self.world, 1)
+        bucket: list[int] = []
+        size = 0
+        for index, slot in enumerate(self.slots):
+            itemsize = slot.param.element_size()
+            if slot.numel == slot.chunk * self.world and slot.numel * itemsize >= direct_min_bytes:
+                self.entries.append([index])
+                self._direct.append(True)
+                continue
+            # Small parameters share a bucket even when large ones sit between them.
+            if bucket and (
+                self.slots[bucket[0]].param.dtype != slot.param.dtype or size + slot.chunk * itemsize > per_rank_cap
+            ):
+                self.entries.append(bucket)
+                self._direct.append(False)
+                bucket, size = [], 0
+            bucket.append(index)
+            size += slot.chunk * itemsize
+        if bucket:
+            self.entries.append(bucket)
+            self._direct.append(False)
+        self._pending: list[tuple[int, PendingCollective, torch.Tensor | None]] = []
+
+    def launch(self, entry: int) -> None:
+        """Start gathering entry ``entry`` (its shards must be updated already)."""
+        indices = self.entries[entry]
+        if self._direct[entry]:
+            slot = self.slots[indices[0]]
+            out = slot.flat_param()
+            # In place: the owned slice of the parameter is this rank's part of the output.
+            send = out[slot.start : slot.end] if slot.master is None else slot.master.to(slot.param.dtype)
+            self._pending.append((entry, all_gather_async(out, send, self.group), None))
+            return
+        chunks = [self.slots[i].padded_chunk(self.slots[i].work_param()) for i in indices]
+        send = torch.cat(chunks) if len(chunks) > 1 else chunks[0].contiguous()
+        grid = send.new_empty(send.numel() * self.world)
+        self._pending.append((entry, all_gather_async(grid, send, self.group), grid))
+
+    def finish(self) -> None:
+        """Wait for every launched gather and copy bucketed results into the parameters."""
+        for entry, pending, grid in self._pending:
+            pending.wait()
+            if grid is not None:
+                self._copy_out(self.entries[entry], grid)
+        self._pending.clear()
+
+    def _copy_out(self, indices: list[int], grid: torch.Tensor) -> None:
+        rows_of = grid.view(self.world, -1)
+        offset = 0
+        for i in indices:
+            slot = self.slots[i]
+            out, n = slot.flat_param(), slot.chunk
+            # One strided copy per tensor: whole rows first, then the padded last rank's part.
+            rows = min(out.numel() // n, self.world) if n else 0
+            out[: rows * n].view(rows, n).copy_(rows_of[:rows, offset : offset + n])
+            if rows < self.world and out.numel() > rows * n:
+                out[rows * n :].copy_(rows_of[rows, offset : offset + out.numel() - rows * n])
+            offset += n
