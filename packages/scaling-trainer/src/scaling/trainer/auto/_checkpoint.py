@@ -2,8 +2,20 @@
 
 Model parameters and optimizer state become DTensors keyed by the parameter path of the
 unmodified model (a fused q/k/v weight is viewed as ``[..., parts, n]`` so its shard is a
-regular one); the scheduler and the optimizer's hyperparameters go to JSON. A checkpoint
-saved with one (dp, tp) layout therefore loads into any other.
+regular one); each pipeline stage contributes the keys of the parameters it holds, and
+DCP reads by key, so a checkpoint saved with one (pp, dp, tp) layout loads into any other.
+
+The optimizer state takes one of two forms, by who runs the update:
+
+- the user's ``torch.optim`` optimizer (``zero_stage=0``, ``float32``): its per-parameter
+  state tensors, and its parameter groups' hyperparameters as JSON;
+- :class:`scaling.optim.Optimizer` (ZeRO, reduced precision): its own layout-independent
+  :meth:`~scaling.optim.Optimizer.state_dict` (ZeRO shards gathered, fp32 master weights
+  and moments keyed by ``meta.key``), the one the trainer checkpoints, with fused weights
+  viewed as above; the user's optimizer's parameter groups (the LRs the scheduler set) go
+  alongside.
+
+A checkpoint loads into a plan whose optimizer state has the same form.
 """
 
 from __future__ import annotations
@@ -12,14 +24,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from scaling.nn import ParameterMeta
 from scaling.trainer.auto._optimizer import ParallelOptimizer
 from scaling.trainer.auto._parallelize import ParallelModel
 from scaling.trainer.auto._plan import Plan
 from scaling.trainer.auto._tp import unshard_view
-from scaling.trainer.checkpoint import load_checkpoint, model_state_dict, save_checkpoint
+from scaling.trainer.checkpoint import CheckpointError, load_checkpoint, model_state_dict, save_checkpoint
+
+#: Top-level key of each optimizer-state form in the checkpoint tree.
+_TORCH_FORM, _ENGINE_FORM = "optimizer", "scaling_optim"
+
+
+def _chunks(model: ParallelModel, meta: ParameterMeta) -> int:
+    """The number of fused parts (q, k, v) of a TP-planned parameter, 1 otherwise."""
+    owner = model.plan.module_sharding.get(meta.local_name.rpartition(".")[0])
+    return owner.chunks if owner is not None and meta.parallel_dim is not None else 1
 
 
 def _entries(model: ParallelModel, tensors: dict[int, torch.Tensor] | None = None) -> list[tuple[str, Any, Any]]:
@@ -29,9 +50,7 @@ def _entries(model: ParallelModel, tensors: dict[int, torch.Tensor] | None = Non
         local = param.detach() if tensors is None else tensors.get(id(param))
         if local is None:
             continue
-        owner = model.plan.module_sharding.get(meta.local_name.rpartition(".")[0])
-        chunks = owner.chunks if owner is not None and meta.parallel_dim is not None else 1
-        dim = meta.parallel_dim
+        chunks, dim = _chunks(model, meta), meta.parallel_dim
         shape = list(meta.logical_shape)
         if chunks > 1 and dim is not None:
             local, dim = unshard_view(local, dim, chunks)
@@ -40,7 +59,18 @@ def _entries(model: ParallelModel, tensors: dict[int, torch.Tensor] | None = Non
     return out
 
 
-def _optimizer_tree(model: ParallelModel, optimizer: ParallelOptimizer) -> dict[str, Any]:
+def _fused_view(value: DTensor, dim: int, chunks: int) -> DTensor:
+    """``value`` (local part and global shape) with the ``chunks`` fused parts of ``dim`` as a new dim."""
+    local, new_dim = unshard_view(value.to_local(), dim, chunks)
+    shape = list(value.shape)
+    shape[dim : dim + 1] = [chunks, shape[dim] // chunks]
+    placements = [Shard(new_dim) if isinstance(p, Shard) else p for p in value.placements]
+    logical = torch.Size(shape)
+    stride = torch.empty(logical, device="meta").stride()
+    return DTensor.from_local(local, value.device_mesh, placements, run_check=False, shape=logical, stride=stride)
+
+
+def _torch_tree(model: ParallelModel, optimizer: ParallelOptimizer) -> dict[str, Any]:
     inner = optimizer.optimizer
     per_key: dict[str, dict[str, Any]] = {}
     names = {n for s in inner.state.values() for n in s}
@@ -52,12 +82,33 @@ def _optimizer_tree(model: ParallelModel, optimizer: ParallelOptimizer) -> dict[
         for slot, value in inner.state.get(param, {}).items():
             if slot not in per_key.get(meta.key, {}):
                 per_key.setdefault(meta.key, {})[slot] = value  # scalars like Adam's step
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
-    return {"state": per_key, "param_groups": groups}
+    return {"state": per_key, "param_groups": _groups(optimizer)}
+
+
+def _groups(optimizer: ParallelOptimizer) -> list[dict[str, Any]]:
+    """The user's optimizer's hyperparameters per group (the LR its scheduler set among them)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.optimizer.param_groups]
+
+
+def _engine_tree(model: ParallelModel, optimizer: ParallelOptimizer) -> dict[str, Any]:
+    """scaling.optim's own state dict (as the trainer saves it), fused weights viewed by part."""
+    assert optimizer.engine is not None
+    state = optimizer.engine.state_dict()
+    fused = {meta.key: _chunks(model, meta) for _, _, meta in model.named_parameters_with_meta()}
+    dims = {meta.key: meta.parallel_dim for _, _, meta in model.named_parameters_with_meta()}
+    params = {}
+    for key, slots in state["params"].items():
+        chunks, dim = fused.get(key, 1), dims.get(key)
+        params[key] = (
+            {n: _fused_view(v, dim, chunks) for n, v in slots.items()} if chunks > 1 and dim is not None else slots
+        )
+    return {**state, "params": params, "param_groups": _groups(optimizer)}
 
 
 def _ensure_state(optimizer: ParallelOptimizer) -> None:
-    """Create the optimizer's lazily-built state with one step at lr=0 and zero grads."""
+    """Create the user's optimizer's lazily-built state with one step at lr=0 and zero grads."""
+    if optimizer.engine is not None:
+        return  # scaling.optim builds its state up front
     inner = optimizer.optimizer
     params = [p for g in inner.param_groups for p in g["params"]]
     if all(p in inner.state and inner.state[p] for p in params):
@@ -77,15 +128,17 @@ def _tree(state: dict[str, Any]) -> dict[str, Any]:
     model = state["model"]
     if not isinstance(model, ParallelModel):
         raise TypeError(f"state['model'] must be the model parallelize() returned, got {type(model).__name__}")
-    tree: dict[str, Any] = {"model": model_state_dict(_entries(model), model.topology)}
-    if state.get("optimizer") is not None and state["optimizer"].engine is not None:
-        raise ValueError(
-            "save/load: the optimizer state of a plan with zero_stage > 0 or precision != 'float32' "
-            "(scaling.optim) is not checkpointed by scaling.trainer.auto yet; pass optimizer=None to save the "
-            "model and scheduler only"
+    optimizer = state.get("optimizer")
+    if optimizer is not None and not isinstance(optimizer, ParallelOptimizer):
+        raise TypeError(
+            f"state['optimizer'] must be the optimizer parallelize() returned, got {type(optimizer).__name__}"
         )
-    if state.get("optimizer") is not None:
-        tree["optimizer"] = _optimizer_tree(model, state["optimizer"])
+    tree: dict[str, Any] = {"model": model_state_dict(_entries(model), model.topology)}
+    if optimizer is not None:
+        if optimizer.engine is None:
+            tree[_TORCH_FORM] = _torch_tree(model, optimizer)
+        else:
+            tree[_ENGINE_FORM] = _engine_tree(model, optimizer)
     if state.get("lr_scheduler") is not None:
         tree["lr_scheduler"] = state["lr_scheduler"].state_dict()
     return tree
@@ -93,6 +146,9 @@ def _tree(state: dict[str, Any]) -> dict[str, Any]:
 
 def save(path: str | Path, state: dict[str, Any], step: int = 0) -> Path:
     """Save ``{"plan", "model", "optimizer", "lr_scheduler"}`` (collective, every rank).
+
+    Works for every plan :func:`parallelize` runs (any pp, dp, tp, ZeRO stage and
+    precision); each rank writes only the parameters its pipeline stage holds.
 
     Args:
         path: checkpoint root; the step goes to ``path/step_{step:08d}``.
@@ -104,7 +160,8 @@ def save(path: str | Path, state: dict[str, Any], step: int = 0) -> Path:
         The committed step folder.
 
     Raises:
-        TypeError: ``state["model"]`` is not a parallelized model.
+        TypeError: ``state["model"]`` or ``state["optimizer"]`` is not what
+            :func:`parallelize` returned.
     """
     tree = _tree(state)
     plan: Plan = state.get("plan") or state["model"].plan
@@ -122,26 +179,50 @@ def load(path: str | Path, state: dict[str, Any], step: int | None = None) -> Pl
 
     Returns:
         The plan the checkpoint was saved with.
+
+    Raises:
+        ValueError: the optimizer state was saved in the other form (``zero_stage=0`` with
+            ``float32`` keeps the user's optimizer; any other plan uses ``scaling.optim``).
+        CheckpointError: a missing or corrupt checkpoint, or keys or shapes that differ.
     """
-    if state.get("optimizer") is not None:
-        _ensure_state(state["optimizer"])
+    optimizer = state.get("optimizer")
+    if optimizer is not None:
+        _ensure_state(optimizer)
     tree = _tree(state)
     model: ParallelModel = state["model"]
-    loaded = load_checkpoint(path, tree, model.topology, step=step)
+    try:
+        loaded = load_checkpoint(path, tree, model.topology, step=step)
+    except CheckpointError as e:
+        _raise_if_other_form(tree, e)
+        raise
     with torch.no_grad():
         for _, local, meta in _entries(model):
             value = loaded.state["model"][meta.key]
             src = value.to_local() if isinstance(value, DTensor) else value
             if src.data_ptr() != local.data_ptr():
                 local.copy_(src)
-    if state.get("optimizer") is not None:
-        _load_optimizer(model, state["optimizer"], loaded.state["optimizer"])
+    if optimizer is not None and optimizer.engine is None:
+        _load_torch(model, optimizer, loaded.state[_TORCH_FORM])
+    elif optimizer is not None:
+        _load_engine(model, optimizer, loaded.state[_ENGINE_FORM])
     if state.get("lr_scheduler") is not None:
         state["lr_scheduler"].load_state_dict(loaded.state["lr_scheduler"])
     return Plan.from_dict(loaded.extra["plan"])
 
 
-def _load_optimizer(model: ParallelModel, optimizer: ParallelOptimizer, loaded: Any) -> None:
+def _raise_if_other_form(tree: dict[str, Any], error: CheckpointError) -> None:
+    forms = {_TORCH_FORM: "zero_stage=0 and precision='float32'", _ENGINE_FORM: "zero_stage > 0 or reduced precision"}
+    for form, plan in forms.items():
+        if form not in tree and f"'{form}." in str(error) and "no rank expects" in str(error):
+            mine = next(f for f in forms if f in tree)
+            raise ValueError(
+                f"load: the checkpoint's optimizer state was saved by a plan with {plan}, this plan has "
+                f"{forms[mine]}; load with a plan of the same kind, or pass optimizer=None to load the model "
+                "and scheduler only"
+            ) from error
+
+
+def _load_torch(model: ParallelModel, optimizer: ParallelOptimizer, loaded: Any) -> None:
     inner = optimizer.optimizer
     for _name, param, meta in model.named_parameters_with_meta():
         for slot, value in loaded["state"].get(meta.key, {}).items():
@@ -151,4 +232,17 @@ def _load_optimizer(model: ParallelModel, optimizer: ParallelOptimizer, loaded: 
                 with torch.no_grad():
                     target.view(-1).copy_(src.reshape(-1))
     for group, saved in zip(inner.param_groups, loaded["param_groups"]):
+        group.update(saved)
+
+
+def _load_engine(model: ParallelModel, optimizer: ParallelOptimizer, loaded: dict[str, Any]) -> None:
+    """Hand the loaded state to scaling.optim's ``load_state_dict`` (fused views back to local shape)."""
+    assert optimizer.engine is not None
+    shapes = {meta.key: param.shape for _, param, meta in model.named_parameters_with_meta()}
+    params = {
+        key: {n: v.to_local().reshape(shapes[key]) if v.dim() != len(shapes[key]) else v for n, v in slots.items()}
+        for key, slots in loaded["params"].items()
+    }
+    optimizer.engine.load_state_dict({k: v for k, v in loaded.items() if k != "param_groups"} | {"params": params})
+    for group, saved in zip(optimizer.optimizer.param_groups, loaded["param_groups"]):
         group.update(saved)

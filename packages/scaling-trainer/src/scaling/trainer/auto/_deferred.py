@@ -11,6 +11,7 @@ shard and drops the rest, so its peak memory is its shards plus the largest sing
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import zlib
 from collections.abc import Callable
@@ -68,6 +69,27 @@ def _init_chain(model: torch.nn.Module, path: str) -> list[Callable[[], None]]:
     return [reset] if callable(reset) else []
 
 
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL("libc.so.6").malloc_trim
+        return trim
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        return None
+
+
+def release_freed_memory() -> None:
+    """Hand the heap pages of just-freed tensors back to the OS (glibc; a no-op elsewhere).
+
+    glibc raises its mmap threshold after a large block is freed, so later full tensors of
+    up to 32 MiB come from the heap, and their pages stay resident once freed: measured at
+    18-86 MiB per rank (varying by rank) while materialising a tp8 Llama with hidden 2048.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def _swap(model: torch.nn.Module, path: str, new: torch.nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     setattr(model.get_submodule(parent), name, new)
@@ -119,6 +141,7 @@ def materialize(model: M, seed: int = 42, shard_fn: ShardFn | None = None) -> M:
             # or every replaced module's full parameters would live until the loop ends.
             for name in fresh:
                 module._parameters[name] = None
+            release_freed_memory()
             module = replacement
         for name, meta_p in fresh.items():
             local[id(meta_p)] = module._parameters[name]
