@@ -4,6 +4,11 @@ Each stage is one layer whose forward sleeps ``--forward-ms`` and whose backward
 ``--backward-ms`` (a fixed cost that does not compete for the CPU), around a small
 Linear, so the busy time per stage is known exactly: ``m * (forward + backward)``.
 The measured bubble is ``1 - busy / step wall time``; theory is ``(p - 1) / (m + p - 1)``.
+On a loaded machine a sleep overshoots (the woken process waits for a core), which
+shows up as bubble; the ``busy`` columns also measure the time each stage actually
+spent in its forward/backward sleeps and give ``1 - measured busy / wall`` (mean over
+the stages), for ours and for torch's schedule alike: that isolates what the schedule
+and the transport add from what the load adds to the stages' own cost.
 
 The reference is ``torch.distributed.pipelining.Schedule1F1B`` on the same layers, the
 same micro-batches and the same two gloo ranks, timed in the same run: each repetition
@@ -31,16 +36,25 @@ from scaling.testing import make_topology, run_distributed
 WIDTH, BATCH = 64, 8
 
 
+_BUSY = [0.0]  # seconds this rank spent in the fixed-cost sleeps since the last reset
+
+
+def _sleep(seconds: float) -> None:
+    start = time.perf_counter()
+    time.sleep(seconds)
+    _BUSY[0] += time.perf_counter() - start
+
+
 class _Sleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:  # type: ignore[override]
         ctx.backward_s = backward_s
-        time.sleep(forward_s)
+        _sleep(forward_s)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        time.sleep(ctx.backward_s)
+        _sleep(ctx.backward_s)
         return grad, None, None
 
 
@@ -99,7 +113,7 @@ def _loss(out: IO, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
 
 
 def worker(schedules: list[str], ms: list[int], forward_s: float, backward_s: float, repeats: int) -> dict:
-    """Per (schedule, m): this rank's wall time of each repetition, ours and torch alternating."""
+    """Per (schedule, m): this rank's (wall, busy) seconds of each repetition, ours and torch alternating."""
     topo = make_topology(pipe_parallel_size=2)
     results: dict = {}
     for m in ms:
@@ -119,7 +133,9 @@ def worker(schedules: list[str], ms: list[int], forward_s: float, backward_s: fl
         for _ in range(repeats):  # alternate so that load changes hit every candidate alike
             for name, step in steps.items():
                 torch.distributed.barrier()
-                results[(name, m)].append(step())
+                _BUSY[0] = 0.0
+                wall = step()
+                results[(name, m)].append((wall, _BUSY[0]))
     return results
 
 
@@ -156,21 +172,24 @@ def main() -> None:
     per_rank = run_distributed(worker, 2, schedules, args.micro_batches, f, b, args.repeats, timeout_seconds=1200)
     print(f"2 stages, forward {args.forward_ms} ms, backward {args.backward_ms} ms per stage and micro-batch")
     print(f"median of {args.repeats} repetitions (slowest rank each), ours and torch alternating; [min-max]")
+    print("bubble: 1 - m (F + B) / wall; busy: 1 - measured sleep time / wall (mean over stages)")
+    names = [*schedules, "torch_1f1b"]
     print(
-        f"{'m':>3} {'theory':>7} {'gpipe':>7} {'1f1b':>7} {'ours 1f1b s':>12} {'torch 1f1b s':>13} {'ratio':>6} "
-        f"{'ratio min-max':>14}"
+        f"{'m':>3} {'theory':>7} {'gpipe':>7} {'1f1b':>7} {'torch':>7} {'busy:':>6} {'gpipe':>6} {'1f1b':>6} "
+        f"{'torch':>6} {'ours 1f1b s':>12} {'torch 1f1b s':>13} {'ratio':>6} {'ratio min-max':>14}"
     )
     for m in args.micro_batches:
-        busy = m * (f + b)
-        # One wall per repetition: the slowest rank's.
-        walls = {
-            k: [max(r[(k, m)][i] for r in per_rank) for i in range(args.repeats)] for k in [*schedules, "torch_1f1b"]
-        }
+        nominal = m * (f + b)
+        # One wall per repetition: the slowest rank's; busy: the stages' mean.
+        walls = {k: [max(r[(k, m)][i][0] for r in per_rank) for i in range(args.repeats)] for k in names}
+        busy = {k: [statistics.mean(r[(k, m)][i][1] for r in per_rank) for i in range(args.repeats)] for k in names}
         wall = {k: statistics.median(v) for k, v in walls.items()}
         ratios = [o / t for o, t in zip(walls["1f1b"], walls["torch_1f1b"])]
-        bubble = {k: 1 - busy / wall[k] for k in schedules}
+        bubble = {k: 1 - nominal / wall[k] for k in names}
+        measured = {k: statistics.median(1 - u / w for u, w in zip(busy[k], walls[k])) for k in names}
         print(
-            f"{m:>3} {1 / (m + 1):>7.3f} {bubble['gpipe']:>7.3f} {bubble['1f1b']:>7.3f} "
+            f"{m:>3} {1 / (m + 1):>7.3f} {bubble['gpipe']:>7.3f} {bubble['1f1b']:>7.3f} {bubble['torch_1f1b']:>7.3f} "
+            f"{'':>6} {measured['gpipe']:>6.3f} {measured['1f1b']:>6.3f} {measured['torch_1f1b']:>6.3f} "
             f"{wall['1f1b']:>12.4f} {wall['torch_1f1b']:>13.4f} {statistics.median(ratios):>6.3f} "
             f"{min(ratios):>6.3f}-{max(ratios):<6.3f}"
         )

@@ -96,28 +96,19 @@ def test_shape_change_mid_run_rehandshakes():
 
 
 def _steady_state_transfers():
-    """Transfers per message: one frame once the metadata is cached, 1 + 2 on a change."""
-    from scaling.collectives import _ops
+    """Transfers per message, from the recorder: one frame once the metadata is cached, 1 + 2 on a change."""
+    from scaling.collectives import get_recorder
 
     topo = make_topology(pipe_parallel_size=2)
     transport = PipeTransport(topo.previous_pipe_rank, topo.next_pipe_rank, topo.device)
-    counts, real = [], _ops.batch_send_recv
-
-    def counting(ops, group=None):
-        if ops:
-            counts[-1].append(len(ops))
-        real(ops, group)
-
-    _ops.batch_send_recv = counting
-    try:
-        for shape in [(2, 4), (2, 4), (2, 4), (3, 4)]:
-            counts.append([])
-            if topo.is_first_pipe_stage:
-                transport.send_forward({"x": torch.ones(shape), "y": torch.zeros(shape)})
-            else:
-                assert transport.recv_forward()["x"].shape == shape
-    finally:
-        _ops.batch_send_recv = real
+    counts = []
+    for shape in [(2, 4), (2, 4), (2, 4), (3, 4)]:
+        before = sum(get_recorder().p2p_snapshot()[1].values())
+        if topo.is_first_pipe_stage:
+            transport.send_forward({"x": torch.ones(shape), "y": torch.zeros(shape)})
+        else:
+            assert transport.recv_forward()["x"].shape == shape
+        counts.append(sum(get_recorder().p2p_snapshot()[1].values()) - before)
     return counts
 
 
@@ -125,8 +116,38 @@ def _steady_state_transfers():
 def test_cached_metadata_means_one_transfer_per_message():
     # First message and shape change: frame, then metadata + payload; otherwise the
     # header rides in the payload's frame (no metadata round trip).
-    expected = [[1, 2], [1], [1], [1, 2]]
+    expected = [3, 1, 1, 3]
     assert run_distributed(_steady_state_transfers, 2, timeout_seconds=60) == [expected, expected]
+
+
+def _sends_in_flight():
+    """Stage 0 posts every send without waiting; stage 1 receives them later, in order."""
+    topo = make_topology(pipe_parallel_size=2)
+    transport = PipeTransport(topo.previous_pipe_rank, topo.next_pipe_rank, topo.device)
+    shapes = [(2, 3), (2, 3), (4, 3), (4, 3)]  # a shape change (handshake) among sends in flight
+    if topo.is_first_pipe_stage:
+        for i, shape in enumerate(shapes):
+            transport.send_forward(torch.full(shape, float(i)), wait=False)
+        posted = transport.pending_sends  # sends not yet collected (some may have completed)
+        dist.barrier(group=topo.pipe_parallel_group)  # all four posted before stage 1 receives any
+        got = transport.recv_backward()  # stage 1 answers only after receiving everything
+        transport.wait_sends()
+        return posted > 0, transport.pending_sends, float(got[0].sum())
+    dist.barrier(group=topo.pipe_parallel_group)
+    total = 0.0
+    for i, shape in enumerate(shapes):
+        x = transport.recv_forward()
+        assert_parity(x, torch.full(shape, float(i)), bitwise=True, name=f"message {i}")
+        total += float(x.sum())
+    transport.send_backward([torch.full((1,), total)], wait=False)
+    transport.wait_sends()
+    return True, transport.pending_sends, total
+
+
+@pytest.mark.distributed
+def test_sends_left_in_flight_arrive_in_order():
+    total = 6 * (0 + 1) + 12 * (2 + 3)
+    assert run_distributed(_sends_in_flight, 2, timeout_seconds=60) == [(True, 0, total), (True, 0, total)]
 
 
 def _ring_of_two():

@@ -198,12 +198,18 @@ def test_check_consistency_finds_drift():
         ), message
 
 
-def _p2p_timeout():
+def _p2p_failure(kind):
     group = _short_group("pipe")
-    transport = PipeTransport(1 if dist.get_rank() == 0 else None, None, torch.device("cpu"), group=group)
+    peer = 1 if dist.get_rank() == 0 else None
+    transport = PipeTransport(
+        peer if kind == "recv" else None, peer if kind == "send" else None, torch.device("cpu"), group=group
+    )
     try:
-        if dist.get_rank() == 0:
+        if peer is not None and kind == "recv":
             transport.recv_forward()  # rank 1 never sends
+        elif peer is not None:
+            transport.send_forward(torch.ones(4), wait=False)  # returns at once; rank 1 never receives
+            transport.wait_sends()
     except CollectiveTimeoutError as exc:
         return str(exc), exc.missing_ranks
     finally:
@@ -212,12 +218,17 @@ def _p2p_timeout():
 
 
 @pytest.mark.distributed
-def test_p2p_timeout_names_the_peer():
-    message, missing = run_distributed(_p2p_timeout, 2, timeout_seconds=60)[0]
+@pytest.mark.parametrize(("kind", "missed"), [("recv", "send"), ("send", "receive")])
+def test_p2p_timeout_names_the_peer(kind, missed):
+    # A blocking receive, and a send left in flight that fails only when waited on.
+    message, missing = run_distributed(_p2p_failure, 2, kind, timeout_seconds=60)[0]
     assert missing == [1]
-    # The frame's shape and dtype are the transport's business; the peer and what it failed to do are ours.
-    assert re.search(r"\n  recv\(shape=\[\d+\], dtype=\w+, peer=1\) \(p2p #\d+ at ", message), message
-    assert "rank 1 did not send it" in message
+    # The frame's shape and dtype are the transport's business; the peer and what it failed to do are ours
+    # (rank 1 sits in a barrier, so it cannot report).
+    assert re.search(rf"\n  {kind}\(shape=\[\d+\], dtype=\w+, peer=1\) \(p2p #\d+ at test_recorder.py", message), (
+        message
+    )
+    assert f"rank 1 did not {missed} it" in message, message
 
 
 def _rec(seq, op, shape, group="tp"):

@@ -85,3 +85,36 @@ def test_interleaved_needs_layers_divisible_into_virtual_stages() -> None:
         ValueError, match=r"num_layers=6 is not divisible into pipe_parallel_size=2 x num_virtual_stages=2 = 4"
     ):
         ParallelModule(specs(6), topo, schedule="interleaved_1f1b", num_virtual_stages=2)
+
+
+def test_executor_grad_leaves_follow_the_transport_flatten_order() -> None:
+    import dataclasses
+    from typing import NamedTuple
+
+    from scaling.collectives import tensors_requiring_grad
+    from scaling.pipeline._executor import _grad_leaves
+
+    @dataclasses.dataclass
+    class Hidden:
+        mask: torch.Tensor
+        h: torch.Tensor
+        extra: dict[str, object]
+
+    class Pair(NamedTuple):
+        a: torch.Tensor
+        b: object
+
+    def leaf(requires_grad: bool) -> torch.Tensor:
+        return torch.ones(2, requires_grad=requires_grad)
+
+    obj = [
+        Hidden(leaf(False), leaf(True), {"z": leaf(True), "n": None, "s": "x", "t": (leaf(True), 3)}),
+        Pair(leaf(True), {"deep": [leaf(False), leaf(True)]}),
+        leaf(True),
+        2.5,
+    ]
+    expected = tensors_requiring_grad(obj)
+    got = _grad_leaves(obj)
+    assert len(got) == len(expected) == 6
+    assert all(g is e for g, e in zip(got, expected))
+    assert all(g is e for g, e in zip(_grad_leaves(obj), expected))  # cached field names: the same walk

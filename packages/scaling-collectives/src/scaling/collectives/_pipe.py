@@ -12,12 +12,20 @@ Every message is one frame, plus a second transfer only when its metadata change
    and the new payload follow in a second batched step (the handshake; both sides
    update their cache).
 
-Each step posts all of a call's sends and receives together through
-``torch.distributed.batch_isend_irecv`` in a fixed order (send forward, receive
+Each step posts all of a call's sends and receives together (through
+``torch.distributed.batch_isend_irecv``; on gloo, which does not coalesce, straight to
+the process group, which is what it does there) in a fixed order (send forward, receive
 forward, send backward, receive backward), so two stages that send to each other
 (``send_forward_recv_backward`` on one side, ``send_backward_recv_forward`` on the
 other; both directions of a two-stage ring) make progress in lockstep instead of
 deadlocking, and transfers between the same two ranks pair up in order.
+
+Sends can stay in flight (``wait=False`` / ``wait_sends=False``): the call returns once
+its receives are done, and :meth:`PipeTransport.wait_sends` (the end of a pipeline step)
+waits for the rest. Every frame is a fresh buffer, so nothing is reused while in flight;
+a send that never completes is diagnosed (its peer named) when it is waited on. Both
+sides cache where each tensor sits in a frame (:class:`_Layout`), so a steady-state
+message costs one ``torch.cat`` to build and one typed view per tensor to read.
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scaling.collectives import _ops, _pytree
+from scaling.collectives import _p2p_diagnosis, _pytree
+from scaling.collectives._recorder import CollectiveRecord, get_recorder
 
 _FORWARD, _BACKWARD = "forward", "backward"
 _HEADER = 32  # bytes before the payload in a frame: int64[4], keeps the payload 16-byte aligned
@@ -42,6 +51,53 @@ class _NoSend:
 
 
 _NO_SEND: Any = _NoSend()
+
+
+class _Layout:
+    """A channel's cached metadata and where each tensor sits in a frame's payload.
+
+    Both sides build it from the same metadata (at the handshake), so the steady state
+    needs neither ``offsets`` nor a header other than the cached one.
+    """
+
+    __slots__ = ("header", "meta", "metas", "pads", "size", "slices", "spec")
+
+    def __init__(self, meta: Any, device: torch.device) -> None:
+        self.meta = meta
+        self.spec: Any = None if meta is None else meta[0]
+        self.metas: tuple[_pytree.TensorMeta, ...] = () if meta is None else meta[1]
+        starts, self.size = _pytree.offsets(self.metas)
+        self.slices = [(start, start + m.nbytes) for start, m in zip(starts, self.metas)]
+        ends = [*starts[1:], self.size]
+        # Zero filler up to the next 16-byte boundary after each tensor.
+        self.pads = [
+            torch.zeros(nxt - end, dtype=torch.uint8, device=device) if nxt > end else None
+            for (_, end), nxt in zip(self.slices, ends)
+        ]
+        self.header = _header(0, 0, self.size, device)
+
+    def payload_pieces(self, tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """The byte views (and fillers) whose concatenation is the packed payload."""
+        pieces = []
+        for t, (start, end), pad in zip(tensors, self.slices, self.pads):
+            if end > start:
+                pieces.append(t.detach().contiguous().view(-1).view(torch.uint8).to(device))
+            if pad is not None:
+                pieces.append(pad)
+        return pieces
+
+    def unpack(self, buffer: torch.Tensor, base: int, grad_leaves: bool) -> Any:
+        """The pytree whose payload starts at ``buffer[base]`` (typed views, no copy)."""
+        tensors = []
+        for (start, end), m in zip(self.slices, self.metas):
+            if end > start:
+                t = buffer[base + start : base + end].view(m.dtype).view(m.shape)
+            else:
+                t = torch.empty(m.shape, dtype=m.dtype, device=buffer.device)
+            if grad_leaves and m.requires_grad:
+                t.requires_grad_(True)
+            tensors.append(t)
+        return _pytree.unflatten(self.spec, tensors)
 
 
 def tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
@@ -105,8 +161,12 @@ class PipeTransport:
         self.group = group
         self.ring = ring
         # Last metadata sent / received per channel: the handshake cache.
-        self._sent: dict[str, Any] = {_FORWARD: None, _BACKWARD: None}
-        self._received: dict[str, Any] = {_FORWARD: None, _BACKWARD: None}
+        empty = _Layout(None, self.device)
+        self._sent: dict[str, _Layout] = {_FORWARD: empty, _BACKWARD: empty}
+        self._received: dict[str, _Layout] = {_FORWARD: empty, _BACKWARD: empty}
+        self._in_flight: list[tuple[Any, CollectiveRecord]] = []  # (work, record) of unfinished sends, oldest first
+        self._resolved_group: tuple[Any, bool] | None = None
+        self._group_ranks: dict[int, int] = {}  # global rank -> rank in the group
         self.handshakes_sent = 0
         self.handshakes_received = 0
 
@@ -115,17 +175,17 @@ class PipeTransport:
         return f"PipeTransport(prev_rank={self.prev_rank}, next_rank={self.next_rank}, device={self.device}{ring})"
 
     # ------------------------------------------------------------------ public
-    def send_forward(self, obj: Any) -> None:
-        """Send ``obj`` (this stage's output) to the next stage."""
-        self.exchange(send_forward=obj)
+    def send_forward(self, obj: Any, *, wait: bool = True) -> None:
+        """Send ``obj`` (this stage's output) to the next stage (``wait=False``: leave it in flight)."""
+        self.exchange(send_forward=obj, wait_sends=wait)
 
     def recv_forward(self) -> Any:
         """Receive the previous stage's output; tensors that required grad arrive as grad leaves."""
         return self.exchange(recv_forward=True)[0]
 
-    def send_backward(self, grads: list[torch.Tensor | None]) -> None:
+    def send_backward(self, grads: list[torch.Tensor | None], *, wait: bool = True) -> None:
         """Send the gradients of the received inputs (flatten order) to the previous stage."""
-        self.exchange(send_backward=grads)
+        self.exchange(send_backward=grads, wait_sends=wait)
 
     def recv_backward(self) -> list[torch.Tensor | None]:
         """Receive the gradients of what this stage sent forward, in flatten order."""
@@ -154,6 +214,7 @@ class PipeTransport:
         recv_forward: bool = False,
         send_backward: list[torch.Tensor | None] | None = None,
         recv_backward: bool = False,
+        wait_sends: bool = True,
     ) -> tuple[Any, Any]:
         """Any combination of the four transfers, posted as one batched exchange.
 
@@ -163,6 +224,9 @@ class PipeTransport:
             recv_forward: receive the previous stage's output.
             send_backward: gradients for the previous stage (``None``: no backward send).
             recv_backward: receive gradients from the next stage.
+            wait_sends: wait for this call's sends too (the default); ``False`` returns
+                once the receives are done and leaves the sends in flight until
+                :meth:`wait_sends` (later messages on the same channel still arrive in order).
 
         Returns:
             ``(received forward pytree or None, received gradients or None)``.
@@ -177,8 +241,27 @@ class PipeTransport:
             outgoing.append((_BACKWARD, self._peer("prev_rank", "send_backward"), _grad_list(send_backward)))
         if recv_backward:
             incoming.append((_BACKWARD, self._peer("next_rank", "recv_backward")))
-        got = self._exchange(outgoing, incoming)
+        got = self._exchange(outgoing, incoming, wait_sends)
         return got.get(_FORWARD), got.get(_BACKWARD)
+
+    @property
+    def pending_sends(self) -> int:
+        """Sends posted with ``wait=False`` that :meth:`wait_sends` has not collected yet."""
+        return len(self._in_flight)
+
+    def wait_sends(self) -> None:
+        """Wait for every send left in flight (call it before the step ends).
+
+        Raises:
+            CollectiveTimeoutError: a send did not complete within the group timeout; the
+                message names the peer and whether it ever posted the matching receive.
+        """
+        pending, self._in_flight = self._in_flight, []
+        for i, (work, _) in enumerate(pending):
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise _p2p_diagnosis.p2p_failure([rec for _, rec in pending[i:]], self.group, exc) from exc
 
     # ---------------------------------------------------------------- protocol
     def _peer(self, attr: str, method: str) -> int:
@@ -188,10 +271,65 @@ class PipeTransport:
             raise ValueError(f"{method}: this is the {stage} pipeline stage ({attr}=None); there is no peer to talk to")
         return int(rank)
 
-    def _exchange(self, outgoing: list[tuple[str, int, Any]], incoming: list[tuple[str, int]]) -> dict[str, Any]:
+    def _resolved(self) -> tuple[Any, bool]:
+        """The process group (default group resolved once) and whether to post ops one by one (gloo)."""
+        if self._resolved_group is None:
+            group = self.group if self.group is not None else dist.group.WORLD
+            self._resolved_group = (group, dist.get_backend(group) == "gloo")
+        return self._resolved_group
+
+    def _group_rank(self, peer: int) -> int:
+        rank = self._group_ranks.get(peer)
+        if rank is None:
+            rank = self._group_ranks[peer] = dist.get_group_rank(self._resolved()[0], peer)
+        return rank
+
+    def _post(self, ops: list[tuple[str, torch.Tensor, int]], wait_sends: bool) -> None:
+        """Post ``ops`` together (recorded like ``batch_send_recv``) and wait for the receives (and sends unless left in flight)."""
+        if not ops:
+            return
+        # Collect the sends of earlier calls that finished meanwhile (a failed one raises, named).
+        while self._in_flight and self._in_flight[0][0].is_completed():
+            work, rec = self._in_flight.pop(0)
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise _p2p_diagnosis.p2p_failure([rec], self.group, exc) from exc
+        record = get_recorder().record
+        group, direct = self._resolved()
+        recs = [record(kind, None, (tensor,), peer)[1] for kind, tensor, peer in ops]
+        try:
+            if direct:
+                # What batch_isend_irecv does on a backend without coalescing (gloo), minus its
+                # per-op argument handling: this runs for every message.
+                works = [
+                    group.send([tensor], self._group_rank(peer), 0)
+                    if kind == "send"
+                    else group.recv([tensor], self._group_rank(peer), 0)
+                    for kind, tensor, peer in ops
+                ]
+            else:
+                works = dist.batch_isend_irecv(
+                    [dist.P2POp(dist.isend if k == "send" else dist.irecv, t, peer, group) for k, t, peer in ops]
+                )
+            if len(works) != len(ops):  # one handle for the whole batch (coalescing backends): wait for it
+                for work in works:
+                    work.wait()
+                return
+            for (kind, _, _), work, rec in zip(ops, works, recs):
+                if kind == "send" and not wait_sends:
+                    self._in_flight.append((work, rec))
+                else:
+                    work.wait()
+        except RuntimeError as exc:
+            raise _p2p_diagnosis.p2p_failure(recs, self.group, exc) from exc
+
+    def _exchange(
+        self, outgoing: list[tuple[str, int, Any]], incoming: list[tuple[str, int]], wait_sends: bool
+    ) -> dict[str, Any]:
         # Step 1: one frame per message, in the fixed order send fwd, recv fwd, send bwd, recv bwd.
         ops: list[tuple[str, torch.Tensor, int]] = []
-        handshakes: list[tuple[str, int, bytes, torch.Tensor, Any]] = []
+        handshakes: list[tuple[str, int, bytes, torch.Tensor, _Layout]] = []
         frames: dict[str, torch.Tensor] = {}
         for channel in (_FORWARD, _BACKWARD):
             for ch, dst, obj in outgoing:
@@ -199,33 +337,37 @@ class PipeTransport:
                     continue
                 spec, tensors = _pytree.flatten(obj, path=f"{channel} pytree")
                 meta = (spec, _pytree.tensor_metas(tensors))
-                if meta == self._sent[channel]:
-                    frame = _pytree.pack(tensors, meta[1], self.device, reserve=_HEADER)
-                    _write_header(frame, 0, 0, frame.numel() - _HEADER)
+                cached = self._sent[channel]
+                if meta == cached.meta:
+                    frame = torch.cat([cached.header, *cached.payload_pieces(tensors, self.device)])
                 else:
                     # Filler of the size the receiver expects, then metadata + payload in step 2.
+                    layout = _Layout(meta, self.device)
                     meta_bytes = pickle.dumps(meta)
-                    payload = _pytree.pack(tensors, meta[1], self.device)
-                    frame = torch.empty(
-                        _HEADER + _payload_size(self._sent[channel]), dtype=torch.uint8, device=self.device
+                    pieces = layout.payload_pieces(tensors, self.device)
+                    payload = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=self.device)
+                    frame = torch.cat(
+                        [
+                            _header(1, len(meta_bytes), payload.numel(), self.device),
+                            torch.zeros(cached.size, dtype=torch.uint8, device=self.device),
+                        ]
                     )
-                    _write_header(frame, 1, len(meta_bytes), payload.numel())
-                    handshakes.append((channel, dst, meta_bytes, payload, meta))
+                    handshakes.append((channel, dst, meta_bytes, payload, layout))
                 ops.append(("send", frame, dst))
             for ch, src in incoming:
                 if ch == channel:
-                    expected = _HEADER + _payload_size(self._received[channel])
+                    expected = _HEADER + self._received[channel].size
                     frames[channel] = torch.empty(expected, dtype=torch.uint8, device=self.device)
                     ops.append(("recv", frames[channel], src))
-        _ops.batch_send_recv(ops, self.group)
+        self._post(ops, wait_sends)
 
         # Step 2, only for the messages whose metadata changed (both sides know which).
         ops, changed = [], {}
-        for channel, dst, meta_bytes, payload, meta in handshakes:
+        for channel, dst, meta_bytes, payload, layout in handshakes:
             ops.append(("send", torch.frombuffer(bytearray(meta_bytes), dtype=torch.uint8).to(self.device), dst))
             if payload.numel():
                 ops.append(("send", payload, dst))
-            self._sent[channel] = meta
+            self._sent[channel] = layout
             self.handshakes_sent += 1
         for channel, src in incoming:
             flag, meta_len, payload_len, _ = frames[channel][:_HEADER].view(torch.int64).tolist()
@@ -242,34 +384,24 @@ class PipeTransport:
                     f"the cached metadata ({frames[channel].numel() - _HEADER} bytes); the two sides disagree on "
                     "the message order"
                 )
-        _ops.batch_send_recv(ops, self.group)
+        self._post(ops, wait_sends)
 
         received: dict[str, Any] = {}
         for channel, _ in incoming:
             if channel in changed:
                 meta_buf, payload_buf = changed[channel]
-                self._received[channel] = pickle.loads(meta_buf.cpu().numpy().tobytes())
+                self._received[channel] = _Layout(pickle.loads(meta_buf.cpu().numpy().tobytes()), self.device)
                 self.handshakes_received += 1
+                buffer, base = payload_buf, 0
             else:
-                payload_buf = frames[channel][_HEADER:]
-            spec, metas = self._received[channel]
-            tensors = _pytree.unpack(payload_buf, metas)
-            if channel == _FORWARD:
-                for t, m in zip(tensors, metas):
-                    if m.requires_grad:
-                        t.requires_grad_(True)
-            received[channel] = _pytree.unflatten(spec, tensors)
+                buffer, base = frames[channel], _HEADER
+            received[channel] = self._received[channel].unpack(buffer, base, grad_leaves=channel == _FORWARD)
         return received
 
 
-def _payload_size(meta: Any) -> int:
-    """Payload bytes of a message with cached ``meta`` (0 before the first message)."""
-    return 0 if meta is None else _pytree.offsets(meta[1])[1]
-
-
-def _write_header(frame: torch.Tensor, changed: int, meta_len: int, payload_len: int) -> None:
-    header = torch.tensor([changed, meta_len, payload_len, 0], dtype=torch.int64)
-    frame[:_HEADER].view(torch.int64).copy_(header)
+def _header(changed: int, meta_len: int, payload_len: int, device: torch.device) -> torch.Tensor:
+    """A frame's first ``_HEADER`` bytes: ``int64[4]`` (metadata changed?, metadata bytes, payload bytes, 0)."""
+    return torch.tensor([changed, meta_len, payload_len, 0], dtype=torch.int64).view(torch.uint8).to(device)
 
 
 def _grad_list(grads: Any) -> list[torch.Tensor | None]:

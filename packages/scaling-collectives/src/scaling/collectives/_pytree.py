@@ -34,7 +34,7 @@ class TensorMeta(NamedTuple):
         numel = 1
         for s in self.shape:
             numel *= s
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        return numel * self.dtype.itemsize
 
 
 # Spec nodes are tuples: ("t", index) | ("v", value) | ("list"|"tuple", children)

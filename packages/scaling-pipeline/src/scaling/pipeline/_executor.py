@@ -1,9 +1,13 @@
 """The executor: run one stage's instruction list with real tensors and real messages.
 
-Messages go through ``scaling.collectives.PipeTransport``, whose sends wait for the
-receiver (gloo and NCCL p2p): schedules are checked for that in the simulator's
-``rendezvous`` mode, and an ``Exchange`` runs as one batched call of up to four
-transfers. With virtual stages the transport is a ring (last stage -> first stage).
+Messages go through ``scaling.collectives.PipeTransport``. A send completes only once
+its receiver posts the receive (gloo and NCCL p2p), so the executor leaves sends in
+flight (as ``torch.distributed.pipelining`` does): an instruction returns once its
+receives are done, and the step waits for the outstanding sends after its last
+instruction, where a send that never completes is reported with its peer. Schedules
+are still checked deadlock-free with blocking sends (the simulator's ``rendezvous``
+mode), which is the stricter case. An ``Exchange`` runs as one batched call of up to
+four transfers. With virtual stages the transport is a ring (last stage -> first stage).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from scaling.collectives import PipeTransport, tensors_requiring_grad
+from scaling.collectives import PipeTransport
 from scaling.pipeline._instructions import (
     Backward,
     BackwardInput,
@@ -72,9 +76,34 @@ class TrainStepOutput:
     step_duration: float
 
 
-def _grad_leaves(obj: Any) -> list[torch.Tensor]:
-    # The transport's flatten order, so gradients line up with what the peer received.
-    return tensors_requiring_grad(obj)
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _grad_leaves(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """``tensors_requiring_grad(obj)``: the transport's flatten order, so gradients line up.
+
+    The same depth-first walk without the transport's spec and error paths (the object
+    was already sent or received, so its types are valid), with dataclass fields cached
+    per class: this runs twice per micro-batch and stage.
+    """
+    if out is None:
+        out = []
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad:
+            out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _grad_leaves(item, out)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _grad_leaves(item, out)
+    else:
+        names = _FIELD_NAMES.get(type(obj))
+        if names is None and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            names = _FIELD_NAMES[type(obj)] = tuple(f.name for f in dataclasses.fields(obj))
+        for name in names or ():
+            _grad_leaves(getattr(obj, name), out)
+    return out
 
 
 def _detach_for_next_chunk(obj: Any) -> Any:
@@ -149,20 +178,26 @@ class StageExecutor:
         sets one for its step window), each instruction runs inside
         ``torch.profiler.record_function(repr(ins))`` and ``(repr(ins), start, end)`` in
         ``time.perf_counter()`` seconds is appended to it. Without it (the default) the loop
-        is the plain dispatch: one attribute look-up per ``run``, nothing per instruction.
+        is the plain dispatch: one dict look-up of the handler per instruction. Sends stay
+        in flight; after the last instruction ``run`` waits for them.
         """
         timings = getattr(self.module, "instruction_timings", None)
-        if timings is None:
-            for ins in instructions:
-                getattr(self, f"_{type(ins).__name__}")(ins)
-            return
+        handlers: dict[type, Callable[[Any], None]] = {}
         for ins in instructions:
+            handler = handlers.get(type(ins))
+            if handler is None:
+                handler = handlers[type(ins)] = getattr(self, f"_{type(ins).__name__}")
+            if timings is None:
+                handler(ins)
+                continue
             name = repr(ins)
             with torch.profiler.record_function(name):
                 start = time.perf_counter()
-                getattr(self, f"_{type(ins).__name__}")(ins)
+                handler(ins)
                 end = time.perf_counter()
             timings.append((name, start, end))
+        if self.transport is not None:
+            self.transport.wait_sends()  # the sends left in flight by the instructions above
 
     # ---------------------------------------------------------------- data
     def _LoadMicroBatch(self, ins: LoadMicroBatch) -> None:
@@ -236,20 +271,20 @@ class StageExecutor:
 
     # ---------------------------------------------------------------- messages
     def _SendActivation(self, ins: SendActivation) -> None:
-        self.transport.send_forward(self.outputs[(ins.micro_batch, ins.chunk)])
+        self.transport.send_forward(self.outputs[(ins.micro_batch, ins.chunk)], wait=False)
 
     def _RecvActivation(self, ins: RecvActivation) -> None:
         self.inputs[(ins.micro_batch, ins.chunk)] = self.transport.recv_forward()
 
     def _SendGrad(self, ins: SendGrad) -> None:
-        self.transport.send_backward(self.grads_in.pop((ins.micro_batch, ins.chunk)))
+        self.transport.send_backward(self.grads_in.pop((ins.micro_batch, ins.chunk)), wait=False)
 
     def _RecvGrad(self, ins: RecvGrad) -> None:
         self.grads_out[(ins.micro_batch, ins.chunk)] = list(self.transport.recv_backward())
 
     def _Exchange(self, ins: Exchange) -> None:
         # Any mix of the four transfers (1F1B pairs; interleaved rounds post up to all four).
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"wait_sends": False}
         for op in ins.ops:
             key = (op.micro_batch, op.chunk)  # type: ignore[attr-defined]
             if isinstance(op, SendActivation):
