@@ -1,6 +1,6 @@
 """scaling.collectives wrappers against raw torch.distributed calls, in the same run.
 
-Run: python bench/collectives.py [--world-size 2] [--max-mib 64] [--min-pairs 48] [--cpu-split CALLS]
+Run: python bench/collectives.py [--world-size 2] [--max-mib 64] [--min-pairs 48] [--target-se 0.01] [--budget-s 60]
 Spawns ``--world-size`` gloo ranks on this machine (``file://`` rendezvous in a temp
 dir) and times fp32 all_reduce and all_gather from 1 KiB to ``--max-mib`` MiB. Raw and
 wrapper calls alternate one by one (ABBA), so both see the same interference from
@@ -8,7 +8,11 @@ other processes. The wall ratio is the median over pairs of ``ours_i / raw_i``, 
 pair ``i`` is one raw and one wrapper call made back to back: a burst of load from
 another process inflates both calls of a pair, so per-pair ratios cancel most of it
 (the 25th-75th percentile of those ratios is printed as the spread). Sizes >= 1 MiB get
-at least ``--min-pairs`` pairs. The table also shows the median wall time of each, the
+at least ``--min-pairs`` pairs, then twice as many at a time until the standard error of
+that median is at most ``--target-se`` or the calls of that size have taken
+``--budget-s`` seconds (per-call noise from the scheduler is large on a small machine, so
+a fixed count leaves the median a few percent off either way); the table prints the
+error as ``2 SE``. The table also shows the median wall time of each, the
 extra CPU time the wrapper spends in the calling thread (median difference of
 ``time.thread_time``: immune to other processes taking the cores) and the ratio that
 extra time implies (``(raw + cpu) / raw``), and the bus bandwidth of the wrapper.
@@ -77,6 +81,24 @@ def _interleaved(raw, ours, x: torch.Tensor, group: dist.ProcessGroup, pairs: in
             times[j, 1, i] = time.thread_time() - cpu
             times[j, 0, i] = time.perf_counter() - wall
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return times
+
+
+def _median_se(values: torch.Tensor) -> float:
+    """Standard error of the median of ``values``: 1.2533 sigma / sqrt(n), sigma from the IQR."""
+    q25, q75 = values.quantile(0.25).item(), values.quantile(0.75).item()
+    return 1.2533 * (q75 - q25) / 1.349 / values.numel() ** 0.5
+
+
+def _sample(raw, ours, x: torch.Tensor, group: dist.ProcessGroup, pairs: int, target_se: float, budget_s: float):
+    """:func:`_interleaved` until the median pair ratio's standard error is <= ``target_se``.
+
+    Doubles the pairs each round; stops early once the calls took ``budget_s`` seconds.
+    Every rank holds the same (all-reduced) times, so every rank stops at the same round.
+    """
+    times = _interleaved(raw, ours, x, group, pairs)
+    while _median_se(times[1, 0] / times[0, 0]) > target_se and times[:, 0].sum().item() < budget_s:
+        times = torch.cat([times, _interleaved(raw, ours, x, group, times.shape[2])], dim=2)
     return times
 
 
@@ -162,32 +184,38 @@ def _worker(rank: int, world_size: int, init_file: str, args: argparse.Namespace
     for op, (raw, ours, bus_factor) in OPS.items():
         for nbytes in sizes:
             x = torch.zeros(nbytes // 4)  # zeros: repeated in-place sums stay finite
-            pairs = max(args.min_pairs if nbytes >= 1 << 20 else 16, min(400, (512 << 20) // nbytes))
             raw(x, group), ours(x, group)  # warm up connections and allocator
-            times = _interleaved(raw, ours, x, group, pairs)
+            if nbytes >= 1 << 20:
+                times = _sample(raw, ours, x, group, args.min_pairs, args.target_se, args.budget_s)
+            else:
+                times = _interleaved(raw, ours, x, group, min(400, (512 << 20) // nbytes))
+            pairs = times.shape[2]
             t_raw, t_ours = times[0, 0].median().item(), times[1, 0].median().item()
             pair_ratios = times[1, 0] / times[0, 0]
             q25, ratio, q75 = (pair_ratios.quantile(q).item() for q in (0.25, 0.5, 0.75))
             cpu_extra = times[1, 1].median().item() - times[0, 1].median().item()
             busbw = nbytes / t_ours * bus_factor(world_size) / 1e9
-            rows.append((op, nbytes, pairs, t_raw, t_ours, ratio, q25, q75, cpu_extra, busbw))
+            se = _median_se(pair_ratios)
+            rows.append((op, nbytes, pairs, t_raw, t_ours, ratio, se, q25, q75, cpu_extra, busbw))
     overhead = _recorder_overhead(torch.zeros(4), group)
     if rank == 0:
         print(f"torch {torch.__version__}, gloo, {world_size} ranks on one host, fp32, medians of interleaved calls")
         print(
-            "| op | size | pairs | raw median (us) | scaling median (us) | wall ratio (median of pairs) | "
+            "| op | size | pairs | raw median (us) | scaling median (us) | wall ratio (median of pairs) | 2 SE | "
             "spread (p25-p75) | wrapper CPU (us/call) | ratio from CPU | busbw (GB/s) |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for op, nbytes, pairs, t_raw, t_ours, ratio, q25, q75, cpu_extra, busbw in rows:
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for op, nbytes, pairs, t_raw, t_ours, ratio, se, q25, q75, cpu_extra, busbw in rows:
             print(
                 f"| {op} | {_human(nbytes)} | {pairs} | {t_raw * 1e6:,.1f} | {t_ours * 1e6:,.1f} | {ratio:.3f} | "
-                f"{q25:.3f}-{q75:.3f} | {cpu_extra * 1e6:.1f} | {(t_raw + cpu_extra) / t_raw:.3f} | {busbw:.2f} |"
+                f"{2 * se:.3f} | {q25:.3f}-{q75:.3f} | {cpu_extra * 1e6:.1f} | {(t_raw + cpu_extra) / t_raw:.3f} | "
+                f"{busbw:.2f} |"
             )
-        big = [(r[5], (r[3] + r[8]) / r[3]) for r in rows if r[1] >= 1 << 20]
+        big = [(r[5], r[6], (r[3] + r[9]) / r[3]) for r in rows if r[1] >= 1 << 20]
+        worst = max(big)
         print(
-            f"sizes >= 1 MiB (goal <= 1.05): max wall ratio {max(w for w, _ in big):.3f}, "
-            f"max ratio from the wrapper's CPU time {max(c for _, c in big):.3f}"
+            f"sizes >= 1 MiB (goal <= 1.05): max wall ratio {worst[0]:.3f} (2 SE {2 * worst[1]:.3f}), "
+            f"max ratio from the wrapper's CPU time {max(c for _, _, c in big):.3f}"
         )
         print(f"recorder cost per call, measured alone (warm loop, calling-thread CPU): {overhead * 1e6:.1f} us")
     dist.destroy_process_group()
@@ -198,6 +226,12 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--max-mib", type=int, default=64, help="largest size in MiB (a power of 4: 1, 4, 16, 64)")
     parser.add_argument("--min-pairs", type=int, default=48, help="raw/wrapper pairs at least, for sizes >= 1 MiB")
+    parser.add_argument(
+        "--target-se", type=float, default=0.01, help="sizes >= 1 MiB: sample until the ratio's standard error is this"
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=60.0, help="sizes >= 1 MiB: stop sampling a size after this many seconds"
+    )
     parser.add_argument(
         "--cpu-split",
         type=int,
