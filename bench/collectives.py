@@ -1,6 +1,7 @@
 """scaling.collectives wrappers against raw torch.distributed calls, in the same run.
 
-Run: python bench/collectives.py [--world-size 2] [--max-mib 64] [--min-pairs 48] [--target-se 0.01] [--budget-s 60]
+Run: python bench/collectives.py [--world-size 2] [--max-mib 64] [--min-pairs 48] [--target-se 0.01]
+     [--budget-s 60] [--cpu-split CALLS]
 Spawns ``--world-size`` gloo ranks on this machine (``file://`` rendezvous in a temp
 dir) and times fp32 all_reduce and all_gather from 1 KiB to ``--max-mib`` MiB. Raw and
 wrapper calls alternate one by one (ABBA), so both see the same interference from
