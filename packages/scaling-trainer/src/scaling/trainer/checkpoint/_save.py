@@ -13,6 +13,7 @@ import torch.distributed as dist
 from safetensors.torch import save as safetensors_bytes
 
 # The defining submodule: mypy sees the package __init__'s names as not re-exported.
+from torch.distributed.checkpoint import staging as dcp_staging
 from torch.distributed.checkpoint import state_dict_saver as dcp_saver
 
 from scaling.trainer.checkpoint import _marker as mk
@@ -28,6 +29,11 @@ SCALARS_FILE = "scalars.json"
 # writes, so two threads hash two files at once; the loader verifies them in parallel too.
 _WRITE_THREADS = 2
 _SPLIT_BYTES = 16 << 20
+# Newer torch stages an async save through DefaultStager, which copies every tensor into its
+# own CPU buffer before async_save returns. torch 2.6 has no default stager: it only moves
+# tensors to the CPU, so a CPU tensor stays shared with the caller and an update made right
+# after the call would change what is written. There we copy before handing the tensors over.
+_ASYNC_SAVE_COPIES = hasattr(dcp_staging, "DefaultStager")
 
 
 def rank_file(rank: int, suffix: str) -> str:
@@ -228,6 +234,8 @@ def save_checkpoint(
         _commit(save_dir, step_dir, step, info, process_group, keep_last, {**side, **writer.digests(step_dir)})
         return PendingSave(step_dir)
 
+    if not _ASYNC_SAVE_COPIES:
+        tensors = {key: value.detach().clone() for key, value in tensors.items()}
     response = dcp_saver.async_save(tensors, storage_writer=writer, process_group=process_group)
     # Without an async stager DCP returns a plain Future; an AsyncSaveResponse (newer torch) wraps one.
     upload = response if isinstance(response, Future) else response.upload_completion
