@@ -335,11 +335,8 @@ def batch_send_recv(ops: Sequence[tuple[str, torch.Tensor, int]], group: Process
     for kind, _, peer in ops:
         if kind not in ("send", "recv"):
             raise ValueError(f"batch_send_recv: op {kind!r} (peer {peer}) is not one of 'send', 'recv'")
-    recorder = get_recorder()
-    p2p_ops, recs = [], []
-    for kind, tensor, peer in ops:
-        recs.append(recorder.record(kind, None, (tensor,), peer)[1])
-        p2p_ops.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer, group))
+    recs = _RECORDER._record_p2p(ops)
+    p2p_ops = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group) for kind, t, peer in ops]
     try:
         for work in dist.batch_isend_irecv(p2p_ops):
             work.wait()

@@ -81,7 +81,9 @@ class _Layout:
         pieces = []
         for t, (start, end), pad in zip(tensors, self.slices, self.pads):
             if end > start:
-                pieces.append(t.detach().contiguous().view(-1).view(torch.uint8).to(device))
+                # reshape copies only a non-contiguous tensor; .to only one on another device.
+                piece = t.detach().reshape(-1).view(torch.uint8)
+                pieces.append(piece if piece.device == device else piece.to(device))
             if pad is not None:
                 pieces.append(pad)
         return pieces
@@ -295,9 +297,8 @@ class PipeTransport:
                 work.wait()
             except RuntimeError as exc:
                 raise _p2p_diagnosis.p2p_failure([rec], self.group, exc) from exc
-        record = get_recorder().record
         group, direct = self._resolved()
-        recs = [record(kind, None, (tensor,), peer)[1] for kind, tensor, peer in ops]
+        recs = get_recorder()._record_p2p(ops)
         try:
             if direct:
                 # What batch_isend_irecv does on a backend without coalescing (gloo), minus its

@@ -42,6 +42,17 @@ class TensorMeta(NamedTuple):
 Spec = tuple[Any, ...]
 
 
+# Dataclass -> its field names (None: not a dataclass), so a node costs one lookup.
+_FIELDS: dict[type, tuple[str, ...] | None] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...] | None:
+    names = _FIELDS.get(cls, ())
+    if names == ():
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else None
+    return names
+
+
 def flatten(obj: Any, path: str = "obj") -> tuple[Spec, list[torch.Tensor]]:
     """Split ``obj`` into a spec and its tensors in depth-first order.
 
@@ -58,8 +69,8 @@ def _flatten(obj: Any, tensors: list[torch.Tensor], path: str) -> Spec:
         return ("t", len(tensors) - 1)
     if isinstance(obj, _SCALARS):
         return ("v", obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        names = tuple(f.name for f in dataclasses.fields(obj))
+    names = _field_names(type(obj))
+    if names is not None:
         children = tuple(_flatten(getattr(obj, n), tensors, f"{path}.{n}") for n in names)
         return ("dc", type(obj), names, children)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):

@@ -30,6 +30,7 @@ import threading
 import time
 import types
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -255,6 +256,36 @@ class CollectiveRecorder:
             if group is None:
                 self._p2p_pairs[(op, peer)] += 1
         return state, rec
+
+    def _record_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int]]) -> list[CollectiveRecord]:
+        """Record the point-to-point ops of one post (``(kind, tensor, peer)``, one tensor each).
+
+        The same records in the p2p ring, counters and per-pair numbering as one
+        :meth:`record` per op, with one lock, one call-site walk and one clock read for
+        the whole post (its ops are posted together): the pipeline transport runs this
+        for every message.
+        """
+        site = _call_site(sys._getframe(1))
+        now = _now()
+        recs = []
+        with self._lock:
+            state = self.state(None)
+            for kind, tensor, peer in ops:
+                dtype = tensor.dtype
+                size, seq = tensor.nbytes, state.seq + 1
+                state.seq = seq
+                name = _DTYPE_NAMES.get(dtype) or _dtype_name(dtype)
+                rec = tuple.__new__(
+                    CollectiveRecord,
+                    (seq, kind, state.name, state.ranks, (tensor.shape,), (name,), size, peer, site, now),
+                )
+                state.ring.append(rec)
+                counts = state.counts.get(kind) or self._counter(state, kind)
+                counts[0] += size
+                counts[1] += 1
+                self._p2p_pairs[(kind, peer)] += 1
+                recs.append(rec)
+        return recs
 
     def _record_one(
         self, state: _GroupState, op: str, tensor: torch.Tensor | None, peer: int | None = None

@@ -285,25 +285,25 @@ class StageExecutor:
     def _Exchange(self, ins: Exchange) -> None:
         # Any mix of the four transfers (1F1B pairs; interleaved rounds post up to all four).
         kwargs: dict[str, Any] = {"wait_sends": False}
+        recv_forward = recv_backward = None
         for op in ins.ops:
             key = (op.micro_batch, op.chunk)  # type: ignore[attr-defined]
-            if isinstance(op, SendActivation):
+            kind = type(op)
+            if kind is SendActivation:
                 kwargs["send_forward"] = self.outputs[key]
-            elif isinstance(op, SendGrad):
+            elif kind is SendGrad:
                 kwargs["send_backward"] = self.grads_in.pop(key)
-            elif isinstance(op, RecvActivation):
-                kwargs["recv_forward"] = True
-            elif isinstance(op, RecvGrad):
-                kwargs["recv_backward"] = True
+            elif kind is RecvActivation:
+                kwargs["recv_forward"], recv_forward = True, key
+            elif kind is RecvGrad:
+                kwargs["recv_backward"], recv_backward = True, key
             else:
                 raise NotImplementedError(f"{ins!r}: {op!r} is not a transfer")
         forward, backward = self.transport.exchange(**kwargs)
-        for op in ins.ops:
-            key = (op.micro_batch, op.chunk)  # type: ignore[attr-defined]
-            if isinstance(op, RecvActivation):
-                self.inputs[key] = forward
-            elif isinstance(op, RecvGrad):
-                self.grads_out[key] = list(backward)
+        if recv_forward is not None:
+            self.inputs[recv_forward] = forward
+        if recv_backward is not None:
+            self.grads_out[recv_backward] = list(backward)
 
     # ---------------------------------------------------------------- step
     def _ReduceTiedGrads(self, ins: ReduceTiedGrads) -> None:

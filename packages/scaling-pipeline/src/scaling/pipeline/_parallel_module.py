@@ -190,6 +190,8 @@ class ParallelModule(torch.nn.Module):
 
     def reduce_tied_gradients(self) -> None:
         """Sum the gradients of tied weights over the stages that hold a copy."""
+        if not self._tied_groups:  # nothing tied across stages: skip the walk over every parameter
+            return
         tied = self._tied_params()
         for key, (group, _) in self._tied_groups.items():
             for param in tied[key]:
