@@ -108,7 +108,7 @@ def tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
     On a stage that got ``obj`` from :meth:`PipeTransport.recv_forward`, these are the
     leaves whose ``.grad`` goes back with :meth:`PipeTransport.send_backward`.
     """
-    return [t for t in _pytree.flatten(obj)[1] if t.requires_grad]
+    return [t for t in _pytree.tensor_leaves(obj) if t.requires_grad]
 
 
 class PipeTransport:

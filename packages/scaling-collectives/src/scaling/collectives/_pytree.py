@@ -92,6 +92,28 @@ def _flatten(obj: Any, tensors: list[torch.Tensor], path: str) -> Spec:
     )
 
 
+def tensor_leaves(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The tensors of ``obj`` in :func:`flatten`'s order, without building a spec or checking types.
+
+    For objects already known to be sendable (sent or received before): this runs for
+    every micro-batch of a pipeline.
+    """
+    if out is None:
+        out = []
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            tensor_leaves(item, out)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            tensor_leaves(item, out)
+    elif not isinstance(obj, _SCALARS):
+        for name in _field_names(type(obj)) or ():
+            tensor_leaves(getattr(obj, name), out)
+    return out
+
+
 def unflatten(spec: Spec, tensors: list[Any]) -> Any:
     """Rebuild the object ``spec`` describes, with ``tensors`` in flatten order."""
     kind = spec[0]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from scaling.collectives import PipeTransport
+from scaling.collectives import PipeTransport, tensors_requiring_grad
 from scaling.pipeline._instructions import (
     Backward,
     BackwardInput,
@@ -76,34 +76,9 @@ class TrainStepOutput:
     step_duration: float
 
 
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
-
-
-def _grad_leaves(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """``tensors_requiring_grad(obj)``: the transport's flatten order, so gradients line up.
-
-    The same depth-first walk without the transport's spec and error paths (the object
-    was already sent or received, so its types are valid), with dataclass fields cached
-    per class: this runs twice per micro-batch and stage.
-    """
-    if out is None:
-        out = []
-    if isinstance(obj, torch.Tensor):
-        if obj.requires_grad:
-            out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            _grad_leaves(item, out)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            _grad_leaves(item, out)
-    else:
-        names = _FIELD_NAMES.get(type(obj))
-        if names is None and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            names = _FIELD_NAMES[type(obj)] = tuple(f.name for f in dataclasses.fields(obj))
-        for name in names or ():
-            _grad_leaves(getattr(obj, name), out)
-    return out
+def _grad_leaves(obj: Any) -> list[torch.Tensor]:
+    # The transport's flatten order, so gradients line up with what the peer received.
+    return tensors_requiring_grad(obj)
 
 
 def _detach_for_next_chunk(obj: Any) -> Any:
