@@ -36,13 +36,14 @@ def _values():
     handle = all_reduce_async(y, group)
     handle.wait()
     handle.wait()  # a second wait is a no-op
-    flat = torch.arange(8, dtype=torch.float64) + 10 * rank
+    world = dist.get_world_size()
+    flat = torch.arange(4 * world, dtype=torch.float64) + 10 * rank
     out = torch.empty(4, dtype=torch.float64)
     pending = reduce_scatter_async(out, flat.clone(), group)  # the input is scratch
     pending.wait()
     ops = [r.op for r in get_recorder().records(group)[-3:]]
     try:
-        reduce_scatter_async(torch.empty(3), flat, group)  # 8 elements do not split into 2 x 3
+        reduce_scatter_async(torch.empty(3), flat, group)  # 4 * world elements do not split into world x 3
         bad = None
     except ValueError as exc:
         bad = str(exc)
@@ -50,10 +51,11 @@ def _values():
 
 
 @pytest.mark.distributed
-def test_async_forms_equal_the_blocking_forms_and_are_recorded():
-    out = run_distributed(_values, 2, timeout_seconds=60)
-    expected_sum = torch.arange(6, dtype=torch.float32).reshape(2, 3) * 3
-    full = torch.arange(8, dtype=torch.float64) * 2 + 10
+@pytest.mark.parametrize("world", [2, 4])  # two ranks: one exchange with the peer; more: gloo's all-reduce
+def test_async_forms_equal_the_blocking_forms_and_are_recorded(world):
+    out = run_distributed(_values, world, timeout_seconds=60)
+    expected_sum = torch.arange(6, dtype=torch.float32).reshape(2, 3) * sum(range(1, world + 1))
+    full = torch.arange(4 * world, dtype=torch.float64) * world + 10 * sum(range(world))
     for rank, (blocking, y, rs_blocking, rs_async, ops, bad) in enumerate(out):
         torch.testing.assert_close(blocking, expected_sum, rtol=0, atol=0)
         torch.testing.assert_close(y, blocking, rtol=0, atol=0)
@@ -61,7 +63,10 @@ def test_async_forms_equal_the_blocking_forms_and_are_recorded():
         torch.testing.assert_close(rs_async, full[4 * rank : 4 * rank + 4], rtol=0, atol=0)
         # Recorded when issued, like the blocking calls: all_reduce, all_reduce_async, reduce_scatter_async.
         assert ops == ["all_reduce", "all_reduce", "reduce_scatter"]
-        assert bad is not None and "input of shape [8] and output of shape [3] do not fit a group of 2" in bad
+        assert (
+            bad is not None
+            and f"input of shape [{4 * world}] and output of shape [3] do not fit a group of {world}" in bad
+        )
 
 
 def _hung_peer(op, diagnostics_dir):

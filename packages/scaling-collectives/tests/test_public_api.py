@@ -22,6 +22,7 @@ def test_public_api():
         "barrier",
         "batch_send_recv",
         "broadcast",
+        "broadcast_async",
         "broadcast_object",
         "broadcast_pytree",
         "check_consistency",

@@ -88,6 +88,28 @@ class PendingCollective:
             self._then()
 
 
+# Tag of the pair exchanges below: apart from tag 0, which PipeTransport and plain send/recv use.
+_PAIR_TAG = 0x5CA1E
+
+
+class _PairWork:
+    """The send and the receive of one exchange with the peer of a two-rank group, waited as one."""
+
+    __slots__ = ("_recv", "_send")
+
+    def __init__(self, send: dist.Work, recv: dist.Work) -> None:
+        self._send, self._recv = send, recv
+
+    def wait(self) -> bool:
+        self._recv.wait()
+        return bool(self._send.wait())
+
+
+def _pair_exchange(group: ProcessGroup, peer: int, outgoing: torch.Tensor, incoming: torch.Tensor) -> _PairWork:
+    """Post ``outgoing`` to and ``incoming`` from group rank ``peer`` together (c10d point-to-point)."""
+    return _PairWork(group.send([outgoing], peer, _PAIR_TAG), group.recv([incoming], peer, _PAIR_TAG))
+
+
 def _begin(
     group: ProcessGroup, state: _GroupState, op: str, tensor: torch.Tensor, peer: int | None = None
 ) -> CollectiveRecord:
@@ -153,11 +175,12 @@ def reduce_scatter_async(
     group rank ``i``. ``None`` or one rank copies ``tensor`` into ``output`` and returns a
     done handle. Waiting raises the same named errors as :func:`reduce_scatter`.
 
-    ``tensor`` is scratch: its contents are unspecified afterwards. On CPU (gloo) the
-    reduce-scatter runs as an in-place all-reduce of ``tensor`` and a copy of this rank's
-    chunk on ``wait()``: gloo's all-reduce of a buffer is faster than its reduce-scatter
-    of the same buffer (4 MiB on 2 ranks: 8.9 ms against 12.4 ms here), and the result is
-    the same sum.
+    ``tensor`` is scratch: its contents are unspecified afterwards. On CPU (gloo) a
+    two-rank sum is one exchange with the peer (its chunk out, the peer's contribution to
+    ours in, c10d point-to-point) and an add on ``wait()``; larger groups and other ops run
+    an in-place all-reduce of ``tensor`` and copy this rank's chunk on ``wait()``. Both
+    beat gloo's own reduce-scatter (4 MiB on 2 ranks here: exchange 2.3 ms, all-reduce
+    4.7 ms, reduce-scatter 8.5 ms) and give the same sum (two addends: bitwise).
 
     Raises:
         ValueError: when the sizes do not match.
@@ -175,6 +198,17 @@ def reduce_scatter_async(
     assert group is not None and state is not None
     if tensor.device.type == "cpu":
         chunk = tensor.view(world, -1)[state.rank]
+        if world == 2 and op == dist.ReduceOp.SUM:
+            peer = 1 - state.rank
+            incoming = torch.empty_like(output)
+            return _collective(
+                "reduce_scatter",
+                group,
+                (tensor,),
+                lambda: _pair_exchange(group, peer, tensor.view(world, -1)[peer], incoming),
+                async_op=True,
+                then=lambda: torch.add(chunk, incoming, out=output),
+            )
         return _collective(
             "reduce_scatter",
             group,
@@ -298,6 +332,26 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> tor
     return tensor
 
 
+def broadcast_async(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> PendingCollective:
+    """Start an in-place broadcast of ``tensor`` from global rank ``src``; wait on the returned handle.
+
+    A receiver may post it long before ``src`` does (the pipeline's first stages post
+    the step-result broadcast early in a step, so it has arrived when they finish).
+    ``None`` or one rank returns a done handle; waiting raises the named errors of
+    :func:`broadcast`.
+    """
+    if group is None or _group_state(group).size == 1:
+        return PendingCollective(None, group, None, None)
+    return _collective(
+        "broadcast",
+        group,
+        (tensor,),
+        lambda: dist.broadcast(tensor, src=src, group=group, async_op=True),
+        src,
+        async_op=True,
+    )
+
+
 def broadcast_object(obj: object, src: int, group: ProcessGroup | None, device: torch.device | None = None) -> object:
     """Broadcast a picklable object from global rank ``src``; returns it on every rank."""
     if group_size(group) == 1:
@@ -365,7 +419,9 @@ def all_gather_async(output: torch.Tensor, tensor: torch.Tensor, group: ProcessG
     ``output`` (the in-place form, as NCCL defines it); it must not overlap ``output``
     otherwise. The call is recorded (op ``"all_gather"``) when issued; waiting raises
     the same named errors as :func:`all_gather`. ``None`` or one rank copies ``tensor``
-    into ``output`` and returns a done handle.
+    into ``output`` and returns a done handle. On CPU (gloo) a two-rank gather is one
+    exchange with the peer (c10d point-to-point, straight into ``output``), twice as fast
+    as gloo's all-gather here; the values are the same.
 
     Raises:
         ValueError: when the sizes, dtypes or devices do not match.
@@ -387,6 +443,20 @@ def all_gather_async(output: torch.Tensor, tensor: torch.Tensor, group: ProcessG
         output.copy_(tensor)
         return PendingCollective(None, group, None, None)
     assert group is not None
+    if world == 2 and tensor.device.type == "cpu":
+        # Two ranks on gloo: one exchange with the peer, straight into the output (4 MiB
+        # here: 2.2 ms against 4.4 ms for gloo's all-gather).
+        rank = _group_state(group).rank
+        rows = output.view(2, -1)
+        if rows[rank].data_ptr() != tensor.data_ptr():
+            rows[rank].copy_(tensor)
+        return _collective(
+            "all_gather",
+            group,
+            (tensor,),
+            lambda: _pair_exchange(group, 1 - rank, tensor, rows[1 - rank]),
+            async_op=True,
+        )
     return _collective(
         "all_gather",
         group,
