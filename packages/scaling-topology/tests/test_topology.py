@@ -87,6 +87,10 @@ def _check_groups(tp, dp, pp):
         members = [None] * dist.get_world_size(group)
         dist.all_gather_object(members, topo.global_rank, group=group)
         out[name] = (members, getattr(topo, f"{name}_ranks"))
+    members = [None] * dist.get_world_size(topo.pipe_parallel_result_group)
+    dist.all_gather_object(members, topo.global_rank, group=topo.pipe_parallel_result_group)
+    out["pipe_parallel_result"] = (members, topo.pipe_parallel_ranks)
+    out["result_group_is_separate"] = topo.pipe_parallel_result_group is not topo.pipe_parallel_group
     mesh = topo.device_mesh
     out["mesh"] = (mesh.mesh_dim_names, mesh.mesh.tolist(), mesh.get_coordinate())
     out["coords"] = topo.coordinates()
@@ -107,9 +111,10 @@ def test_process_groups_on_real_ranks(tp, dp, pp):
     results = run_distributed(_check_groups, world, tp, dp, pp, timeout_seconds=90)
     for rank, out in enumerate(results):
         p, d, t = _expected(rank, tp, dp, pp)
-        for name in ("model_parallel", "data_parallel", "pipe_parallel", "model_pipe_parallel"):
+        for name in ("model_parallel", "data_parallel", "pipe_parallel", "model_pipe_parallel", "pipe_parallel_result"):
             members, expected_ranks = out[name]
             assert members == expected_ranks, (name, rank)
+        assert out["result_group_is_separate"] == (pp > 1)
         names, mesh, coord = out["mesh"]
         assert names == ("pp", "dp", "tp")
         assert mesh == torch.arange(world).view(pp, dp, tp).tolist()

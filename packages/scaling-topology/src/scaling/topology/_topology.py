@@ -236,6 +236,8 @@ class Topology:
             ("dp", lambda r: self._ranks_along(r, "dp")),
             ("tp", lambda r: self._ranks_along(r, "tp")),
             ("mp", lambda r: [x for x in range(self.world_size) if self.coordinates(x).dp == self.coordinates(r).dp]),
+            # A second pipe group (see pipe_parallel_result_group), only where a pipe has two ranks or more.
+            *([("pp_result", lambda r: self._ranks_along(r, "pp"))] if self.pipe_parallel_size > 1 else []),
         ):
             seen: set[tuple[int, ...]] = set()
             for r in range(self.world_size):
@@ -283,6 +285,20 @@ class Topology:
     @property
     def pipe_parallel_group(self) -> ProcessGroup:
         return self._group("pp", "pipe_parallel_group")
+
+    @property
+    def pipe_parallel_result_group(self) -> ProcessGroup:
+        """A second group over the ranks of :attr:`pipe_parallel_group`.
+
+        For a collective posted early and completed late (the pipeline's step results:
+        the other stages post their receive early in a step), so that it never
+        interleaves with the pipe group's own traffic: activations and gradients, or
+        tied-weight reductions, which must keep their order on every rank. Equal to
+        :attr:`pipe_parallel_group` without pipeline parallelism.
+        """
+        if "pp_result" in self._groups:
+            return self._groups["pp_result"]
+        return self.pipe_parallel_group
 
     @property
     def model_pipe_parallel_group(self) -> ProcessGroup:
