@@ -35,7 +35,7 @@ from scaling.pipeline._instructions import (
     SendActivation,
     SendGrad,
 )
-from scaling.pipeline._results import gather_results
+from scaling.pipeline._results import gather_results, post_result_receive
 from scaling.pipeline.schedules import forward_only_schedule
 
 if TYPE_CHECKING:
@@ -142,6 +142,16 @@ class StageExecutor:
         self.transport: Any = None
         if self.p > 1:
             self.transport = _pipe_transport(module)
+        # The step results' receive (stages other than the last): posted just before this
+        # stage first waits for a message, when it is idle anyway (see _results.py).
+        self.posted_results: Any = None
+        self._results_to_post = self.p > 1 and not module.topology.is_last_pipe_stage
+
+    def post_results(self) -> None:
+        """Post this stage's receive of the step results, once (see :func:`post_result_receive`)."""
+        if self._results_to_post:
+            self._results_to_post = False
+            self.posted_results = post_result_receive(self.module)
 
     def _vs(self, chunk: int) -> int:
         return chunk * self.p + self.s
@@ -249,12 +259,14 @@ class StageExecutor:
         self.transport.send_forward(self.outputs[(ins.micro_batch, ins.chunk)], wait=False)
 
     def _RecvActivation(self, ins: RecvActivation) -> None:
+        self.post_results()
         self.inputs[(ins.micro_batch, ins.chunk)] = self.transport.recv_forward()
 
     def _SendGrad(self, ins: SendGrad) -> None:
         self.transport.send_backward(self.grads_in.pop((ins.micro_batch, ins.chunk)), wait=False)
 
     def _RecvGrad(self, ins: RecvGrad) -> None:
+        self.post_results()
         self.grads_out[(ins.micro_batch, ins.chunk)] = list(self.transport.recv_backward())
 
     def _Exchange(self, ins: Exchange) -> None:
@@ -274,6 +286,8 @@ class StageExecutor:
                 kwargs["recv_backward"], recv_backward = True, key
             else:
                 raise NotImplementedError(f"{ins!r}: {op!r} is not a transfer")
+        if recv_forward is not None or recv_backward is not None:
+            self.post_results()
         forward, backward = self.transport.exchange(**kwargs)
         if recv_forward is not None:
             self.inputs[recv_forward] = forward
@@ -309,7 +323,8 @@ def run_train_step(
     ex = StageExecutor(module, list(micro_batches), loss_function, optimizer, sync)
     extra = (module.num_virtual_stages,) if module.schedule_name == "interleaved_1f1b" else ()
     ex.run(module.schedule_fn(module.num_stages, len(ex.micro_batches), module.stage, *extra))
-    loss, metrics = gather_results(ex, aggregate)
+    ex.post_results()  # a stage that never waited for a message posts it now
+    loss, metrics = gather_results(ex, aggregate, ex.posted_results)
     out = ex.step_output
     return TrainStepOutput(
         loss=loss,
@@ -339,7 +354,8 @@ def run_evaluation_step(
                 module.num_stages, len(ex.micro_batches), module.stage, module.num_virtual_stages
             )
             ex.run(schedule)
-            loss, metrics = gather_results(ex, aggregate)
+            ex.post_results()
+            loss, metrics = gather_results(ex, aggregate, ex.posted_results)
     finally:
         module.train(was_training)
     return TrainStepOutput(loss, metrics, None, {}, None, time.perf_counter() - start)

@@ -5,6 +5,14 @@ them. Once the metric names are known (the first step, cached on the module on e
 rank of the pipe group alike) the broadcast is one ``float64`` tensor
 ``[names changed?, loss, *metrics]``; only when the names change does a pytree broadcast
 (three collectives) follow.
+
+The other stages post their side of that broadcast early (:func:`post_result_receive`,
+called by the executor just before the stage first waits for a message, when it is idle
+anyway), so the values have arrived by the time they finish their last backward and the
+step ends without a round trip. The broadcast runs on
+``topology.pipe_parallel_result_group``, a second group over the pipe ranks, so a
+collective posted this early never interleaves with the pipe group's own traffic
+(activations, gradients, tied-weight sums), whose order must match on every rank.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from scaling.collectives import all_reduce, broadcast, broadcast_pytree
+from scaling.collectives import PendingCollective, all_reduce, broadcast, broadcast_async, broadcast_pytree
 
 if TYPE_CHECKING:
     from scaling.pipeline._parallel_module import ParallelModule
@@ -33,8 +41,27 @@ def default_aggregation(topology: Any, metrics: list[dict[str, Any]]) -> dict[st
     return {k: sum(float(m[k]) for m in metrics) / len(metrics) for k in metrics[0]}
 
 
-def gather_results(ex: _Executor, aggregate: Any) -> tuple[float, dict[str, float]]:
-    """Loss and metrics from the last stage, broadcast over the pipe group, averaged over DP."""
+def post_result_receive(module: ParallelModule) -> tuple[PendingCollective, torch.Tensor] | None:
+    """On a stage other than the last, post the receive of this step's results (see the module doc).
+
+    Returns None on the last stage, without pipeline parallelism, or while the metric
+    names are unknown (the first step, or a module-like that gathers its results itself,
+    such as the high-level API's pipeline stage), which take the blocking path at the end.
+    """
+    topo, names = module.topology, getattr(module, "_metric_names", None)
+    if module.num_stages == 1 or topo.is_last_pipe_stage or names is None:
+        return None
+    values = torch.zeros(2 + len(names), dtype=torch.float64, device=topo.device)
+    return broadcast_async(values, _last_stage_rank(module), topo.pipe_parallel_result_group), values
+
+
+def gather_results(
+    ex: _Executor, aggregate: Any, posted: tuple[PendingCollective, torch.Tensor] | None = None
+) -> tuple[float, dict[str, float]]:
+    """Loss and metrics from the last stage, broadcast over the pipe group, averaged over DP.
+
+    ``posted``: this rank's receive from :func:`post_result_receive`, if any.
+    """
     topo = ex.module.topology
     result: Any = None
     if topo.is_last_pipe_stage:
@@ -43,8 +70,7 @@ def gather_results(ex: _Executor, aggregate: Any) -> tuple[float, dict[str, floa
         metrics = (aggregate or default_aggregation)(topo, [ex.metrics[i] for i in mb])
         result = {"loss": loss, "metrics": {k: float(v) for k, v in metrics.items()}}
     if ex.p > 1:
-        src = topo.rank_of(ex.p - 1, topo.data_parallel_rank, topo.model_parallel_rank)
-        result = _broadcast_result(ex.module, result, src)
+        result = _broadcast_result(ex.module, result, posted)
     if topo.data_parallel_size > 1:
         values = torch.tensor([result["loss"], *result["metrics"].values()], dtype=torch.float64, device=topo.device)
         all_reduce(values, topo.data_parallel_group)
@@ -53,15 +79,27 @@ def gather_results(ex: _Executor, aggregate: Any) -> tuple[float, dict[str, floa
     return float(result["loss"]), dict(result["metrics"])
 
 
-def _broadcast_result(module: ParallelModule, result: dict[str, Any] | None, src: int) -> dict[str, Any]:
-    group, names = module.topology.pipe_parallel_group, module._metric_names
-    values = torch.zeros(2 + (0 if names is None else len(names)), dtype=torch.float64)
-    if result is not None:  # the last stage
-        if names is not None and tuple(result["metrics"]) == names:
-            values[1:] = torch.tensor([result["loss"], *result["metrics"].values()], dtype=torch.float64)
-        else:
-            values[0] = 1.0
-    values = broadcast(values.to(module.topology.device), src, group).cpu()
+def _last_stage_rank(module: ParallelModule) -> int:
+    topo = module.topology
+    return topo.rank_of(module.num_stages - 1, topo.data_parallel_rank, topo.model_parallel_rank)
+
+
+def _broadcast_result(
+    module: ParallelModule, result: dict[str, Any] | None, posted: tuple[PendingCollective, torch.Tensor] | None
+) -> dict[str, Any]:
+    group, names = module.topology.pipe_parallel_result_group, module._metric_names
+    src = _last_stage_rank(module)
+    if posted is not None:
+        posted[0].wait()
+        values = posted[1].cpu()
+    else:
+        values = torch.zeros(2 + (0 if names is None else len(names)), dtype=torch.float64)
+        if result is not None:  # the last stage
+            if names is not None and tuple(result["metrics"]) == names:
+                values[1:] = torch.tensor([result["loss"], *result["metrics"].values()], dtype=torch.float64)
+            else:
+                values[0] = 1.0
+        values = broadcast(values.to(module.topology.device), src, group).cpu()
     if values[0] == 1.0:
         result = broadcast_pytree(result, src, group)
         assert result is not None
