@@ -1,15 +1,19 @@
 """Our data-parallel training step against DistributedDataParallel + torch.optim.AdamW, same run.
 
-Run: python bench/dp_step.py [--hidden 512] [--layers 4] [--batch 32] [--steps 40]
+Run: python bench/dp_step.py [--hidden 512] [--layers 4] [--batch 32] [--steps 40] [--block 4]
 
-Two gloo ranks hold four identical MLPs: one wrapped in ``DistributedDataParallel``
+Two gloo ranks hold five identical MLPs: one wrapped in ``DistributedDataParallel``
 with ``torch.optim.AdamW`` (the reference, its default single-tensor update on CPU),
 one wrapped the same way with ``torch.optim.AdamW(fused=True)`` (shown for context:
-our update runs the same fused kernel), one trained by ``scaling.optim.Optimizer``
-with ZeRO 0 (plain DP) and one with ZeRO 1. A step is zero_grad, forward, backward
-and the optimizer step, on the same local batch. Steps rotate through the four
-(reference first and last in each round, so drifting machine load hits all of them);
-a step's time is its slowest rank's. The table shows each one's median step time and
+our update runs the same fused kernel), and three trained by ``scaling.optim.Optimizer``:
+ZeRO 0 (plain DP), ZeRO 1, and ZeRO 1 with ``overlap_param_gather`` (the all-gather of
+updated shards finishes in the next forward's pre-hooks, Megatron-LM's
+``--overlap-param-gather``). A step is zero_grad, forward, backward and the optimizer
+step, on the same local batch. A sample is ``--block`` consecutive steps of one run,
+ending with ``finish_parameter_gather()`` for ours, so a gather left in flight is paid
+for inside the sample that started it (never hidden in another run's time). Samples
+rotate through the five (reference first and last in each round, so drifting machine
+load hits all of them); a sample's time is its slowest rank's, divided by ``--block``. The table shows each one's median step time and
 the median over rounds of its time divided by the reference's in the same round, with
 the quartiles of that per-round ratio (the spread a loaded machine puts on it).
 Goals from issue 5: ratio <= 1.05 for plain DP and <= 1.15 for ZeRO-1. Last, the raw
@@ -39,47 +43,52 @@ def _mlp(hidden: int, layers: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(*mods)
 
 
-def _ours(model: torch.nn.Sequential, zero: int, topo) -> Optimizer:  # noqa: ANN001
+def _ours(model: torch.nn.Sequential, zero: int, topo, overlap: bool = False) -> Optimizer:  # noqa: ANN001
     triples = []
     for name, p in model.named_parameters():
         index, local = name.split(".", 1)
         meta = ParameterMeta(local, tuple(p.shape), layer_index=int(index)).attach(p).parameter_meta
         triples.append((meta.key, p, meta))
     # Default buckets, like DDP's: the first closes at 1 MiB, the next at 25 MB.
-    config = OptimizerConfig(zero_stage=zero)
+    config = OptimizerConfig(zero_stage=zero, overlap_param_gather=overlap)
     group = OptimizerParamGroup(triples, OptimizerParamGroupConfig(name="all", weight_decay=0.01))
-    return Optimizer(config=config, parameter_groups=[group], topology=topo)
+    return Optimizer(config=config, parameter_groups=[group], topology=topo, model=model)
 
 
-def measure(hidden: int, layers: int, batch: int, steps: int) -> dict[str, float]:
+def measure(hidden: int, layers: int, batch: int, steps: int, block: int) -> dict[str, float]:
     topo = make_topology()
     x = torch.randn(batch, hidden, generator=torch.Generator().manual_seed(topo.data_parallel_rank))
     ddp = DistributedDataParallel(_mlp(hidden, layers), process_group=topo.data_parallel_group, bucket_cap_mb=25)
     ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, weight_decay=0.01)
     ddp_fused = DistributedDataParallel(_mlp(hidden, layers), process_group=topo.data_parallel_group, bucket_cap_mb=25)
     fused_opt = torch.optim.AdamW(ddp_fused.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
-    plain, zero1 = _mlp(hidden, layers), _mlp(hidden, layers)
+    plain, zero1, zero1_overlap = _mlp(hidden, layers), _mlp(hidden, layers), _mlp(hidden, layers)
     plain_opt, zero1_opt = _ours(plain, 0, topo), _ours(zero1, 1, topo)
+    overlap_opt = _ours(zero1_overlap, 1, topo, overlap=True)
 
-    def ref_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-        opt.zero_grad()
-        model(x).pow(2).mean().backward()
-        opt.step()
+    def ref_steps(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        for _ in range(block):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
 
-    def our_step(model: torch.nn.Module, opt: Optimizer) -> None:
-        opt.zero_grad()
-        opt.backward(model(x).pow(2).mean())
-        opt.step()
+    def our_steps(model: torch.nn.Module, opt: Optimizer) -> None:
+        for _ in range(block):
+            opt.zero_grad()
+            opt.backward(model(x).pow(2).mean())
+            opt.step()
+        opt.finish_parameter_gather()
 
     runs = {
-        "ddp+AdamW": lambda: ref_step(ddp, ref_opt),
-        "ddp+fused": lambda: ref_step(ddp_fused, fused_opt),
-        "ours ZeRO-0": lambda: our_step(plain, plain_opt),
-        "ours ZeRO-1": lambda: our_step(zero1, zero1_opt),
+        "ddp+AdamW": lambda: ref_steps(ddp, ref_opt),
+        "ddp+fused": lambda: ref_steps(ddp_fused, fused_opt),
+        "ours ZeRO-0": lambda: our_steps(plain, plain_opt),
+        "ours ZeRO-1": lambda: our_steps(zero1, zero1_opt),
+        "ours ZeRO-1 overlap": lambda: our_steps(zero1_overlap, overlap_opt),
     }
     times: dict[str, list[float]] = {k: [] for k in runs}
     ratios: dict[str, list[float]] = {k: [] for k in runs}
-    order = ["ddp+AdamW", "ours ZeRO-0", "ours ZeRO-1", "ddp+fused"]
+    order = ["ddp+AdamW", "ours ZeRO-0", "ours ZeRO-1", "ours ZeRO-1 overlap", "ddp+fused"]
     order += order[::-1]
     for i in range(steps + 2):
         spent: dict[str, float] = dict.fromkeys(runs, 0.0)
@@ -87,7 +96,7 @@ def measure(hidden: int, layers: int, batch: int, steps: int) -> dict[str, float
             torch.distributed.barrier(group=topo.data_parallel_group)
             start = time.perf_counter()
             runs[name]()
-            elapsed = torch.tensor([time.perf_counter() - start])
+            elapsed = torch.tensor([(time.perf_counter() - start) / block])
             # a step takes as long as its slowest rank
             torch.distributed.all_reduce(elapsed, torch.distributed.ReduceOp.MAX, group=topo.data_parallel_group)
             spent[name] += elapsed.item()
@@ -101,6 +110,10 @@ def measure(hidden: int, layers: int, batch: int, steps: int) -> dict[str, float
     out: dict[str, float] = {}
     for key, ref in (("max_param_diff", ddp), ("max_param_diff_fused", ddp_fused)):
         out[key] = max((a - b).abs().max().item() for a, b in zip(ref.module.parameters(), plain.parameters()))
+    # overlapping the gather changes when values arrive, not what they are
+    out["max_param_diff_overlap"] = max(
+        (a - b).abs().max().item() for a, b in zip(zero1.parameters(), zero1_overlap.parameters())
+    )
     for name in runs:
         q1, _, q3 = statistics.quantiles(ratios[name], n=4)
         out[name] = statistics.median(times[name])
@@ -142,25 +155,29 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=40, help="rounds; each runs every variant twice")
+    parser.add_argument("--block", type=int, default=4, help="consecutive steps per timed sample")
     args = parser.parse_args()
-    results = run_distributed(measure, 2, args.hidden, args.layers, args.batch, args.steps, timeout_seconds=600)
+    results = run_distributed(
+        measure, 2, args.hidden, args.layers, args.batch, args.steps, args.block, timeout_seconds=600
+    )
     r = results[0]
     psi = args.layers * (args.hidden * args.hidden + args.hidden)
     print(
         f"2 gloo ranks, MLP {args.layers}x{args.hidden} (Ψ = {psi:,}), local batch {args.batch}, median of "
-        f"{2 * args.steps} steps each"
+        f"{2 * args.steps} samples of {args.block} steps each"
     )
-    print("ratio = median over rounds of (run's 2 steps / DDP+AdamW's 2 steps in the same round); q1-q3 its spread")
-    for name in ("ddp+AdamW", "ddp+fused", "ours ZeRO-0", "ours ZeRO-1"):
+    print("ratio = median over rounds of (run's 2 samples / DDP+AdamW's 2 samples in the same round); q1-q3 its spread")
+    for name in ("ddp+AdamW", "ddp+fused", "ours ZeRO-0", "ours ZeRO-1", "ours ZeRO-1 overlap"):
         print(
-            f"{name:>12}: {r[name] * 1e3:8.2f} ms/step  ratio {r[f'{name} ratio']:.3f} "
+            f"{name:>19}: {r[name] * 1e3:8.2f} ms/step  ratio {r[f'{name} ratio']:.3f} "
             f"(q1 {r[f'{name} q1']:.3f}, q3 {r[f'{name} q3']:.3f}; ratio of median times "
             f"{r[f'{name} median ratio of medians']:.3f})"
         )
     print(
         f"max |param diff| ours ZeRO-0 after all steps: vs DDP+AdamW {r['max_param_diff']:.2e}, "
-        f"vs DDP+AdamW(fused=True) {r['max_param_diff_fused']:.2e}"
+        f"vs DDP+AdamW(fused=True) {r['max_param_diff_fused']:.2e}; ZeRO-1 overlap vs ZeRO-1 "
+        f"{r['max_param_diff_overlap']:.2e}"
     )
     c = run_distributed(collectives, 2, psi, args.steps, timeout_seconds=600)[0]
     print(f"gloo, {psi * 4 / 2**20:.2f} MiB fp32, median ms: " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()))

@@ -119,6 +119,10 @@ def test_schedule_errors(kwargs, match):
         (dict(non_finite_policy="ignore"), r"non_finite_policy"),
         (dict(loss_scaler={"min_scale": 8.0, "initial_scale": 4.0}), r"min_scale=8.0 is above initial_scale=4.0"),
         (dict(bogus=1), r"bogus"),
+        (
+            dict(overlap_param_gather=True),
+            r"overlap_param_gather=True applies to zero_stage 1 or 2 .*got zero_stage=0; set zero_stage=1 or 2",
+        ),
     ],
 )
 def test_optimizer_config_errors(kwargs, match):

@@ -231,7 +231,61 @@ def _errors():
         ValueError, match=r"optimizer state 'layers.0.w' has no 'exp_avg' \(has \['master', 'momentum_buffer'\]\)"
     ):
         opt.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"overlap_param_gather=True needs the model: pass Optimizer\(\.\.\., model="):
+        Optimizer(
+            config=OptimizerConfig(zero_stage=1, overlap_param_gather=True),
+            parameter_groups=[group(w, b)],
+            topology=topo,
+        )
     return True
+
+
+def _overlapped_gather():
+    """ZeRO-1 with overlap_param_gather: step() leaves the gathers to each layer's forward pre-hook."""
+    topo = make_topology()
+    runs = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        triples = []
+        for name, p in model.named_parameters():
+            index, local = name.split(".")
+            meta = ParameterMeta(local, tuple(p.shape), layer_index=int(index)).attach(p).parameter_meta
+            triples.append((meta.key, p, meta))
+        config = OptimizerConfig(zero_stage=1, overlap_param_gather=overlap, allreduce_bucket_size=64)
+        opt = Optimizer(
+            config=config,
+            parameter_groups=[OptimizerParamGroup(triples, OptimizerParamGroupConfig(name="g"))],
+            topology=topo,
+            model=model,
+        )
+        gather = opt._shard_gather
+        entries = [sorted({gather.entry_of[i] for i in (2 * k, 2 * k + 1)}) for k in range(2)]
+        seen, losses = [], []
+        for step in range(3):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + topo.data_parallel_rank))
+            opt.zero_grad()
+            h = model[0](x)
+            # after the first layer's forward its gathers are done and the second layer's are not
+            seen.append((sorted(gather._pending), entries))
+            loss = model[2](model[1](h)).pow(2).mean()
+            opt.backward(loss)
+            losses.append(loss.item())
+            opt.step()
+        opt.finish_parameter_gather()
+        runs[overlap] = ([p.detach().clone() for p in model.parameters()], losses, seen)
+    return runs
+
+
+@pytest.mark.distributed
+def test_overlap_param_gather_waits_per_layer():
+    for runs in run_distributed(_overlapped_gather, 2, timeout_seconds=60):
+        (params, losses, _), (params_o, losses_o, seen) = runs[False], runs[True]
+        assert losses == losses_o  # bitwise: the same values reach each forward
+        for a, b in zip(params, params_o):
+            assert torch.equal(a, b)
+        for pending, (first, second) in seen[1:]:  # steps after the first: gathers were in flight
+            assert not set(first) & set(pending) and set(second) <= set(pending), (pending, first, second)
 
 
 @pytest.mark.distributed

@@ -25,12 +25,22 @@ def test_call_shapes_others_code_against():
         "parameter_groups",
         "topology",
         "zero3_modules",
+        "model",
     ]
     assert list(inspect.signature(scaling.optim.OptimizerParamGroup).parameters) == [
         "named_parameters_with_meta",
         "config",
     ]
-    for method in ("zero_grad", "backward", "step", "state_dict", "load_state_dict", "full_parameters"):
+    for method in (
+        "zero_grad",
+        "backward",
+        "step",
+        "state_dict",
+        "load_state_dict",
+        "full_parameters",
+        "finish_gradient_reduction",
+        "finish_parameter_gather",
+    ):
         assert callable(getattr(Optimizer, method))
     assert [f for f in OptimizerStepOutput.__dataclass_fields__] == [
         "global_grad_norm",

@@ -106,7 +106,11 @@ def param_hash(module: ParallelModule) -> str:
 def build_trainer(
     tp: int, pp: int, trainer: dict[str, Any], zero_stage: int = 1, loss: Any = loss_function
 ) -> BaseTrainer[Any]:
-    """The classifier at (tp, pp) with ZeRO ``zero_stage``, ready to train under ``trainer`` settings."""
+    """The classifier at (tp, pp) with ZeRO ``zero_stage``, ready to train under ``trainer`` settings.
+
+    With pipeline parallelism the optimizer overlaps its parameter gather with the next
+    forward (``overlap_param_gather``), so resume tests cover that path too.
+    """
     topology = make_topology(model_parallel_size=tp, pipe_parallel_size=pp, global_batch_size=16, micro_batch_size=4)
     config = AppConfig(trainer=TrainerConfig(**trainer))
     context = BaseContext(config=config, topology=topology)
@@ -118,7 +122,9 @@ def build_trainer(
         named_parameters_with_meta=list(module.named_parameters_with_meta()),
         config=OptimizerParamGroupConfig(name="all", weight_decay=0.01),
     )
-    optimizer = Optimizer(OptimizerConfig(zero_stage=zero_stage), [group], topology)
+    overlap = pp > 1 and zero_stage in (1, 2)
+    optimizer_config = OptimizerConfig(zero_stage=zero_stage, overlap_param_gather=overlap)
+    optimizer = Optimizer(optimizer_config, [group], topology, model=module)
     dataset = Blobs()
     return BaseTrainer(
         config=config.trainer,

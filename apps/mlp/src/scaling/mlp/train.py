@@ -45,7 +45,9 @@ def build_trainer(config: MLPConfig, topology: Topology) -> BaseTrainer[MLPConte
             ),
         ),
     ]
-    optimizer = Optimizer(config=config.optimizer, parameter_groups=parameter_groups, topology=topology)
+    optimizer = Optimizer(
+        config=config.optimizer, parameter_groups=parameter_groups, topology=topology, model=parallel_module
+    )
 
     return BaseTrainer(
         config=config.trainer,

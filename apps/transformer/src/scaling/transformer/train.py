@@ -114,7 +114,10 @@ def build_trainer(config: TransformerConfig, topology: Topology) -> TransformerT
         seed=config.trainer.seed,
     )
     optimizer = Optimizer(
-        config=config.optimizer, parameter_groups=parameter_groups(parallel_module, config, topology), topology=topology
+        config=config.optimizer,
+        parameter_groups=parameter_groups(parallel_module, config, topology),
+        topology=topology,
+        model=parallel_module,
     )
     trainer_config = config.trainer
     if config.finetuning.method in ADAPTER_KEYS and trainer_config.load_dir is not None:

@@ -150,6 +150,21 @@ class OptimizerConfig(BaseConfig):
         description="On a non-finite loss or gradient (outside loss-scaler overflow): 'skip' the update on every "
         "rank, or 'fail' (raise FloatingPointError on every rank).",
     )
+    overlap_param_gather: bool = Field(
+        False,
+        description="ZeRO 1/2: step() starts the all-gather of the updated shards and returns; each module waits "
+        "for its own parameters just before its forward (Megatron-LM's --overlap-param-gather). Needs the model "
+        "passed as Optimizer(..., model=...).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimizerConfig:
+        if self.overlap_param_gather and self.zero_stage not in (1, 2):
+            raise ValueError(
+                f"overlap_param_gather=True applies to zero_stage 1 or 2 (the stages that gather updated shards), "
+                f"got zero_stage={self.zero_stage}; set zero_stage=1 or 2, or overlap_param_gather=False"
+            )
+        return self
 
     @field_validator("method", mode="before")
     @classmethod

@@ -66,10 +66,14 @@ class Optimizer:
         zero3_modules: with ``zero_stage=3`` only: the layers in forward order. Their
             trained parameters are freed at once and gathered around each layer's forward
             and backward; use :meth:`full_parameters` to read them outside a forward.
+        model: the module (or modules) holding the parameters; needed with
+            ``config.overlap_param_gather`` only. Every submodule that owns a trained
+            parameter gets a forward pre-hook that waits for that parameter's gather.
 
     Raises:
         ValueError: duplicate group names, a parameter in two groups, ``zero_stage=3`` without
-            ``zero3_modules`` or with pipeline parallelism, or a ZeRO-3 parameter sharing storage.
+            ``zero3_modules`` or with pipeline parallelism, a ZeRO-3 parameter sharing storage,
+            or ``overlap_param_gather`` without ``model``.
 
     Example::
 
@@ -85,8 +89,14 @@ class Optimizer:
         parameter_groups: Sequence[OptimizerParamGroup],
         topology: Topology,
         zero3_modules: Sequence[torch.nn.Module] | None = None,
+        model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
     ) -> None:
         check_zero3(config.zero_stage, topology.pipe_parallel_size, zero3_modules)
+        if config.overlap_param_gather and model is None:
+            raise ValueError(
+                "overlap_param_gather=True needs the model: pass Optimizer(..., model=module) so that each layer "
+                "can wait for its parameters before its forward, or set overlap_param_gather=False"
+            )
         names = [g.name for g in parameter_groups]
         if len(set(names)) != len(names):
             raise ValueError(f"parameter group names must be unique, got {names}")
@@ -143,6 +153,26 @@ class Optimizer:
         self._shard_gather: ShardGather | None = None
         if self.gatherer is None and self._shard_world > 1:
             self._shard_gather = ShardGather(self.slots, topology.data_parallel_group, config.allreduce_bucket_size)
+            if config.overlap_param_gather:
+                assert model is not None
+                self._hooks += self._shard_gather_hooks(self._shard_gather, model)
+
+    def _shard_gather_hooks(self, gather: ShardGather, model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[Any]:
+        """A forward pre-hook on each module owning a trained parameter: wait for its gathers."""
+        index_of = {id(slot.param): i for i, slot in enumerate(self.slots)}
+        handles = []
+        for root in [model] if isinstance(model, torch.nn.Module) else model:
+            for module in root.modules():
+                own = [index_of[id(p)] for p in module.parameters(recurse=False) if id(p) in index_of]
+                if own:
+                    entries = sorted({gather.entry_of[i] for i in own})
+
+                    def hook(_module: torch.nn.Module, _args: Any, entries: list[int] = entries) -> None:
+                        if gather.pending:
+                            gather.wait(entries)
+
+                    handles.append(module.register_forward_pre_hook(hook))
+        return handles
 
     # ----------------------------------------------------------------- backward
     def zero_grad(self) -> None:
@@ -224,6 +254,7 @@ class Optimizer:
         """
         if self.gatherer is not None:
             self.gatherer.discard_pending()
+        self.finish_parameter_gather()  # a module unused in forward may still be gathering
         grads = self._reduced_grads()
         norm_sq, non_finite = global_norm_squared(
             self.slots, grads, self._loss_non_finite, self.topology, sharded=self._shard_world > 1
@@ -264,11 +295,13 @@ class Optimizer:
                 )
             )
         if self._shard_gather is not None:
-            # ZeRO 1/2: each entry's gather runs while the next entry is updated.
+            # ZeRO 1/2: each entry's gather runs while the next entry is updated, and
+            # with overlap_param_gather also while the next forward runs.
             for entry, indices in enumerate(self._shard_gather.entries):
                 apply_updates(self.config, [items[i] for i in indices], self.step_count)
                 self._shard_gather.launch(entry)
-            self._shard_gather.finish()
+            if not self.config.overlap_param_gather:
+                self._shard_gather.finish()
         else:
             apply_updates(self.config, items, self.step_count)
             self._write_back()
@@ -277,6 +310,17 @@ class Optimizer:
             group.scheduler.step()
         self.loss_scaler.update(overflow=False)
         return self._output(norm, clipped, lrs, overflow=False)
+
+    def finish_parameter_gather(self) -> None:
+        """Wait until every parameter holds its updated value (``overlap_param_gather``).
+
+        Forward pre-hooks do this per module; call it before reading parameters outside
+        a forward (checkpoints, evaluation code that bypasses the modules, comparisons).
+        :meth:`state_dict`, :meth:`load_state_dict`, :meth:`full_parameters` and
+        :meth:`step` call it themselves. A no-op otherwise.
+        """
+        if self._shard_gather is not None:
+            self._shard_gather.finish()
 
     def _write_back(self) -> None:
         """Copy updated master weights into the parameters (no ZeRO) or the ZeRO-3 shards."""
@@ -318,14 +362,17 @@ class Optimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state keyed by ``meta.key`` (see :func:`optimizer_state`)."""
+        self.finish_parameter_gather()
         return optimizer_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict` (same layout)."""
+        self.finish_parameter_gather()
         load_optimizer_state(self, state)
 
     def full_parameters(self) -> AbstractContextManager[None]:
         """Context in which every parameter is whole (ZeRO-3 gathers them; otherwise a no-op)."""
+        self.finish_parameter_gather()
         return self.gatherer.full_parameters() if self.gatherer is not None else nullcontext()
 
     def __repr__(self) -> str:

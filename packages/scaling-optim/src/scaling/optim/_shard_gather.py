@@ -13,7 +13,11 @@ parameter must become whole again on every rank. :class:`ShardGather` plans, onc
 
 :meth:`ShardGather.launch` starts one entry's gather as soon as its shards are updated,
 so it runs while the next entry is being updated; :meth:`ShardGather.finish` waits
-for all and copies the bucketed ones out.
+for all and copies the bucketed ones out. Entries are ordered by their first parameter
+in model order, so the gathers complete roughly in forward order: with
+``overlap_param_gather`` the optimizer returns before they finish and a forward pre-hook
+waits, with :meth:`ShardGather.wait`, for just the entries a module's parameters are in
+(Megatron-LM's ``--overlap-param-gather``).
 """
 
 from __future__ import annotations
@@ -78,7 +82,18 @@ class ShardGather:
         if bucket:
             self.entries.append(bucket)
             self._direct.append(False)
-        self._pending: list[tuple[int, PendingCollective, torch.Tensor | None]] = []
+        # Model order by first parameter: a bucket of small parameters goes before the
+        # large ones after its first member, so the first layers' gathers finish first.
+        order = sorted(range(len(self.entries)), key=lambda e: self.entries[e][0])
+        self.entries = [self.entries[e] for e in order]
+        self._direct = [self._direct[e] for e in order]
+        self.entry_of = {i: e for e, indices in enumerate(self.entries) for i in indices}
+        self._pending: dict[int, tuple[PendingCollective, torch.Tensor | None]] = {}
+
+    @property
+    def pending(self) -> bool:
+        """Some launched gather has not been waited for."""
+        return bool(self._pending)
 
     def launch(self, entry: int) -> None:
         """Start gathering entry ``entry`` (its shards must be updated already)."""
@@ -88,20 +103,25 @@ class ShardGather:
             out = slot.flat_param()
             # In place: the owned slice of the parameter is this rank's part of the output.
             send = out[slot.start : slot.end] if slot.master is None else slot.master.to(slot.param.dtype)
-            self._pending.append((entry, all_gather_async(out, send, self.group), None))
+            self._pending[entry] = (all_gather_async(out, send, self.group), None)
             return
         chunks = [self.slots[i].padded_chunk(self.slots[i].work_param()) for i in indices]
         send = torch.cat(chunks) if len(chunks) > 1 else chunks[0].contiguous()
         grid = send.new_empty(send.numel() * self.world)
-        self._pending.append((entry, all_gather_async(grid, send, self.group), grid))
+        self._pending[entry] = (all_gather_async(grid, send, self.group), grid)
+
+    def wait(self, entries: Sequence[int]) -> None:
+        """Wait for the gathers of ``entries`` (those launched and not yet waited for)."""
+        for entry in entries:
+            item = self._pending.pop(entry, None)
+            if item is not None:
+                item[0].wait()
+                if item[1] is not None:
+                    self._copy_out(self.entries[entry], item[1])
 
     def finish(self) -> None:
         """Wait for every launched gather and copy bucketed results into the parameters."""
-        for entry, pending, grid in self._pending:
-            pending.wait()
-            if grid is not None:
-                self._copy_out(self.entries[entry], grid)
-        self._pending.clear()
+        self.wait(list(self._pending))
 
     def _copy_out(self, indices: list[int], grid: torch.Tensor) -> None:
         rows_of = grid.view(self.world, -1)

@@ -38,6 +38,7 @@ class TrainerCheckpointer:
 
     def _state(self) -> dict[str, Any]:
         t = self.trainer
+        t.wait_for_parameters()  # the last step's gathers may still be in flight
         return {
             "model": model_state_dict(list(t.parallel_module.named_parameters_with_meta()), t.context.topology),
             "optimizer": t.optimizer.state_dict(),

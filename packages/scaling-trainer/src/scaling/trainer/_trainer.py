@@ -273,7 +273,17 @@ class BaseTrainer(Generic[ContextT]):
                 progress.close()
             self.checkpointer.wait()
             self.metrics_logger.close()
+        self.wait_for_parameters()
         return self.history if return_metrics else None
+
+    def wait_for_parameters(self) -> None:
+        """Wait for parameter updates still in flight (``overlap_param_gather``); a no-op otherwise.
+
+        Called before a checkpoint reads the parameters and when training returns.
+        """
+        finish = getattr(self.optimizer, "finish_parameter_gather", None)
+        if finish is not None:
+            finish()
 
     def _stop_on_signal(self, signum: int) -> None:
         step = self.context.iterations
