@@ -18,7 +18,8 @@ the median over rounds of its time divided by the reference's in the same round,
 the quartiles of that per-round ratio (the spread a loaded machine puts on it).
 Goals from issue 5: ratio <= 1.05 for plain DP and <= 1.15 for ZeRO-1. Last, the raw
 gloo collectives a step is made of are timed on a model-sized fp32 buffer (all-reduce:
-DDP and ZeRO-0; reduce-scatter + all-gather: ZeRO-1).
+DDP and ZeRO-0; reduce-scatter + all-gather: ZeRO-1), with the send/receive exchange
+of half the buffer that ``scaling.collectives`` posts for either on two CPU ranks.
 """
 
 from __future__ import annotations
@@ -134,10 +135,19 @@ def collectives(numel: int, rounds: int) -> dict[str, float]:
     group, world = topo.data_parallel_group, topo.data_parallel_size
     numel -= numel % world
     full, shard = torch.randn(numel), torch.empty(numel // world)
+    peer = 1 - topo.data_parallel_rank
+
+    def exchange() -> None:
+        # what scaling.collectives posts for a two-rank reduce-scatter or all-gather
+        works = [group.send([full[: shard.numel()]], peer, 1), group.recv([shard], peer, 1)]
+        for work in works:
+            work.wait()
+
     calls = {
         "all_reduce": lambda: torch.distributed.all_reduce(full, group=group),
         "reduce_scatter": lambda: _REDUCE_SCATTER(shard, full, group=group),
         "all_gather": lambda: _ALL_GATHER(full, shard, group=group),
+        "send/recv exchange": exchange,
     }
     times: dict[str, list[float]] = {k: [] for k in calls}
     for i in range(rounds + 2):
