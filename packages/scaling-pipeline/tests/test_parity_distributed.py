@@ -128,6 +128,41 @@ def test_metrics_reach_every_stage_when_their_names_change() -> None:
     assert rank0[2][1]["max"] == pytest.approx(sum(float(o.max()) for o in outs) / 2, rel=1e-6)
 
 
+class FailsOnce(GradCapture):
+    """Raises from its second step() on every rank, after all of the step's messages."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__(module)
+        self.calls = 0
+
+    def step(self) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            raise FloatingPointError("the optimizer gives up on this step")
+        super().step()
+
+
+def failed_step_rank() -> list[float | None]:
+    topo = make_topology(pipe_parallel_size=2)
+    module = ParallelModule(specs(4), topo)
+    optimizer = FailsOnce(module)  # no update: steps with the same batches give the same loss
+    out: list[float | None] = []
+    for batches in (micro_batches(2), micro_batches(2), micro_batches(3), micro_batches(2)):
+        try:
+            out.append(module.train_step(batches, optimizer, loss_function).loss)
+        except FloatingPointError:
+            out.append(None)
+    return out
+
+
+def test_a_step_that_raises_keeps_the_result_broadcast_paired() -> None:
+    # Step 2 raises after rank 0 posted its result receive: the last stage still sends
+    # one broadcast for it, so steps 3 and 4 report their own results instead of hanging.
+    rank0, rank1 = run_distributed(failed_step_rank, 2, timeout_seconds=60)
+    assert rank0 == rank1
+    assert rank0[1] is None and rank0[0] == rank0[3] and rank0[2] != rank0[0]
+
+
 def tied_specs() -> list:
     # Layers 0 and 3 share linear.weight (as an input embedding and an LM head would).
     return [

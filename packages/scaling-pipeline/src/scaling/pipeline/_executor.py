@@ -35,7 +35,7 @@ from scaling.pipeline._instructions import (
     SendActivation,
     SendGrad,
 )
-from scaling.pipeline._results import gather_results, post_result_receive
+from scaling.pipeline._results import abandon_result_broadcast, gather_results, post_result_receive
 from scaling.pipeline.schedules import forward_only_schedule
 
 if TYPE_CHECKING:
@@ -152,6 +152,25 @@ class StageExecutor:
         if self._results_to_post:
             self._results_to_post = False
             self.posted_results = post_result_receive(self.module)
+
+    def run_and_gather(self, instructions: Sequence[Instruction], aggregate: Any) -> tuple[float, dict[str, float]]:
+        """:meth:`run`, then the step's loss and metrics on every rank (see ``_results.py``).
+
+        If the instructions raise, this rank still does its part of the step-result
+        broadcast (the last stage sends it flagged as aborted, the others post their
+        receive), so every rank keeps one per step and a later step pairs up with the
+        right one; then the exception propagates.
+        """
+        try:
+            self.run(instructions)
+        except BaseException:
+            if self.p > 1 and self.module.topology.is_last_pipe_stage:
+                abandon_result_broadcast(self.module)
+            else:
+                self.post_results()
+            raise
+        self.post_results()  # a stage that never waited for a message posts it now
+        return gather_results(self, aggregate, self.posted_results)
 
     def _vs(self, chunk: int) -> int:
         return chunk * self.p + self.s
@@ -322,9 +341,9 @@ def run_train_step(
     optimizer.zero_grad()
     ex = StageExecutor(module, list(micro_batches), loss_function, optimizer, sync)
     extra = (module.num_virtual_stages,) if module.schedule_name == "interleaved_1f1b" else ()
-    ex.run(module.schedule_fn(module.num_stages, len(ex.micro_batches), module.stage, *extra))
-    ex.post_results()  # a stage that never waited for a message posts it now
-    loss, metrics = gather_results(ex, aggregate, ex.posted_results)
+    loss, metrics = ex.run_and_gather(
+        module.schedule_fn(module.num_stages, len(ex.micro_batches), module.stage, *extra), aggregate
+    )
     out = ex.step_output
     return TrainStepOutput(
         loss=loss,
@@ -353,9 +372,7 @@ def run_evaluation_step(
             schedule = forward_only_schedule(
                 module.num_stages, len(ex.micro_batches), module.stage, module.num_virtual_stages
             )
-            ex.run(schedule)
-            ex.post_results()
-            loss, metrics = gather_results(ex, aggregate, ex.posted_results)
+            loss, metrics = ex.run_and_gather(schedule, aggregate)
     finally:
         module.train(was_training)
     return TrainStepOutput(loss, metrics, None, {}, None, time.perf_counter() - start)

@@ -9,10 +9,12 @@ rank of the pipe group alike) the broadcast is one ``float64`` tensor
 The other stages post their side of that broadcast early (:func:`post_result_receive`,
 called by the executor just before the stage first waits for a message, when it is idle
 anyway), so the values have arrived by the time they finish their last backward and the
-step ends without a round trip. The broadcast runs on
-``topology.pipe_parallel_result_group``, a second group over the pipe ranks, so a
-collective posted this early never interleaves with the pipe group's own traffic
-(activations, gradients, tied-weight sums), whose order must match on every rank.
+step ends without a round trip. A step that raises still does its part of the broadcast
+on every rank (:func:`abandon_result_broadcast`), so the next step pairs up with its
+own. The broadcast runs on ``topology.pipe_parallel_result_group``, a second group over
+the pipe ranks, so a collective posted this early never interleaves with the pipe
+group's own traffic (activations, gradients, tied-weight sums), whose order must match
+on every rank.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from scaling.collectives import PendingCollective, all_reduce, broadcast, broadcast_async, broadcast_pytree
+
+# values[0] of the result broadcast: 1.0 names changed (a pytree broadcast follows),
+# _ABORTED the step raised on the last stage (no reader: see abandon_result_broadcast).
+_ABORTED = 2.0
 
 if TYPE_CHECKING:
     from scaling.pipeline._parallel_module import ParallelModule
@@ -53,6 +59,22 @@ def post_result_receive(module: ParallelModule) -> tuple[PendingCollective, torc
         return None
     values = torch.zeros(2 + len(names), dtype=torch.float64, device=topo.device)
     return broadcast_async(values, _last_stage_rank(module), topo.pipe_parallel_result_group), values
+
+
+def abandon_result_broadcast(module: ParallelModule) -> None:
+    """The last stage, after an exception in the step: send the result broadcast flagged as aborted.
+
+    The other stages posted (or post, on their own exception) their receive of this
+    step's results; sending one keeps every rank at one broadcast per step, so the next
+    step's results reach the next step. Nobody waits for it. Nothing is sent while the
+    metric names are unknown, since then nobody posted.
+    """
+    topo, names = module.topology, getattr(module, "_metric_names", None)
+    if module.num_stages == 1 or names is None:
+        return
+    values = torch.zeros(2 + len(names), dtype=torch.float64, device=topo.device)
+    values[0] = _ABORTED
+    broadcast_async(values, _last_stage_rank(module), topo.pipe_parallel_result_group)
 
 
 def gather_results(
