@@ -92,7 +92,8 @@ def tests(session: nox.Session) -> None:
     dists = _dists()
     _install_torch(session)
     session.install(*TEST_TOOLS, *_all_editable(dists))
-    session.run("python", "-m", "pytest", *_test_paths(dists), *session.posargs)
+    # --durations: the CI log ends with the slowest tests, where a trim of the suite starts.
+    session.run("python", "-m", "pytest", *_test_paths(dists), "--durations=25", *session.posargs)
 
 
 @nox.session
