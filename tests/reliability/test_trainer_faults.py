@@ -23,8 +23,10 @@ def _cfg(tmp, policy: str, dp: int = 1) -> dict:
     return config(tmp, steps=8, tp=1, pp=2, dp=dp, timeout_s=10.0, optimizer={"non_finite_policy": policy})
 
 
-@pytest.mark.parametrize("dp", [1, 2], ids=["pp2", "pp2dp2"])
-def test_inf_grad_on_stage_without_loss_skips_the_same_step_everywhere(tmp_path, dp):
+def test_inf_grad_on_stage_without_loss_skips_the_same_step_everywhere(tmp_path):
+    # pp2·dp2: the Inf reaches neither the loss's stage nor the other DP replica directly,
+    # so the verdict has to travel over both (pp2 alone is the fail-policy test below).
+    dp = 2
     out, world = tmp_path / "out", 2 * dp
     assert launch(_cfg(tmp_path, "skip", dp), out, FAULTS) == 0
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
