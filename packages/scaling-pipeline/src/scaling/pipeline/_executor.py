@@ -145,7 +145,7 @@ class StageExecutor:
         # The step results' receive (stages other than the last): posted just before this
         # stage first waits for a message, when it is idle anyway (see _results.py).
         self.posted_results: Any = None
-        self._results_to_post = self.p > 1 and not module.topology.is_last_pipe_stage
+        self._results_to_post = True
 
     def post_results(self) -> None:
         """Post this stage's receive of the step results, once (see :func:`post_result_receive`)."""
@@ -164,7 +164,7 @@ class StageExecutor:
         try:
             self.run(instructions)
         except BaseException:
-            if self.p > 1 and self.module.topology.is_last_pipe_stage:
+            if self.module.topology.is_last_pipe_stage:
                 abandon_result_broadcast(self.module)
             else:
                 self.post_results()

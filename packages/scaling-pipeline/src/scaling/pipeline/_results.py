@@ -54,11 +54,7 @@ def post_result_receive(module: ParallelModule) -> tuple[PendingCollective, torc
     names are unknown (the first step, or a module-like that gathers its results itself,
     such as the high-level API's pipeline stage), which take the blocking path at the end.
     """
-    topo, names = module.topology, getattr(module, "_metric_names", None)
-    if module.num_stages == 1 or topo.is_last_pipe_stage or names is None:
-        return None
-    values = torch.zeros(2 + len(names), dtype=torch.float64, device=topo.device)
-    return broadcast_async(values, _last_stage_rank(module), topo.pipe_parallel_result_group), values
+    return None if module.topology.is_last_pipe_stage else _start_result_broadcast(module)
 
 
 def abandon_result_broadcast(module: ParallelModule) -> None:
@@ -69,12 +65,20 @@ def abandon_result_broadcast(module: ParallelModule) -> None:
     step's results reach the next step. Nobody waits for it. Nothing is sent while the
     metric names are unknown, since then nobody posted.
     """
+    _start_result_broadcast(module, flag=_ABORTED)
+
+
+def _start_result_broadcast(module: ParallelModule, flag: float = 0.0) -> tuple[PendingCollective, torch.Tensor] | None:
+    """The one-tensor result broadcast of this step, started with ``values[0] = flag``.
+
+    None (nothing started) without pipeline parallelism or while the metric names are unknown.
+    """
     topo, names = module.topology, getattr(module, "_metric_names", None)
     if module.num_stages == 1 or names is None:
-        return
+        return None
     values = torch.zeros(2 + len(names), dtype=torch.float64, device=topo.device)
-    values[0] = _ABORTED
-    broadcast_async(values, _last_stage_rank(module), topo.pipe_parallel_result_group)
+    values[0] = flag
+    return broadcast_async(values, _last_stage_rank(module), topo.pipe_parallel_result_group), values
 
 
 def gather_results(
