@@ -32,7 +32,10 @@ def _messages():
         [torch.ones(2, dtype=torch.bfloat16), None, 5],
         {"x": torch.randn(2, 2, generator=g).t(), "mask": torch.rand(3, generator=g) > 0.5, "name": "mb0"},
         Activations(hidden, torch.ones(2, 3, dtype=torch.bool), torch.arange(3), layer=4),
-        Pair(torch.randn(1, generator=g, dtype=torch.float64), {"nested": (None, 2.5, [torch.zeros(0, 2)])}),
+        Pair(
+            torch.randn(1, generator=g, dtype=torch.float64),
+            {"nested": (None, 2.5, [torch.zeros(0, 2), torch.tensor(3.5, dtype=torch.float16)])},
+        ),
         None,
         7,
     ]

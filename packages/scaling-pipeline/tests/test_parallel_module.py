@@ -61,6 +61,16 @@ def test_train_step_matches_plain_autograd(schedule: str) -> None:
     assert set(out.metrics) == {"mean_output"} and out.step_duration > 0
 
 
+def test_train_step_switches_an_eval_module_to_training_and_keeps_a_submodule_in_eval() -> None:
+    module = ParallelModule(specs(2), topology())
+    module.eval()
+    module.train_step(micro_batches(1), GradCapture(module), loss_function)
+    assert all(m.training for m in module.modules())
+    module.layers["1"].eval()  # e.g. a frozen layer the caller keeps in eval mode
+    module.train_step(micro_batches(1), GradCapture(module), loss_function)
+    assert module.training and not module.layers["1"].training
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
 def test_evaluation_step_is_forward_only(schedule: str) -> None:
     v = 2 if schedule == "interleaved_1f1b" else 1

@@ -25,7 +25,9 @@ its receives are done, and :meth:`PipeTransport.wait_sends` (the end of a pipeli
 waits for the rest. Every frame is a fresh buffer, so nothing is reused while in flight;
 a send that never completes is diagnosed (its peer named) when it is waited on. Both
 sides cache where each tensor sits in a frame (:class:`_Layout`), so a steady-state
-message costs one ``torch.cat`` to build and one typed view per tensor to read.
+message costs one ``torch.cat`` to build and one typed view per tensor to read. On CPU a
+receive buffer wraps a numpy array, whose header reads and views cost a fraction of
+torch's (``bench/pipe_transport.py`` times a hand-off against torch's).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -53,6 +56,22 @@ class _NoSend:
 _NO_SEND: Any = _NoSend()
 
 
+# torch dtype -> numpy dtype, for the CPU receive path (dtypes numpy lacks, e.g. bfloat16, take the torch path).
+_NUMPY_DTYPES: dict[torch.dtype, Any] = {
+    torch.bool: np.bool_,
+    torch.uint8: np.uint8,
+    torch.int8: np.int8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+}
+
+
 class _Layout:
     """A channel's cached metadata and where each tensor sits in a frame's payload.
 
@@ -60,7 +79,7 @@ class _Layout:
     needs neither ``offsets`` nor a header other than the cached one.
     """
 
-    __slots__ = ("header", "meta", "metas", "pads", "size", "slices", "spec")
+    __slots__ = ("header", "meta", "metas", "np_dtypes", "pads", "size", "slices", "spec")
 
     def __init__(self, meta: Any, device: torch.device) -> None:
         self.meta = meta
@@ -75,6 +94,9 @@ class _Layout:
             for (_, end), nxt in zip(self.slices, ends)
         ]
         self.header = _header(0, 0, self.size, device)
+        # On CPU a received tensor is a numpy view of the frame (a third of the cost of torch's views).
+        np_dtypes = [_NUMPY_DTYPES.get(m.dtype) for m in self.metas]
+        self.np_dtypes = np_dtypes if device.type == "cpu" and None not in np_dtypes else None
 
     def payload_pieces(self, tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
         """The byte views (and fillers) whose concatenation is the packed payload."""
@@ -88,18 +110,33 @@ class _Layout:
                 pieces.append(pad)
         return pieces
 
-    def unpack(self, buffer: torch.Tensor, base: int, grad_leaves: bool) -> Any:
-        """The pytree whose payload starts at ``buffer[base]`` (typed views, no copy)."""
+    def unpack(self, buffer: _Buffer, base: int, grad_leaves: bool) -> Any:
+        """The pytree whose payload starts at byte ``base`` of ``buffer`` (typed views, no copy)."""
+        tensor, array = buffer
+        np_dtypes = self.np_dtypes if array is not None else None
         tensors = []
-        for (start, end), m in zip(self.slices, self.metas):
-            if end > start:
-                t = buffer[base + start : base + end].view(m.dtype).view(m.shape)
+        for i, ((start, end), m) in enumerate(zip(self.slices, self.metas)):
+            if end == start:
+                t = torch.empty(m.shape, dtype=m.dtype, device=tensor.device)
+            elif np_dtypes is not None:
+                t = torch.from_numpy(array[base + start : base + end].view(np_dtypes[i]).reshape(m.shape))
             else:
-                t = torch.empty(m.shape, dtype=m.dtype, device=buffer.device)
+                t = tensor[base + start : base + end].view(m.dtype).view(m.shape)
             if grad_leaves and m.requires_grad:
                 t.requires_grad_(True)
             tensors.append(t)
         return _pytree.unflatten(self.spec, tensors)
+
+
+# A receive buffer: the uint8 tensor, and on CPU the numpy array it wraps (cheap header reads and views).
+_Buffer = tuple[torch.Tensor, Any]
+
+
+def _empty(nbytes: int, device: torch.device) -> _Buffer:
+    if device.type == "cpu":
+        array = np.empty(nbytes, dtype=np.uint8)
+        return torch.from_numpy(array), array
+    return torch.empty(nbytes, dtype=torch.uint8, device=device), None
 
 
 def tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
@@ -233,17 +270,21 @@ class PipeTransport:
         Returns:
             ``(received forward pytree or None, received gradients or None)``.
         """
-        outgoing: list[tuple[str, int, Any]] = []
-        incoming: list[tuple[str, int]] = []
+        # One frame per message, posted in the fixed order send fwd, recv fwd, send bwd, recv bwd.
+        ops: list[tuple[str, torch.Tensor, int]] = []
+        handshakes: list[_Handshake] = []
+        incoming: list[tuple[str, int, _Buffer]] = []
         if send_forward is not _NO_SEND:
-            outgoing.append((_FORWARD, self._peer("next_rank", "send_forward"), send_forward))
+            self._add_send(ops, handshakes, _FORWARD, self._peer("next_rank", "send_forward"), send_forward)
         if recv_forward:
-            incoming.append((_FORWARD, self._peer("prev_rank", "recv_forward")))
+            self._add_recv(ops, incoming, _FORWARD, self._peer("prev_rank", "recv_forward"))
         if send_backward is not None:
-            outgoing.append((_BACKWARD, self._peer("prev_rank", "send_backward"), _grad_list(send_backward)))
+            grads = _grad_list(send_backward)
+            self._add_send(ops, handshakes, _BACKWARD, self._peer("prev_rank", "send_backward"), grads)
         if recv_backward:
-            incoming.append((_BACKWARD, self._peer("next_rank", "recv_backward")))
-        got = self._exchange(outgoing, incoming, wait_sends)
+            self._add_recv(ops, incoming, _BACKWARD, self._peer("next_rank", "recv_backward"))
+        self._post(ops, wait_sends)
+        got = self._finish(handshakes, incoming, wait_sends)
         return got.get(_FORWARD), got.get(_BACKWARD)
 
     @property
@@ -287,18 +328,14 @@ class PipeTransport:
         return rank
 
     def _post(self, ops: list[tuple[str, torch.Tensor, int]], wait_sends: bool) -> None:
-        """Post ``ops`` together (recorded like ``batch_send_recv``) and wait for the receives (and sends unless left in flight)."""
+        """Post ``ops`` together (recorded like ``batch_send_recv``) and wait for the receives (and sends unless left in flight).
+
+        The bookkeeping (recording the ops, collecting earlier sends that finished) runs
+        after posting, while the messages travel, not before the sends go out.
+        """
         if not ops:
             return
-        # Collect the sends of earlier calls that finished meanwhile (a failed one raises, named).
-        while self._in_flight and self._in_flight[0][0].is_completed():
-            work, rec = self._in_flight.pop(0)
-            try:
-                work.wait()
-            except RuntimeError as exc:
-                raise _p2p_diagnosis.p2p_failure([rec], self.group, exc) from exc
         group, direct = self._resolved()
-        recs = get_recorder()._record_p2p(ops)
         try:
             if direct:
                 # What batch_isend_irecv does on a backend without coalescing (gloo), minus its
@@ -313,6 +350,17 @@ class PipeTransport:
                 works = dist.batch_isend_irecv(
                     [dist.P2POp(dist.isend if k == "send" else dist.irecv, t, peer, group) for k, t, peer in ops]
                 )
+        except RuntimeError as exc:
+            raise _p2p_diagnosis.p2p_failure(get_recorder()._record_p2p(ops), self.group, exc) from exc
+        recs = get_recorder()._record_p2p(ops)
+        # Collect the sends of earlier calls that finished meanwhile (a failed one raises, named).
+        while self._in_flight and self._in_flight[0][0].is_completed():
+            work, rec = self._in_flight.pop(0)
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise _p2p_diagnosis.p2p_failure([rec], self.group, exc) from exc
+        try:
             if len(works) != len(ops):  # one handle for the whole batch (coalescing backends): wait for it
                 for work in works:
                     work.wait()
@@ -325,79 +373,83 @@ class PipeTransport:
         except RuntimeError as exc:
             raise _p2p_diagnosis.p2p_failure(recs, self.group, exc) from exc
 
-    def _exchange(
-        self, outgoing: list[tuple[str, int, Any]], incoming: list[tuple[str, int]], wait_sends: bool
-    ) -> dict[str, Any]:
-        # Step 1: one frame per message, in the fixed order send fwd, recv fwd, send bwd, recv bwd.
-        ops: list[tuple[str, torch.Tensor, int]] = []
-        handshakes: list[tuple[str, int, bytes, torch.Tensor, _Layout]] = []
-        frames: dict[str, torch.Tensor] = {}
-        for channel in (_FORWARD, _BACKWARD):
-            for ch, dst, obj in outgoing:
-                if ch != channel:
-                    continue
-                spec, tensors = _pytree.flatten(obj, path=f"{channel} pytree")
-                meta = (spec, _pytree.tensor_metas(tensors))
-                cached = self._sent[channel]
-                if meta == cached.meta:
-                    frame = torch.cat([cached.header, *cached.payload_pieces(tensors, self.device)])
-                else:
-                    # Filler of the size the receiver expects, then metadata + payload in step 2.
-                    layout = _Layout(meta, self.device)
-                    meta_bytes = pickle.dumps(meta)
-                    pieces = layout.payload_pieces(tensors, self.device)
-                    payload = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=self.device)
-                    frame = torch.cat(
-                        [
-                            _header(1, len(meta_bytes), payload.numel(), self.device),
-                            torch.zeros(cached.size, dtype=torch.uint8, device=self.device),
-                        ]
-                    )
-                    handshakes.append((channel, dst, meta_bytes, payload, layout))
-                ops.append(("send", frame, dst))
-            for ch, src in incoming:
-                if ch == channel:
-                    expected = _HEADER + self._received[channel].size
-                    frames[channel] = torch.empty(expected, dtype=torch.uint8, device=self.device)
-                    ops.append(("recv", frames[channel], src))
-        self._post(ops, wait_sends)
+    def _add_send(
+        self, ops: list[tuple[str, torch.Tensor, int]], handshakes: list[_Handshake], channel: str, dst: int, obj: Any
+    ) -> None:
+        """Append the frame of ``obj``; if its metadata changed, a handshake for the second step."""
+        spec, tensors = _pytree.flatten(obj, path=_PATHS[channel])
+        meta = (spec, _pytree.tensor_metas(tensors))
+        cached = self._sent[channel]
+        if meta == cached.meta:
+            frame = torch.cat([cached.header, *cached.payload_pieces(tensors, self.device)])
+        else:
+            # Filler of the size the receiver expects, then metadata + payload in step 2.
+            layout = _Layout(meta, self.device)
+            meta_bytes = pickle.dumps(meta)
+            pieces = layout.payload_pieces(tensors, self.device)
+            payload = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=self.device)
+            frame = torch.cat(
+                [
+                    _header(1, len(meta_bytes), payload.numel(), self.device),
+                    torch.zeros(cached.size, dtype=torch.uint8, device=self.device),
+                ]
+            )
+            handshakes.append((channel, dst, meta_bytes, payload, layout))
+        ops.append(("send", frame, dst))
 
-        # Step 2, only for the messages whose metadata changed (both sides know which).
-        ops, changed = [], {}
+    def _add_recv(
+        self, ops: list[tuple[str, torch.Tensor, int]], incoming: list[tuple[str, int, _Buffer]], channel: str, src: int
+    ) -> None:
+        """Append the receive of a frame of the size the channel's cached metadata gives."""
+        buffer = _empty(_HEADER + self._received[channel].size, self.device)
+        ops.append(("recv", buffer[0], src))
+        incoming.append((channel, src, buffer))
+
+    def _finish(
+        self, handshakes: list[_Handshake], incoming: list[tuple[str, int, _Buffer]], wait_sends: bool
+    ) -> dict[str, Any]:
+        """The received pytrees, after step 2 for the messages whose metadata changed (both sides know which)."""
+        ops: list[tuple[str, torch.Tensor, int]] = []
+        changed: dict[str, tuple[torch.Tensor, _Buffer]] = {}
         for channel, dst, meta_bytes, payload, layout in handshakes:
             ops.append(("send", torch.frombuffer(bytearray(meta_bytes), dtype=torch.uint8).to(self.device), dst))
             if payload.numel():
                 ops.append(("send", payload, dst))
             self._sent[channel] = layout
             self.handshakes_sent += 1
-        for channel, src in incoming:
-            flag, meta_len, payload_len, _ = frames[channel][:_HEADER].view(torch.int64).tolist()
+        for channel, src, (frame, array) in incoming:
+            header = frame[:_HEADER].view(torch.int64) if array is None else array[:_HEADER].view(np.int64)
+            flag, meta_len, payload_len, _ = header.tolist()
             if flag:
                 meta_buf = torch.empty(meta_len, dtype=torch.uint8, device=self.device)
-                payload_buf = torch.empty(payload_len, dtype=torch.uint8, device=self.device)
+                payload_buf = _empty(payload_len, self.device)
                 ops.append(("recv", meta_buf, src))
                 if payload_len:
-                    ops.append(("recv", payload_buf, src))
+                    ops.append(("recv", payload_buf[0], src))
                 changed[channel] = (meta_buf, payload_buf)
-            elif payload_len != frames[channel].numel() - _HEADER:
+            elif payload_len != frame.numel() - _HEADER:
                 raise RuntimeError(
                     f"PipeTransport: {channel} message of {payload_len} payload bytes from rank {src} does not match "
-                    f"the cached metadata ({frames[channel].numel() - _HEADER} bytes); the two sides disagree on "
+                    f"the cached metadata ({frame.numel() - _HEADER} bytes); the two sides disagree on "
                     "the message order"
                 )
         self._post(ops, wait_sends)
 
         received: dict[str, Any] = {}
-        for channel, _ in incoming:
+        for channel, _, buffer in incoming:
+            base = _HEADER
             if channel in changed:
-                meta_buf, payload_buf = changed[channel]
+                meta_buf, buffer = changed[channel]
                 self._received[channel] = _Layout(pickle.loads(meta_buf.cpu().numpy().tobytes()), self.device)
                 self.handshakes_received += 1
-                buffer, base = payload_buf, 0
-            else:
-                buffer, base = frames[channel], _HEADER
+                base = 0
             received[channel] = self._received[channel].unpack(buffer, base, grad_leaves=channel == _FORWARD)
         return received
+
+
+# A handshake to send in step 2: (channel, peer, pickled metadata, payload, the new layout).
+_Handshake = tuple[str, int, bytes, torch.Tensor, _Layout]
+_PATHS = {_FORWARD: "forward pytree", _BACKWARD: "backward pytree"}
 
 
 def _header(changed: int, meta_len: int, payload_len: int, device: torch.device) -> torch.Tensor:

@@ -337,7 +337,8 @@ def run_train_step(
 ) -> TrainStepOutput:
     """See :meth:`ParallelModule.train_step`."""
     start = time.perf_counter()
-    module.train()
+    if not module.training:  # train() walks every submodule: only when needed, not every step
+        module.train()
     optimizer.zero_grad()
     ex = StageExecutor(module, list(micro_batches), loss_function, optimizer, sync)
     extra = (module.num_virtual_stages,) if module.schedule_name == "interleaved_1f1b" else ()

@@ -240,6 +240,11 @@ class ParallelModule(torch.nn.Module):
     ) -> TrainStepOutput:
         """Run the configured schedule over ``micro_batches`` and the optimizer step.
 
+        A module in eval mode is switched to training mode first (``train()``); one
+        already in training mode is left as it is, so a submodule the caller put in eval
+        mode (e.g. a frozen normalisation layer) stays there, as in a Megatron-LM or
+        torchtitan training loop.
+
         Args:
             micro_batches: one batch per micro-batch (``len`` is the number of
                 micro-batches on every rank; stages other than the first and last never
