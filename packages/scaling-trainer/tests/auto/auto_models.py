@@ -1,9 +1,11 @@
-"""Tiny transformers models and data shared by the auto tests."""
+"""Tiny transformers models, data and training loops shared by the auto tests."""
 
 from __future__ import annotations
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from scaling.trainer.auto import deferred_init, generate_plan, materialize, parallelize
 
 VOCAB, SEQ = 64, 8
 
@@ -60,3 +62,43 @@ def optimizer_fn(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def lr_scheduler_fn(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+
+
+# The plain loop on one process and the same loop parallelized (test_parity, test_zero).
+STEPS, GLOBAL_BATCH = 10, 4
+
+
+def reference_losses(name: str) -> list[float]:
+    cls, config = MODELS[name]
+    model = materialize(deferred_init(cls, config()), seed=7)
+    optimizer = optimizer_fn(model)
+    scheduler = lr_scheduler_fn(optimizer)
+    loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=GLOBAL_BATCH)
+    losses = []
+    for _, batch in zip(range(STEPS), loader):
+        optimizer.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+def train_worker(name: str, constraints: dict) -> list[float]:
+    cls, config = MODELS[name]
+    model = deferred_init(cls, config())
+    plan = generate_plan(model, {**constraints, "global_batch_size": GLOBAL_BATCH, "seed": 7})
+    model, optimizer, scheduler, loader = parallelize(plan, model, optimizer_fn, lr_scheduler_fn, TokenDataset())
+    losses = []
+    for _, batch in zip(range(STEPS), loader):
+        optimizer.zero_grad()
+        loss = model(batch)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.detach())
+    # the loss each DP rank prints is its own shard's; the global loss is their mean
+    stacked = torch.stack(losses)
+    torch.distributed.all_reduce(stacked, group=model.topology.data_parallel_group)
+    return (stacked / model.topology.data_parallel_size).tolist()

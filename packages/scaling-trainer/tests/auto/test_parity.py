@@ -4,49 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from auto_models import MODELS, TokenDataset, lr_scheduler_fn, optimizer_fn
+from auto_models import reference_losses, train_worker
 
 from scaling.testing import run_distributed
-from scaling.trainer.auto import deferred_init, generate_plan, materialize, parallelize
-
-STEPS, GLOBAL_BATCH = 10, 4
-
-
-def reference_losses(name: str) -> list[float]:
-    cls, config = MODELS[name]
-    model = materialize(deferred_init(cls, config()), seed=7)
-    optimizer = optimizer_fn(model)
-    scheduler = lr_scheduler_fn(optimizer)
-    loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=GLOBAL_BATCH)
-    losses = []
-    for _, batch in zip(range(STEPS), loader):
-        optimizer.zero_grad()
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
-    return losses
-
-
-def train_worker(name: str, constraints: dict) -> list[float]:
-    cls, config = MODELS[name]
-    model = deferred_init(cls, config())
-    plan = generate_plan(model, {**constraints, "global_batch_size": GLOBAL_BATCH, "seed": 7})
-    model, optimizer, scheduler, loader = parallelize(plan, model, optimizer_fn, lr_scheduler_fn, TokenDataset())
-    losses = []
-    for _, batch in zip(range(STEPS), loader):
-        optimizer.zero_grad()
-        loss = model(batch)
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.detach())
-    # the loss each DP rank prints is its own shard's; the global loss is their mean
-    stacked = torch.stack(losses)
-    torch.distributed.all_reduce(stacked, group=model.topology.data_parallel_group)
-    return (stacked / model.topology.data_parallel_size).tolist()
-
 
 LAYOUTS = {
     "dp2_tp2": {"data_parallel_size": 2, "tensor_parallel.size": 2},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_parity import reference_losses, train_worker
+from auto_models import reference_losses, train_worker
 
 from scaling.testing import run_distributed
 from scaling.trainer.auto import deferred_init, generate_plan
