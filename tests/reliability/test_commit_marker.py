@@ -55,6 +55,7 @@ def _check_invariants(save_dir: Path) -> int | None:
     return int(m.group(1))
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_commit_marker_is_the_last_durable_write_under_random_kills(tmp_path):
     from scaling.trainer.checkpoint import committed_steps, load_checkpoint, save_checkpoint

@@ -28,7 +28,7 @@ from reliability_testlib import (
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-STEPS = 40
+STEPS = 30
 STEP_DELAY_S = 0.25  # the SIGTERM run's steps sleep this long (losses unchanged): it is still running when signalled
 TIMEOUT_S = 10.0
 

@@ -71,6 +71,7 @@ def _save_config(corpus, save_dir, tp=1, pp=1):
     return tiny_config(corpus, tp=tp, pp=pp, steps=2, trainer={"save_dir": str(save_dir), "save_interval": 2})
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_checkpoint_of_any_layout_loads_in_one_process(tiny_corpus, tmp_path, capsys):
     run_distributed(train_worker, 1, _save_config(tiny_corpus, tmp_path / "one"), timeout_seconds=120)

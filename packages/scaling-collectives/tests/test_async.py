@@ -91,6 +91,7 @@ def _hung_peer(op, diagnostics_dir):
         dist.barrier()
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
 def test_wait_names_the_rank_that_never_issued_the_collective(op, tmp_path):

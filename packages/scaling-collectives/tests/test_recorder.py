@@ -157,7 +157,7 @@ def _absent_rank(debug, absent):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("debug", [False, True], ids=["on-timeout", "debug"])
+@pytest.mark.parametrize("debug", [pytest.param(False, marks=pytest.mark.slow), True], ids=["on-timeout", "debug"])
 def test_rank_that_never_arrives_is_named(debug):
     out = run_distributed(_absent_rank, 3, debug, 2, timeout_seconds=60)
     assert out[2] is None
@@ -217,6 +217,7 @@ def _p2p_failure(kind):
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize(("kind", "missed"), [("recv", "send"), ("send", "receive")])
 def test_p2p_timeout_names_the_peer(kind, missed):

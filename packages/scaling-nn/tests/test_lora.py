@@ -155,6 +155,7 @@ def _tp_export(tp, path):
     return sorted(lora_state_dict(ours)), dropout_error
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_tp2_adapter_loads_with_peft(tmp_path):
     pytest.importorskip("peft")

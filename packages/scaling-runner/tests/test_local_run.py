@@ -57,6 +57,7 @@ def test_local_eight_processes_train(worker_script, tmp_path, monkeypatch):
     run_and_check(worker_script, tmp_path, monkeypatch, 8)
 
 
+@pytest.mark.slow
 def test_kill_9_of_one_rank_is_reported(worker_script, tmp_path, capfd):
     payload = {"out_dir": str(tmp_path), "steps": 2, "lr": 0.3, "hang": True}
     cfg = RunnerConfig(script=worker_script, nproc_per_node=4)

@@ -26,6 +26,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_nodes_two_processes_each(worker_script, tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("HF_TOKEN", "pdsh-secret")
     payload = {"out_dir": str(tmp_path), "steps": 5, "lr": 0.3, "echo_env": ["HF_TOKEN"]}

@@ -30,6 +30,7 @@ def _alive(pid: int) -> bool:
 
 # SIGINT here, to workers stuck in a step; SIGTERM through the same forwarding path is
 # tested end to end with trainer workers in tests/reliability/test_restart_faults.py.
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT], ids=["SIGINT"])
 def test_signal_to_the_runner_is_forwarded_and_nothing_is_left(worker_script, tmp_path, signum):
     runner = subprocess.Popen(

@@ -48,6 +48,7 @@ def test_results_per_rank(world_size):
     assert out == [(expected, r, world_size) for r in range(world_size)]
 
 
+@pytest.mark.slow
 def test_raising_rank_is_named_and_pool_recovers():
     with pytest.raises(DistributedTestError, match=r"rank 1 failed ---\nValueError: boom from 1") as info:
         run_distributed(_raise_on, 3, 1, timeout_seconds=20)
@@ -56,6 +57,7 @@ def test_raising_rank_is_named_and_pool_recovers():
     assert run_distributed(_sum_ranks, 2, 1.0, timeout_seconds=60)[0][0] == 1.0
 
 
+@pytest.mark.slow
 def test_hanging_rank_is_named_within_timeout():
     start = time.monotonic()
     with pytest.raises(DistributedTimeoutError, match=r"rank\(s\) \[2\] did not return") as info:
@@ -68,11 +70,13 @@ def test_hanging_rank_is_named_within_timeout():
     assert pids == []
 
 
+@pytest.mark.slow
 def test_dead_rank_is_named():
     with pytest.raises(DistributedTestError, match=r"rank 0 died \(exit code 7\)"):
         run_distributed(_die_on, 2, 0, timeout_seconds=20)
 
 
+@pytest.mark.slow
 def test_no_process_left_after_failure():
     run_distributed(_sum_ranks, 2, 1.0, timeout_seconds=60)
     pids = worker_pids()

@@ -81,6 +81,7 @@ def test_invalid_configs_name_field_and_values(given, message):
         TopologyConfig(**given)
 
 
+@pytest.mark.slow
 def test_invalid_configs_under_python_O():
     """Validation must not rely on assert: the same errors appear under python -O."""
     script = textwrap.dedent(

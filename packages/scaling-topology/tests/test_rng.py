@@ -57,6 +57,7 @@ def _draws():
     return topo.coordinates(), replicated, sharded
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_tp_group_shares_default_stream_not_model_parallel_stream():
     out = run_distributed(_draws, 4, timeout_seconds=60)

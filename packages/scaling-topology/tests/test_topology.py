@@ -104,7 +104,17 @@ def _check_groups(tp, dp, pp):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("tp", "dp", "pp"), [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2), (2, 1, 2), (2, 2, 2)]
+    ("tp", "dp", "pp"),
+    [
+        (1, 1, 1),
+        (2, 1, 1),
+        (1, 2, 1),
+        (1, 1, 2),
+        (2, 2, 1),
+        (1, 2, 2),
+        (2, 1, 2),
+        pytest.param(2, 2, 2, marks=pytest.mark.slow),
+    ],
 )
 def test_process_groups_on_real_ranks(tp, dp, pp):
     world = tp * dp * pp
@@ -138,6 +148,7 @@ def _group_timeouts():
     return float("inf")
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_subgroups_use_the_configured_timeout():
     elapsed = run_distributed(_group_timeouts, 4, timeout_seconds=60)[0]

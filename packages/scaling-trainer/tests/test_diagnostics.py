@@ -39,6 +39,7 @@ def _spy_worker(diagnostics_dir):
     return sorted(set(seen)), after.step, after.diagnostics_dir
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_run_training_sets_the_directory_rank_and_step(tmp_path):
     out = run_distributed(_spy_worker, 2, str(tmp_path), timeout_seconds=180)
@@ -65,6 +66,7 @@ time.sleep(60)  # stuck: never reaches a step boundary
 """
 
 
+@pytest.mark.slow
 def test_watchdog_writes_the_diagnostics_file_before_it_ends_a_stuck_rank(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(WATCHDOG), str(tmp_path)], capture_output=True, text=True, timeout=120

@@ -51,6 +51,7 @@ def load_worker(name: str, path: str, constraints: dict) -> tuple[float, dict]:
     return _step(model, optimizer, scheduler, batch), saved_plan.to_dict()
 
 
+@pytest.mark.slow
 def test_save_dp2_tp2_load_tp2_and_one_rank(tmp_path) -> None:
     for name in ("gpt2", "llama"):
         path = str(tmp_path / name)
@@ -115,6 +116,7 @@ def _merged(results: list[dict], which: str) -> dict[str, torch.Tensor]:
     return merged
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_save_pp2_dp2_load_dp2_tp2_and_back(tmp_path, zero_stage: int) -> None:
     # GPT-2: tied LM head (on both stages under pp2), fused c_attn (viewed by part under tp2)
