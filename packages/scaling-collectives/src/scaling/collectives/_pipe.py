@@ -23,11 +23,9 @@ deadlocking, and transfers between the same two ranks pair up in order.
 Sends can stay in flight (``wait=False`` / ``wait_sends=False``): the call returns once
 its receives are done, and :meth:`PipeTransport.wait_sends` (the end of a pipeline step)
 waits for the rest. Every frame is a fresh buffer, so nothing is reused while in flight;
-a send that never completes is diagnosed (its peer named) when it is waited on. Both
-sides cache where each tensor sits in a frame (:class:`_Layout`), so a steady-state
-message costs one ``torch.cat`` to build and one typed view per tensor to read. On CPU a
-receive buffer wraps a numpy array, whose header reads and views cost a fraction of
-torch's (``bench/pipe_transport.py`` times a hand-off against torch's).
+a send that never completes is diagnosed (its peer named) when it is waited on. The
+frames themselves (header, payload layout, the cached per-channel ``Layout``) are in
+``_frames.py``.
 """
 
 from __future__ import annotations
@@ -35,15 +33,14 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from scaling.collectives import _p2p_diagnosis, _pytree
+from scaling.collectives._frames import HEADER, Buffer, Layout, empty_buffer, header, read_header
 from scaling.collectives._recorder import CollectiveRecord, get_recorder
 
 _FORWARD, _BACKWARD = "forward", "backward"
-_HEADER = 32  # bytes before the payload in a frame: int64[4], keeps the payload 16-byte aligned
 
 
 class _NoSend:
@@ -54,89 +51,6 @@ class _NoSend:
 
 
 _NO_SEND: Any = _NoSend()
-
-
-# torch dtype -> numpy dtype, for the CPU receive path (dtypes numpy lacks, e.g. bfloat16, take the torch path).
-_NUMPY_DTYPES: dict[torch.dtype, Any] = {
-    torch.bool: np.bool_,
-    torch.uint8: np.uint8,
-    torch.int8: np.int8,
-    torch.int16: np.int16,
-    torch.int32: np.int32,
-    torch.int64: np.int64,
-    torch.float16: np.float16,
-    torch.float32: np.float32,
-    torch.float64: np.float64,
-    torch.complex64: np.complex64,
-    torch.complex128: np.complex128,
-}
-
-
-class _Layout:
-    """A channel's cached metadata and where each tensor sits in a frame's payload.
-
-    Both sides build it from the same metadata (at the handshake), so the steady state
-    needs neither ``offsets`` nor a header other than the cached one.
-    """
-
-    __slots__ = ("header", "meta", "metas", "np_dtypes", "pads", "size", "slices", "spec")
-
-    def __init__(self, meta: Any, device: torch.device) -> None:
-        self.meta = meta
-        self.spec: Any = None if meta is None else meta[0]
-        self.metas: tuple[_pytree.TensorMeta, ...] = () if meta is None else meta[1]
-        starts, self.size = _pytree.offsets(self.metas)
-        self.slices = [(start, start + m.nbytes) for start, m in zip(starts, self.metas)]
-        ends = [*starts[1:], self.size]
-        # Zero filler up to the next 16-byte boundary after each tensor.
-        self.pads = [
-            torch.zeros(nxt - end, dtype=torch.uint8, device=device) if nxt > end else None
-            for (_, end), nxt in zip(self.slices, ends)
-        ]
-        self.header = _header(0, 0, self.size, device)
-        # On CPU a received tensor is a numpy view of the frame (a third of the cost of torch's views).
-        np_dtypes = [_NUMPY_DTYPES.get(m.dtype) for m in self.metas]
-        self.np_dtypes = np_dtypes if device.type == "cpu" and None not in np_dtypes else None
-
-    def payload_pieces(self, tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-        """The byte views (and fillers) whose concatenation is the packed payload."""
-        pieces = []
-        for t, (start, end), pad in zip(tensors, self.slices, self.pads):
-            if end > start:
-                # reshape copies only a non-contiguous tensor; .to only one on another device.
-                piece = t.detach().reshape(-1).view(torch.uint8)
-                pieces.append(piece if piece.device == device else piece.to(device))
-            if pad is not None:
-                pieces.append(pad)
-        return pieces
-
-    def unpack(self, buffer: _Buffer, base: int, grad_leaves: bool) -> Any:
-        """The pytree whose payload starts at byte ``base`` of ``buffer`` (typed views, no copy)."""
-        tensor, array = buffer
-        np_dtypes = self.np_dtypes if array is not None else None
-        tensors = []
-        for i, ((start, end), m) in enumerate(zip(self.slices, self.metas)):
-            if end == start:
-                t = torch.empty(m.shape, dtype=m.dtype, device=tensor.device)
-            elif np_dtypes is not None:
-                t = torch.from_numpy(array[base + start : base + end].view(np_dtypes[i]).reshape(m.shape))
-            else:
-                t = tensor[base + start : base + end].view(m.dtype).view(m.shape)
-            if grad_leaves and m.requires_grad:
-                t.requires_grad_(True)
-            tensors.append(t)
-        return _pytree.unflatten(self.spec, tensors)
-
-
-# A receive buffer: the uint8 tensor, and on CPU the numpy array it wraps (cheap header reads and views).
-_Buffer = tuple[torch.Tensor, Any]
-
-
-def _empty(nbytes: int, device: torch.device) -> _Buffer:
-    if device.type == "cpu":
-        array = np.empty(nbytes, dtype=np.uint8)
-        return torch.from_numpy(array), array
-    return torch.empty(nbytes, dtype=torch.uint8, device=device), None
 
 
 def tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
@@ -200,9 +114,9 @@ class PipeTransport:
         self.group = group
         self.ring = ring
         # Last metadata sent / received per channel: the handshake cache.
-        empty = _Layout(None, self.device)
-        self._sent: dict[str, _Layout] = {_FORWARD: empty, _BACKWARD: empty}
-        self._received: dict[str, _Layout] = {_FORWARD: empty, _BACKWARD: empty}
+        empty = Layout(None, self.device)
+        self._sent: dict[str, Layout] = {_FORWARD: empty, _BACKWARD: empty}
+        self._received: dict[str, Layout] = {_FORWARD: empty, _BACKWARD: empty}
         self._in_flight: list[tuple[Any, CollectiveRecord]] = []  # (work, record) of unfinished sends, oldest first
         self._resolved_group: tuple[Any, bool] | None = None
         self._group_ranks: dict[int, int] = {}  # global rank -> rank in the group
@@ -273,7 +187,7 @@ class PipeTransport:
         # One frame per message, posted in the fixed order send fwd, recv fwd, send bwd, recv bwd.
         ops: list[tuple[str, torch.Tensor, int]] = []
         handshakes: list[_Handshake] = []
-        incoming: list[tuple[str, int, _Buffer]] = []
+        incoming: list[tuple[str, int, Buffer]] = []
         if send_forward is not _NO_SEND:
             self._add_send(ops, handshakes, _FORWARD, self._peer("next_rank", "send_forward"), send_forward)
         if recv_forward:
@@ -384,13 +298,13 @@ class PipeTransport:
             frame = torch.cat([cached.header, *cached.payload_pieces(tensors, self.device)])
         else:
             # Filler of the size the receiver expects, then metadata + payload in step 2.
-            layout = _Layout(meta, self.device)
+            layout = Layout(meta, self.device)
             meta_bytes = pickle.dumps(meta)
             pieces = layout.payload_pieces(tensors, self.device)
             payload = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=self.device)
             frame = torch.cat(
                 [
-                    _header(1, len(meta_bytes), payload.numel(), self.device),
+                    header(1, len(meta_bytes), payload.numel(), self.device),
                     torch.zeros(cached.size, dtype=torch.uint8, device=self.device),
                 ]
             )
@@ -398,19 +312,19 @@ class PipeTransport:
         ops.append(("send", frame, dst))
 
     def _add_recv(
-        self, ops: list[tuple[str, torch.Tensor, int]], incoming: list[tuple[str, int, _Buffer]], channel: str, src: int
+        self, ops: list[tuple[str, torch.Tensor, int]], incoming: list[tuple[str, int, Buffer]], channel: str, src: int
     ) -> None:
         """Append the receive of a frame of the size the channel's cached metadata gives."""
-        buffer = _empty(_HEADER + self._received[channel].size, self.device)
+        buffer = empty_buffer(HEADER + self._received[channel].size, self.device)
         ops.append(("recv", buffer[0], src))
         incoming.append((channel, src, buffer))
 
     def _finish(
-        self, handshakes: list[_Handshake], incoming: list[tuple[str, int, _Buffer]], wait_sends: bool
+        self, handshakes: list[_Handshake], incoming: list[tuple[str, int, Buffer]], wait_sends: bool
     ) -> dict[str, Any]:
         """The received pytrees, after step 2 for the messages whose metadata changed (both sides know which)."""
         ops: list[tuple[str, torch.Tensor, int]] = []
-        changed: dict[str, tuple[torch.Tensor, _Buffer]] = {}
+        changed: dict[str, tuple[torch.Tensor, Buffer]] = {}
         for channel, dst, meta_bytes, payload, layout in handshakes:
             ops.append(("send", torch.frombuffer(bytearray(meta_bytes), dtype=torch.uint8).to(self.device), dst))
             if payload.numel():
@@ -418,29 +332,28 @@ class PipeTransport:
             self._sent[channel] = layout
             self.handshakes_sent += 1
         for channel, src, (frame, array) in incoming:
-            header = frame[:_HEADER].view(torch.int64) if array is None else array[:_HEADER].view(np.int64)
-            flag, meta_len, payload_len, _ = header.tolist()
+            flag, meta_len, payload_len, _ = read_header(frame, array)
             if flag:
                 meta_buf = torch.empty(meta_len, dtype=torch.uint8, device=self.device)
-                payload_buf = _empty(payload_len, self.device)
+                payload_buf = empty_buffer(payload_len, self.device)
                 ops.append(("recv", meta_buf, src))
                 if payload_len:
                     ops.append(("recv", payload_buf[0], src))
                 changed[channel] = (meta_buf, payload_buf)
-            elif payload_len != frame.numel() - _HEADER:
+            elif payload_len != frame.numel() - HEADER:
                 raise RuntimeError(
                     f"PipeTransport: {channel} message of {payload_len} payload bytes from rank {src} does not match "
-                    f"the cached metadata ({frame.numel() - _HEADER} bytes); the two sides disagree on "
+                    f"the cached metadata ({frame.numel() - HEADER} bytes); the two sides disagree on "
                     "the message order"
                 )
         self._post(ops, wait_sends)
 
         received: dict[str, Any] = {}
         for channel, _, buffer in incoming:
-            base = _HEADER
+            base = HEADER
             if channel in changed:
                 meta_buf, buffer = changed[channel]
-                self._received[channel] = _Layout(pickle.loads(meta_buf.cpu().numpy().tobytes()), self.device)
+                self._received[channel] = Layout(pickle.loads(meta_buf.cpu().numpy().tobytes()), self.device)
                 self.handshakes_received += 1
                 base = 0
             received[channel] = self._received[channel].unpack(buffer, base, grad_leaves=channel == _FORWARD)
@@ -448,13 +361,8 @@ class PipeTransport:
 
 
 # A handshake to send in step 2: (channel, peer, pickled metadata, payload, the new layout).
-_Handshake = tuple[str, int, bytes, torch.Tensor, _Layout]
+_Handshake = tuple[str, int, bytes, torch.Tensor, Layout]
 _PATHS = {_FORWARD: "forward pytree", _BACKWARD: "backward pytree"}
-
-
-def _header(changed: int, meta_len: int, payload_len: int, device: torch.device) -> torch.Tensor:
-    """A frame's first ``_HEADER`` bytes: ``int64[4]`` (metadata changed?, metadata bytes, payload bytes, 0)."""
-    return torch.tensor([changed, meta_len, payload_len, 0], dtype=torch.int64).view(torch.uint8).to(device)
 
 
 def _grad_list(grads: Any) -> list[torch.Tensor | None]:

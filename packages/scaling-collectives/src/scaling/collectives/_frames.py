@@ -1,0 +1,114 @@
+"""The frames :class:`~scaling.collectives.PipeTransport` sends: a header, then every tensor of a pytree.
+
+A frame is ``HEADER`` bytes, ``int64[4]`` (metadata changed?, metadata bytes, payload
+bytes, 0), followed by the payload: each tensor's bytes at a 16-byte-aligned offset. A
+:class:`Layout` caches, per channel, the metadata both sides agreed on and where each
+tensor sits, so a steady-state frame is built with one ``torch.cat`` and read with one
+view per tensor. On CPU a receive buffer wraps a numpy array, whose header reads and
+views cost a fraction of torch's (``bench/pipe_transport.py`` times a hand-off).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from scaling.collectives import _pytree
+
+HEADER = 32  # bytes before the payload in a frame: int64[4], keeps the payload 16-byte aligned
+
+# torch dtype -> numpy dtype, for the CPU receive path (dtypes numpy lacks, e.g. bfloat16, take the torch path).
+_NUMPY_DTYPES: dict[torch.dtype, Any] = {
+    torch.bool: np.bool_,
+    torch.uint8: np.uint8,
+    torch.int8: np.int8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+}
+
+
+class Layout:
+    """A channel's cached metadata and where each tensor sits in a frame's payload.
+
+    Both sides build it from the same metadata (at the handshake), so the steady state
+    needs neither ``offsets`` nor a header other than the cached one.
+    """
+
+    __slots__ = ("header", "meta", "metas", "np_dtypes", "pads", "size", "slices", "spec")
+
+    def __init__(self, meta: Any, device: torch.device) -> None:
+        self.meta = meta
+        self.spec: Any = None if meta is None else meta[0]
+        self.metas: tuple[_pytree.TensorMeta, ...] = () if meta is None else meta[1]
+        starts, self.size = _pytree.offsets(self.metas)
+        self.slices = [(start, start + m.nbytes) for start, m in zip(starts, self.metas)]
+        ends = [*starts[1:], self.size]
+        # Zero filler up to the next 16-byte boundary after each tensor.
+        self.pads = [
+            torch.zeros(nxt - end, dtype=torch.uint8, device=device) if nxt > end else None
+            for (_, end), nxt in zip(self.slices, ends)
+        ]
+        self.header = header(0, 0, self.size, device)
+        # On CPU a received tensor is a numpy view of the frame (a third of the cost of torch's views).
+        np_dtypes = [_NUMPY_DTYPES.get(m.dtype) for m in self.metas]
+        self.np_dtypes = np_dtypes if device.type == "cpu" and None not in np_dtypes else None
+
+    def payload_pieces(self, tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """The byte views (and fillers) whose concatenation is the packed payload."""
+        pieces = []
+        for t, (start, end), pad in zip(tensors, self.slices, self.pads):
+            if end > start:
+                # reshape copies only a non-contiguous tensor; .to only one on another device.
+                piece = t.detach().reshape(-1).view(torch.uint8)
+                pieces.append(piece if piece.device == device else piece.to(device))
+            if pad is not None:
+                pieces.append(pad)
+        return pieces
+
+    def unpack(self, buffer: Buffer, base: int, grad_leaves: bool) -> Any:
+        """The pytree whose payload starts at byte ``base`` of ``buffer`` (typed views, no copy)."""
+        tensor, array = buffer
+        np_dtypes = self.np_dtypes if array is not None else None
+        tensors = []
+        for i, ((start, end), m) in enumerate(zip(self.slices, self.metas)):
+            if end == start:
+                t = torch.empty(m.shape, dtype=m.dtype, device=tensor.device)
+            elif np_dtypes is not None:
+                t = torch.from_numpy(array[base + start : base + end].view(np_dtypes[i]).reshape(m.shape))
+            else:
+                t = tensor[base + start : base + end].view(m.dtype).view(m.shape)
+            if grad_leaves and m.requires_grad:
+                t.requires_grad_(True)
+            tensors.append(t)
+        return _pytree.unflatten(self.spec, tensors)
+
+
+# A receive buffer: the uint8 tensor, and on CPU the numpy array it wraps (cheap header reads and views).
+Buffer = tuple[torch.Tensor, Any]
+
+
+def empty_buffer(nbytes: int, device: torch.device) -> Buffer:
+    """A receive buffer of ``nbytes`` on ``device`` (numpy-backed on CPU)."""
+    if device.type == "cpu":
+        array = np.empty(nbytes, dtype=np.uint8)
+        return torch.from_numpy(array), array
+    return torch.empty(nbytes, dtype=torch.uint8, device=device), None
+
+
+def header(changed: int, meta_len: int, payload_len: int, device: torch.device) -> torch.Tensor:
+    """A frame's first ``HEADER`` bytes: ``int64[4]`` (metadata changed?, metadata bytes, payload bytes, 0)."""
+    return torch.tensor([changed, meta_len, payload_len, 0], dtype=torch.int64).view(torch.uint8).to(device)
+
+
+def read_header(frame: torch.Tensor, array: Any) -> list[int]:
+    """The four header fields of a received frame (through its numpy array on CPU)."""
+    fields = frame[:HEADER].view(torch.int64) if array is None else array[:HEADER].view(np.int64)
+    return list(fields.tolist())
