@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from auto_models import reference_losses, train_worker
@@ -11,15 +13,20 @@ from scaling.trainer.auto import deferred_init, generate_plan
 from scaling.trainer.auto._optimizer import _config
 
 
-def zero_worker(name: str) -> tuple[list[float], list[float]]:
-    zero1 = train_worker(name, {"data_parallel_size": 2, "zero_stage": 1})
-    bf16 = train_worker(name, {"data_parallel_size": 2, "zero_stage": 1, "precision": "bfloat16"})
-    return zero1, bf16
+def zero_worker(name: str) -> tuple[list[float], list[float], list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zero1 = train_worker(name, {"data_parallel_size": 2, "zero_stage": 1})
+        bf16 = train_worker(name, {"data_parallel_size": 2, "zero_stage": 1, "precision": "bfloat16"})
+    return zero1, bf16, [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
 
 
 def test_dp2_zero1_matches_one_process_and_bf16_trains() -> None:
     expected = reference_losses("llama")
-    for zero1, bf16 in run_distributed(zero_worker, 2, "llama", timeout_seconds=420):
+    for zero1, bf16, scheduler_warnings in run_distributed(zero_worker, 2, "llama", timeout_seconds=420):
+        # The update runs in scaling.optim, not in the user's optimizer: its scheduler must not
+        # warn that it stepped before the optimizer did.
+        assert scheduler_warnings == []
         torch.testing.assert_close(torch.tensor(zero1), torch.tensor(expected), rtol=1e-5, atol=0.0)
         # bf16 parameters with fp32 master weights: the same curve within bf16 rounding
         torch.testing.assert_close(torch.tensor(bf16), torch.tensor(expected), rtol=3e-2, atol=0.0)

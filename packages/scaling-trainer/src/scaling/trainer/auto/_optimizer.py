@@ -152,7 +152,12 @@ class ParallelOptimizer:
             if stage is not None:
                 self.engine.finish_gradient_reduction()  # DP first: the tied sum keeps the DP ownership
                 stage.reduce_tied_gradients()
-            return self.engine.step()
+            out = self.engine.step()
+            # The user's optimizer carries the LRs but never steps; tell its torch scheduler the
+            # update ran (the flag torch's step wrapper sets), or scheduler.step() warns that it
+            # came before optimizer.step() (torch 2.6-2.13; harmless where the flag is unused).
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]
+            return out
         if stage is not None:
             stage.reduce_tied_gradients()
         all_reduce_gradients(self._params, self.model.topology.data_parallel_group)
