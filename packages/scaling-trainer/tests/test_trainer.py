@@ -16,8 +16,11 @@ LAYOUTS = [pytest.param(2, 1, id="dp2-tp2"), pytest.param(1, 2, id="pp2-dp2")]
 def test_bitwise_resume_with_dropout_and_zero1(tmp_path, tp, pp):
     ckpt = str(tmp_path / "ckpt")
     continuous = run_distributed(train_worker, 4, tp, pp, {"train_iterations": 10}, timeout_seconds=240)
-    run_distributed(train_worker, 4, tp, pp, {"train_iterations": 6, "save_dir": ckpt}, timeout_seconds=240)
-    assert committed_steps(ckpt) == [6]
+    # Saved asynchronously (staged into the trainer's kept CPU buffers), every 3 steps: steps 4-6
+    # change the parameters while step 3's files are written.
+    saving = {"train_iterations": 6, "save_dir": ckpt, "save_interval": 3, "async_save": True}
+    run_distributed(train_worker, 4, tp, pp, saving, timeout_seconds=240)
+    assert committed_steps(ckpt) == [3, 6]
     resumed = run_distributed(train_worker, 4, tp, pp, {"train_iterations": 10, "load_dir": ckpt}, timeout_seconds=240)
     for rank in range(4):
         assert resumed[rank]["losses"] == continuous[rank]["losses"][6:], f"rank {rank}"

@@ -11,6 +11,7 @@ import torch
 from scaling.testing import make_topology, run_distributed
 from scaling.topology import get_rng_state
 from scaling.trainer.checkpoint import (
+    StagingBuffers,
     load_checkpoint,
     load_model_state_dict,
     model_state_dict,
@@ -35,8 +36,17 @@ def save_at(path: str, step: int, tp: int, pp: int, use_async: bool) -> None:
     params, state = _state(topo, fill=True)
     group = new_checkpoint_group() if use_async else None
     rng = get_rng_state()
+    staging = StagingBuffers() if use_async else None  # DTensors staged into kept buffers
     pending = save_checkpoint(
-        path, step, state, topo, extra={"iterations": step}, rank_state=rng, async_save=use_async, process_group=group
+        path,
+        step,
+        state,
+        topo,
+        extra={"iterations": step},
+        rank_state=rng,
+        async_save=use_async,
+        process_group=group,
+        staging=staging,
     )
     if use_async:
         # The tensors were staged to CPU before save_checkpoint returned: changing them now

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from scaling.trainer.checkpoint import (
     PendingSave,
+    StagingBuffers,
     load_checkpoint,
     load_model_state_dict,
     model_state_dict,
@@ -33,6 +34,7 @@ class TrainerCheckpointer:
         self.trainer = trainer
         self._pending: PendingSave | None = None
         self._group: Any = None
+        self._staging = StagingBuffers()  # allocated on the first asynchronous save, then reused
         self.last_loaded_step: int | None = None
         self.last_saved_step: int | None = None
 
@@ -71,6 +73,7 @@ class TrainerCheckpointer:
             keep_last=t.config.keep_last_n_checkpoints,
             async_save=t.config.async_save,
             process_group=self._group,
+            staging=self._staging if t.config.async_save else None,
         )
         self.last_saved_step = t.context.iterations
         if not t.config.async_save:

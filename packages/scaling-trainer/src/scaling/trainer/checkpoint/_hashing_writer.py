@@ -120,6 +120,14 @@ class HashingFileSystemWriter(FileSystemWriter):
         self.fs: HashingFileSystem = HashingFileSystem()
         self.max_threads = max_threads
         self.split_bytes = split_bytes
+        self.staged = False  # set when the caller staged the tensors itself (StagingBuffers)
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """DCP's async staging (a copy to CPU), skipped for tensors the caller staged already."""
+        if self.staged:
+            self.per_thread_copy_ahead = 0  # what FileSystemWriter.stage sets: the copies are on the CPU
+            return state_dict
+        return super().stage(state_dict)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         tensors = [item.tensor_data for item in plan.items if item.tensor_data is not None]

@@ -9,12 +9,14 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 from safetensors.torch import save as safetensors_bytes
 
 # The defining submodule: mypy sees the package __init__'s names as not re-exported.
 from torch.distributed.checkpoint import staging as dcp_staging
 from torch.distributed.checkpoint import state_dict_saver as dcp_saver
+from torch.distributed.tensor import DTensor
 
 from scaling.trainer.checkpoint import _marker as mk
 from scaling.trainer.checkpoint._hashing_writer import Digest, HashingFileSystemWriter, write_file_hashed
@@ -77,6 +79,62 @@ class PendingSave:
         if self.error is not None:
             raise self.error
         return self.path
+
+
+class StagingBuffers:
+    """CPU copies of the state that asynchronous saves reuse, instead of allocating their own.
+
+    An asynchronous save copies every tensor before it returns, so training can change the
+    originals while the files are written. Fresh buffers for each save cost the page faults
+    of the whole state (0.1-0.15 s per 256 MiB on the 2-core dev VM); these stay allocated
+    for the next save, like DCP's ``cache_staged_state_dict`` (which needs pinned memory,
+    hence a GPU) and torchtitan's pinned-memory staging. The price is host memory for one
+    copy of this rank's state between saves. A buffer is made anew when its tensor's shape,
+    dtype or placements change. As for every save, wait for the previous one before starting
+    the next (it may still be writing from these buffers). Tensors and DTensors on CPU meshes
+    are staged here; a state holding a DTensor on another device keeps DCP's own staging.
+
+    Example::
+
+        >>> staging = StagingBuffers()
+        >>> pending = save_checkpoint(path, step, state, topology, async_save=True,
+        ...                           process_group=group, staging=staging)
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def can_stage(tensors: Mapping[str, Any]) -> bool:
+        """Whether every value is a CPU tensor or a DTensor on a CPU mesh."""
+        return all(
+            v.device_mesh.device_type == "cpu" if isinstance(v, DTensor) else v.device.type == "cpu"
+            for v in tensors.values()
+        )
+
+    def stage(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        """``tensors`` copied into the kept buffers (a DTensor keeps its mesh, placements and global shape)."""
+        staged: dict[str, Any] = {}
+        for key, value in tensors.items():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
+                buffer = self._buffers[key] = torch.empty(local.shape, dtype=local.dtype)
+            buffer.copy_(local.detach())
+            if isinstance(value, DTensor):
+                staged[key] = DTensor.from_local(
+                    buffer,
+                    value.device_mesh,
+                    value.placements,
+                    run_check=False,
+                    shape=value.shape,
+                    stride=value.stride(),
+                )
+            else:
+                staged[key] = buffer
+        for key in self._buffers.keys() - tensors.keys():
+            del self._buffers[key]
+        return staged
 
 
 def _layout(topology: Topology | None) -> dict[str, int]:
@@ -160,6 +218,7 @@ def save_checkpoint(
     keep_last: int | None = None,
     async_save: bool = False,
     process_group: Any = None,
+    staging: StagingBuffers | None = None,
 ) -> PendingSave:
     """Save a checkpoint of every rank's ``state`` into ``save_dir/step_{step:08d}``.
 
@@ -183,6 +242,8 @@ def save_checkpoint(
             a background thread. Needs ``process_group`` distinct from the training
             collectives when running distributed (see :func:`new_checkpoint_group`).
         process_group: the group the save's collectives run on.
+        staging: with ``async_save``, copy the tensors into these kept buffers instead of
+            new ones (see :class:`StagingBuffers`; the trainer keeps one).
 
     Returns:
         A :class:`PendingSave`; call ``wait()`` before the next save and before exit.
@@ -234,7 +295,10 @@ def save_checkpoint(
         _commit(save_dir, step_dir, step, info, process_group, keep_last, {**side, **writer.digests(step_dir)})
         return PendingSave(step_dir)
 
-    if not _ASYNC_SAVE_COPIES:
+    if staging is not None and staging.can_stage(tensors):
+        tensors = staging.stage(tensors)
+        writer.staged = True  # DCP's own staging would copy them again
+    elif not _ASYNC_SAVE_COPIES:
         tensors = {key: value.detach().clone() for key, value in tensors.items()}
     response = dcp_saver.async_save(tensors, storage_writer=writer, process_group=process_group)
     # Without an async stager DCP returns a plain Future; an AsyncSaveResponse (newer torch) wraps one.
