@@ -258,3 +258,17 @@ def test_bad_arguments_are_named():
         batch_send_recv([("send", torch.ones(1), 0), ("bcast", torch.ones(1), 0)])
     with pytest.raises(TypeError, match=r"forward pytree\['bad'\]: a set cannot be sent"):
         PipeTransport(None, 1, torch.device("cpu")).send_forward({"bad": {1, 2}})
+
+
+@pytest.mark.parametrize(
+    ("obj", "message"),
+    [
+        (Activations(torch.ones(1), None, torch.ones(1), layer={1}), r"forward pytree\.layer: a set cannot be sent"),
+        (Pair(torch.ones(1), [None, object()]), r"forward pytree\.b\[1\]: a object cannot be sent"),
+        ((torch.ones(1), {"k": (1, {2})}), r"forward pytree\[1\]\['k'\]\[1\]: a set cannot be sent"),
+        ({(1, 2): torch.ones(1)}, r"forward pytree: dict key \(1, 2\) of type tuple is not supported"),
+    ],
+)
+def test_unsendable_leaf_is_named_by_its_path(obj, message):
+    with pytest.raises(TypeError, match=message):
+        PipeTransport(None, 1, torch.device("cpu")).send_forward(obj)

@@ -61,6 +61,15 @@ class Layout:
         np_dtypes = [_NUMPY_DTYPES.get(m.dtype) for m in self.metas]
         self.np_dtypes = np_dtypes if device.type == "cpu" and None not in np_dtypes else None
 
+    def fits(self, spec: Any, tensors: list[torch.Tensor]) -> bool:
+        """Whether a flattened pytree matches this layout (same spec, shapes, dtypes, grad flags): the steady state."""
+        if spec != self.spec or len(tensors) != len(self.metas):
+            return False
+        for t, m in zip(tensors, self.metas):
+            if t.dtype != m.dtype or t.requires_grad != m.requires_grad or t.shape != m.shape:
+                return False
+        return True
+
     def payload_pieces(self, tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
         """The byte views (and fillers) whose concatenation is the packed payload."""
         pieces = []
@@ -74,7 +83,13 @@ class Layout:
         return pieces
 
     def unpack(self, buffer: Buffer, base: int, grad_leaves: bool) -> Any:
-        """The pytree whose payload starts at byte ``base`` of ``buffer`` (typed views, no copy)."""
+        """The pytree whose payload starts at byte ``base`` of ``buffer`` (typed views, no copy).
+
+        Views read no data, so this may run before the buffer is filled. ``None`` while
+        nothing is cached (a channel's first message always comes with its metadata).
+        """
+        if self.meta is None:
+            return None
         tensor, array = buffer
         np_dtypes = self.np_dtypes if array is not None else None
         tensors = []

@@ -197,8 +197,14 @@ class PipeTransport:
             self._add_send(ops, handshakes, _BACKWARD, self._peer("prev_rank", "send_backward"), grads)
         if recv_backward:
             self._add_recv(ops, incoming, _BACKWARD, self._peer("next_rank", "recv_backward"))
-        self._post(ops, wait_sends)
-        got = self._finish(handshakes, incoming, wait_sends)
+        works, recs = self._start(ops)
+        # While the messages travel: the steady-state pytrees as views of the receive buffers
+        # (views read no data), so only the header check is left once the data is in.
+        expected = [
+            self._received[channel].unpack(buffer, HEADER, channel == _FORWARD) for channel, _, buffer in incoming
+        ]
+        self._wait(ops, works, recs, wait_sends)
+        got = self._finish(handshakes, incoming, expected, wait_sends)
         return got.get(_FORWARD), got.get(_BACKWARD)
 
     @property
@@ -242,13 +248,18 @@ class PipeTransport:
         return rank
 
     def _post(self, ops: list[tuple[str, torch.Tensor, int]], wait_sends: bool) -> None:
-        """Post ``ops`` together (recorded like ``batch_send_recv``) and wait for the receives (and sends unless left in flight).
+        """Post ``ops`` together and wait for the receives (and the sends unless left in flight)."""
+        works, recs = self._start(ops)
+        self._wait(ops, works, recs, wait_sends)
+
+    def _start(self, ops: list[tuple[str, torch.Tensor, int]]) -> tuple[list[Any], list[CollectiveRecord]]:
+        """Post ``ops`` together (recorded like ``batch_send_recv``); the handles and records.
 
         The bookkeeping (recording the ops, collecting earlier sends that finished) runs
         after posting, while the messages travel, not before the sends go out.
         """
         if not ops:
-            return
+            return [], []
         group, direct = self._resolved()
         try:
             if direct:
@@ -274,6 +285,12 @@ class PipeTransport:
                 work.wait()
             except RuntimeError as exc:
                 raise _p2p_diagnosis.p2p_failure([rec], self.group, exc) from exc
+        return works, recs
+
+    def _wait(
+        self, ops: list[tuple[str, torch.Tensor, int]], works: list[Any], recs: list[CollectiveRecord], wait_sends: bool
+    ) -> None:
+        """Wait for the receives of a :meth:`_start` (and its sends, or leave them in flight)."""
         try:
             if len(works) != len(ops):  # one handle for the whole batch (coalescing backends): wait for it
                 for work in works:
@@ -292,12 +309,12 @@ class PipeTransport:
     ) -> None:
         """Append the frame of ``obj``; if its metadata changed, a handshake for the second step."""
         spec, tensors = _pytree.flatten(obj, path=_PATHS[channel])
-        meta = (spec, _pytree.tensor_metas(tensors))
         cached = self._sent[channel]
-        if meta == cached.meta:
+        if cached.fits(spec, tensors):
             frame = torch.cat([cached.header, *cached.payload_pieces(tensors, self.device)])
         else:
             # Filler of the size the receiver expects, then metadata + payload in step 2.
+            meta = (spec, _pytree.tensor_metas(tensors))
             layout = Layout(meta, self.device)
             meta_bytes = pickle.dumps(meta)
             pieces = layout.payload_pieces(tensors, self.device)
@@ -320,9 +337,17 @@ class PipeTransport:
         incoming.append((channel, src, buffer))
 
     def _finish(
-        self, handshakes: list[_Handshake], incoming: list[tuple[str, int, Buffer]], wait_sends: bool
+        self,
+        handshakes: list[_Handshake],
+        incoming: list[tuple[str, int, Buffer]],
+        expected: list[Any],
+        wait_sends: bool,
     ) -> dict[str, Any]:
-        """The received pytrees, after step 2 for the messages whose metadata changed (both sides know which)."""
+        """The received pytrees: ``expected`` (built from the cached layouts), or after step 2 where the metadata changed.
+
+        Both sides know which messages changed: the sender from its cache, the receiver
+        from the frame's header.
+        """
         ops: list[tuple[str, torch.Tensor, int]] = []
         changed: dict[str, tuple[torch.Tensor, Buffer]] = {}
         for channel, dst, meta_bytes, payload, layout in handshakes:
@@ -349,14 +374,13 @@ class PipeTransport:
         self._post(ops, wait_sends)
 
         received: dict[str, Any] = {}
-        for channel, _, buffer in incoming:
-            base = HEADER
+        for (channel, _, _), obj in zip(incoming, expected):
             if channel in changed:
                 meta_buf, buffer = changed[channel]
-                self._received[channel] = Layout(pickle.loads(meta_buf.cpu().numpy().tobytes()), self.device)
+                layout = self._received[channel] = Layout(pickle.loads(meta_buf.cpu().numpy().tobytes()), self.device)
                 self.handshakes_received += 1
-                base = 0
-            received[channel] = self._received[channel].unpack(buffer, base, grad_leaves=channel == _FORWARD)
+                obj = layout.unpack(buffer, 0, grad_leaves=channel == _FORWARD)
+            received[channel] = obj
         return received
 
 

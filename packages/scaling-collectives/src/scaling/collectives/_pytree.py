@@ -57,13 +57,23 @@ def flatten(obj: Any, path: str = "obj") -> tuple[Spec, list[torch.Tensor]]:
     """Split ``obj`` into a spec and its tensors in depth-first order.
 
     Raises:
-        TypeError: on a leaf type that is not supported; the message names its path.
+        TypeError: on a leaf type that is not supported; the message names its path
+            (``path`` is the name of ``obj`` itself).
     """
     tensors: list[torch.Tensor] = []
-    return _flatten(obj, tensors, path), tensors
+    try:
+        return _flatten(obj, tensors), tensors
+    except _Unsupported:
+        # The walk builds no paths (it runs for every pipeline message); find the culprit's now.
+        _check(obj, path)
+        raise  # unreachable: _check raises for what _flatten refused
 
 
-def _flatten(obj: Any, tensors: list[torch.Tensor], path: str) -> Spec:
+class _Unsupported(TypeError):
+    """Raised by :func:`_flatten` on an unsupported leaf or key; :func:`flatten` turns it into a named error."""
+
+
+def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Spec:
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
         return ("t", len(tensors) - 1)
@@ -71,25 +81,45 @@ def _flatten(obj: Any, tensors: list[torch.Tensor], path: str) -> Spec:
         return ("v", obj)
     names = _field_names(type(obj))
     if names is not None:
-        children = tuple(_flatten(getattr(obj, n), tensors, f"{path}.{n}") for n in names)
-        return ("dc", type(obj), names, children)
+        return ("dc", type(obj), names, tuple(_flatten(getattr(obj, n), tensors) for n in names))
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return ("namedtuple", type(obj), tuple(_flatten(v, tensors, f"{path}.{n}") for n, v in zip(obj._fields, obj)))
+        return ("namedtuple", type(obj), tuple(_flatten(v, tensors) for v in obj))
     if isinstance(obj, (list, tuple)):
-        kind = "list" if isinstance(obj, list) else "tuple"
-        return (kind, tuple(_flatten(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)))
+        return ("list" if isinstance(obj, list) else "tuple", tuple(_flatten(v, tensors) for v in obj))
     if isinstance(obj, dict):
         keys = tuple(obj)
-        for k in keys:
+        if not all(isinstance(k, _SCALARS) for k in keys):
+            raise _Unsupported
+        return ("dict", keys, tuple(_flatten(obj[k], tensors) for k in keys))
+    raise _Unsupported
+
+
+def _check(obj: Any, path: str) -> None:
+    """Walk ``obj`` as :func:`_flatten` does, naming each node's path; raise ``TypeError`` at the first bad one."""
+    if isinstance(obj, (torch.Tensor, *_SCALARS)):
+        return
+    names = _field_names(type(obj))
+    if names is not None:
+        for n in names:
+            _check(getattr(obj, n), f"{path}.{n}")
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        for n, v in zip(obj._fields, obj):
+            _check(v, f"{path}.{n}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _check(v, f"{path}[{i}]")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
             if not isinstance(k, _SCALARS):
                 raise TypeError(
                     f"{path}: dict key {k!r} of type {type(k).__name__} is not supported; use str or int keys"
                 )
-        return ("dict", keys, tuple(_flatten(obj[k], tensors, f"{path}[{k!r}]") for k in keys))
-    raise TypeError(
-        f"{path}: a {type(obj).__name__} cannot be sent; supported are tensors, None, bool, int, float, str, "
-        "bytes and dataclasses, tuples, namedtuples, lists and dicts of them"
-    )
+            _check(v, f"{path}[{k!r}]")
+    else:
+        raise TypeError(
+            f"{path}: a {type(obj).__name__} cannot be sent; supported are tensors, None, bool, int, float, str, "
+            "bytes and dataclasses, tuples, namedtuples, lists and dicts of them"
+        )
 
 
 def tensor_leaves(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
