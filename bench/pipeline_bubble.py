@@ -14,21 +14,37 @@ The reference is ``torch.distributed.pipelining.Schedule1F1B`` on the same layer
 same micro-batches and the same two gloo ranks, timed in the same run: each repetition
 runs our GPipe, our 1F1B and torch's 1F1B in turn (so load from other processes hits
 all alike); a repetition's wall is the slowest rank's, and the table shows medians.
-The ratio is ours / torch per repetition (below 1.0: we are faster), median and range.
+The ratio is ours / torch per repetition (below 1.0: we are faster); the table gives its
+median and a distribution-free 95 % confidence interval for that median (order statistics
+of the per-repetition ratios, no assumption about their spread), so a run says whether
+"ours <= torch's" holds beyond the noise: the interval's top below 1.0 is faster, an
+interval around 1.0 is a tie at this many repetitions.
+
+``--transport`` swaps what carries the hand-offs inside our executor, to split our cost
+from torch's: ``scaling`` (default, ``PipeTransport``), ``frame`` (one header + payload
+byte frame per message, as ``PipeTransport`` sends, without its pytrees, metadata cache
+or recording) and ``bare`` (the activation tensor itself, received into a fresh tensor:
+what torch's schedule sends). Both floors know this bench's message type and nothing else.
 
     python bench/pipeline_bubble.py
-    python bench/pipeline_bubble.py --forward-ms 40 --backward-ms 80 --repeats 7
+    python bench/pipeline_bubble.py --forward-ms 40 --backward-ms 80
+    python bench/pipeline_bubble.py --transport bare
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
+from scaling.collectives import PipeTransport
 from scaling.nn import BaseLayer, LayerSpec
 from scaling.pipeline import ParallelModule
 from scaling.testing import make_topology, run_distributed
@@ -112,8 +128,48 @@ def _loss(out: IO, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
     return torch.nn.functional.mse_loss(out.x, batch.y), {}
 
 
-def worker(schedules: list[str], ms: list[int], forward_s: float, backward_s: float, repeats: int) -> dict:
+_NONE: Any = object()
+_HEADER = torch.tensor([0, 0, BATCH * WIDTH * 4, 0], dtype=torch.int64).view(torch.uint8)
+
+
+def _floor_exchange(framed: bool):
+    """A ``PipeTransport.exchange`` for this bench's ``IO`` messages only: bare tensors or one frame each."""
+
+    def send(tensor: torch.Tensor, peer: int) -> Any:
+        payload = tensor.detach()
+        if framed:
+            payload = torch.cat([_HEADER, payload.reshape(-1).view(torch.uint8)])
+        return dist.group.WORLD.send([payload], peer, 0)
+
+    def recv(peer: int) -> torch.Tensor:
+        if not framed:
+            out = torch.empty(BATCH, WIDTH)
+            dist.group.WORLD.recv([out], peer, 0).wait()
+            return out
+        frame = np.empty(_HEADER.numel() + BATCH * WIDTH * 4, dtype=np.uint8)
+        dist.group.WORLD.recv([torch.from_numpy(frame)], peer, 0).wait()
+        if frame[:32].view(np.int64)[0]:
+            raise RuntimeError("unexpected metadata change")
+        return torch.from_numpy(frame[32:].view(np.float32).reshape(BATCH, WIDTH))
+
+    def exchange(self, *, send_forward=_NONE, recv_forward=False, send_backward=None, recv_backward=False, **_):
+        if send_forward is not _NONE:
+            self._in_flight.append((send(send_forward.x, self.next_rank), None))
+        if send_backward is not None:
+            self._in_flight.append((send(send_backward[0], self.prev_rank), None))
+        forward = IO(recv(self.prev_rank).requires_grad_()) if recv_forward else None
+        backward = [recv(self.next_rank)] if recv_backward else None
+        return forward, backward
+
+    return exchange
+
+
+def worker(
+    schedules: list[str], ms: list[int], forward_s: float, backward_s: float, repeats: int, transport: str
+) -> dict:
     """Per (schedule, m): this rank's (wall, busy) seconds of each repetition, ours and torch alternating."""
+    if transport != "scaling":
+        PipeTransport.exchange = _floor_exchange(framed=transport == "frame")  # type: ignore[method-assign]
     topo = make_topology(pipe_parallel_size=2)
     results: dict = {}
     for m in ms:
@@ -160,23 +216,41 @@ def _torch_1f1b(topo, batches: list[Batch], forward_s: float, backward_s: float)
     return step
 
 
+def median_ci(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """Distribution-free confidence interval for the median: order statistics ``(x_(j), x_(n-j+1))``.
+
+    ``j`` is the largest rank with ``P(Binomial(n, 1/2) < j) <= (1 - level) / 2``; with
+    fewer than 6 values no such ``j`` exists and the interval is the whole range.
+    """
+    xs, n = sorted(values), len(values)
+    tail, j, below = (1 - level) / 2, 0, 0.0
+    while below + math.comb(n, j) / 2**n <= tail:
+        below += math.comb(n, j) / 2**n
+        j += 1
+    return (xs[0], xs[-1]) if j == 0 else (xs[j - 1], xs[n - j])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--forward-ms", type=float, default=10.0)
     parser.add_argument("--backward-ms", type=float, default=20.0)
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8, 16])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=25)
+    parser.add_argument("--transport", choices=["scaling", "frame", "bare"], default="scaling")
     args = parser.parse_args()
     f, b = args.forward_ms / 1e3, args.backward_ms / 1e3
     schedules = ["gpipe", "1f1b"]
-    per_rank = run_distributed(worker, 2, schedules, args.micro_batches, f, b, args.repeats, timeout_seconds=1200)
+    per_rank = run_distributed(
+        worker, 2, schedules, args.micro_batches, f, b, args.repeats, args.transport, timeout_seconds=1200
+    )
     print(f"2 stages, forward {args.forward_ms} ms, backward {args.backward_ms} ms per stage and micro-batch")
-    print(f"median of {args.repeats} repetitions (slowest rank each), ours and torch alternating; [min-max]")
+    print(f"our hand-offs: {args.transport}")
+    print(f"median of {args.repeats} repetitions (slowest rank each), ours and torch alternating")
     print("bubble: 1 - m (F + B) / wall; busy: 1 - measured sleep time / wall (mean over stages)")
     names = [*schedules, "torch_1f1b"]
     print(
         f"{'m':>3} {'theory':>7} {'gpipe':>7} {'1f1b':>7} {'torch':>7} {'busy:':>6} {'gpipe':>6} {'1f1b':>6} "
-        f"{'torch':>6} {'ours 1f1b s':>12} {'torch 1f1b s':>13} {'ratio':>6} {'ratio min-max':>14}"
+        f"{'torch':>6} {'ours 1f1b s':>12} {'torch 1f1b s':>13} {'ratio':>6} {'95% CI':>13} {'ratio min-max':>14}"
     )
     for m in args.micro_batches:
         nominal = m * (f + b)
@@ -185,13 +259,14 @@ def main() -> None:
         busy = {k: [statistics.mean(r[(k, m)][i][1] for r in per_rank) for i in range(args.repeats)] for k in names}
         wall = {k: statistics.median(v) for k, v in walls.items()}
         ratios = [o / t for o, t in zip(walls["1f1b"], walls["torch_1f1b"])]
+        low, high = median_ci(ratios)
         bubble = {k: 1 - nominal / wall[k] for k in names}
         measured = {k: statistics.median(1 - u / w for u, w in zip(busy[k], walls[k])) for k in names}
         print(
             f"{m:>3} {1 / (m + 1):>7.3f} {bubble['gpipe']:>7.3f} {bubble['1f1b']:>7.3f} {bubble['torch_1f1b']:>7.3f} "
             f"{'':>6} {measured['gpipe']:>6.3f} {measured['1f1b']:>6.3f} {measured['torch_1f1b']:>6.3f} "
             f"{wall['1f1b']:>12.4f} {wall['torch_1f1b']:>13.4f} {statistics.median(ratios):>6.3f} "
-            f"{min(ratios):>6.3f}-{max(ratios):<6.3f}"
+            f"{low:>6.3f}-{high:<6.3f} {min(ratios):>6.3f}-{max(ratios):<6.3f}"
         )
 
 
