@@ -29,6 +29,11 @@ what torch's schedule sends). Both floors know this bench's message type and not
     python bench/pipeline_bubble.py
     python bench/pipeline_bubble.py --forward-ms 40 --backward-ms 80
     python bench/pipeline_bubble.py --transport bare
+    python bench/pipeline_bubble.py --static-shapes
+
+``--static-shapes`` builds our modules with ``ParallelModule(static_shapes=True)``: after
+each channel's first message the hand-offs carry no header, as torch's schedule (whose
+shapes are fixed once) sends them.
 """
 
 from __future__ import annotations
@@ -165,7 +170,13 @@ def _floor_exchange(framed: bool):
 
 
 def worker(
-    schedules: list[str], ms: list[int], forward_s: float, backward_s: float, repeats: int, transport: str
+    schedules: list[str],
+    ms: list[int],
+    forward_s: float,
+    backward_s: float,
+    repeats: int,
+    transport: str,
+    static_shapes: bool,
 ) -> dict:
     """Per (schedule, m): this rank's (wall, busy) seconds of each repetition, ours and torch alternating."""
     if transport != "scaling":
@@ -176,7 +187,8 @@ def worker(
         batches = [Batch(torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)) for _ in range(m)]
         steps = {}
         for name in schedules:
-            module = ParallelModule([LayerSpec(Layer, forward_s, backward_s) for _ in range(2)], topo, schedule=name)
+            layers = [LayerSpec(Layer, forward_s, backward_s) for _ in range(2)]
+            module = ParallelModule(layers, topo, schedule=name, static_shapes=static_shapes)
             opt = _NoUpdate(module)
             steps[name] = lambda module=module, opt=opt, batches=batches: (
                 module.train_step(batches, opt, _loss).step_duration
@@ -237,14 +249,24 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--transport", choices=["scaling", "frame", "bare"], default="scaling")
+    parser.add_argument("--static-shapes", action="store_true", help="ParallelModule(static_shapes=True)")
     args = parser.parse_args()
     f, b = args.forward_ms / 1e3, args.backward_ms / 1e3
     schedules = ["gpipe", "1f1b"]
     per_rank = run_distributed(
-        worker, 2, schedules, args.micro_batches, f, b, args.repeats, args.transport, timeout_seconds=1200
+        worker,
+        2,
+        schedules,
+        args.micro_batches,
+        f,
+        b,
+        args.repeats,
+        args.transport,
+        args.static_shapes,
+        timeout_seconds=1200,
     )
     print(f"2 stages, forward {args.forward_ms} ms, backward {args.backward_ms} ms per stage and micro-batch")
-    print(f"our hand-offs: {args.transport}")
+    print(f"our hand-offs: {args.transport}" + (", static shapes" if args.static_shapes else ""))
     print(f"median of {args.repeats} repetitions (slowest rank each), ours and torch alternating")
     print("bubble: 1 - m (F + B) / wall; busy: 1 - measured sleep time / wall (mean over stages)")
     names = [*schedules, "torch_1f1b"]

@@ -272,3 +272,94 @@ def test_bad_arguments_are_named():
 def test_unsendable_leaf_is_named_by_its_path(obj, message):
     with pytest.raises(TypeError, match=message):
         PipeTransport(None, 1, torch.device("cpu")).send_forward(obj)
+
+
+def _static_shapes_exchange():
+    """1F1B-style exchanges with static shapes: values, grad leaves and message sizes."""
+    from scaling.collectives import get_recorder
+
+    topo = make_topology(pipe_parallel_size=2)
+    transport = PipeTransport(topo.previous_pipe_rank, topo.next_pipe_rank, topo.device, static_shapes=True)
+    sizes = []
+    for i in range(4):
+        # Two tensors, the first 12 bytes (padded to 16 in the frame), the second a grad leaf.
+        act = Activations(torch.full((3,), float(i)), None, torch.arange(8.0).view(2, 4) * i, layer=2)
+        act.position_ids.requires_grad_(True)
+        grads = [torch.full((2, 4), -float(i - 1))]  # the previous micro-batch's
+        start = len(get_recorder().records())
+        if topo.is_first_pipe_stage:
+            got = transport.exchange(send_forward=act, recv_backward=i > 0, wait_sends=False)[1]
+            if i > 0:
+                _assert_same(got, [torch.full((2, 4), -float(i - 1))])
+        else:
+            got = transport.exchange(send_backward=grads if i > 0 else None, recv_forward=True)[0]
+            _assert_same(got, act)
+            assert got.position_ids.requires_grad and not got.hidden.requires_grad
+        sizes.append(sorted((r.op, r.nbytes) for r in get_recorder().records()[start:]))
+    transport.wait_sends()
+    if not topo.is_first_pipe_stage:
+        transport.send_backward([torch.full((2, 4), -3.0)])
+    else:
+        _assert_same(transport.recv_backward(), [torch.full((2, 4), -3.0)])
+    return sizes, transport.handshakes_sent, transport.handshakes_received
+
+
+@pytest.mark.distributed
+def test_static_shapes_send_payload_only_after_the_first_message():
+    (sizes0, sent0, got0), (sizes1, sent1, got1) = run_distributed(_static_shapes_exchange, 2, timeout_seconds=60)
+    assert (sent0, got0, sent1, got1) == (1, 1, 1, 1)  # one handshake per channel, then none
+    # Steady state: one transfer per message, exactly the payload (16 + 32 bytes forward, 32 backward).
+    assert sizes0[2:] == [[("recv", 32), ("send", 48)]] * 2
+    assert sizes1[2:] == [[("recv", 48), ("send", 32)]] * 2
+
+
+def _static_shape_change():
+    from scaling.collectives import get_recorder
+
+    topo = make_topology(pipe_parallel_size=2)
+    transport = PipeTransport(topo.previous_pipe_rank, topo.next_pipe_rank, topo.device, static_shapes=True)
+    if topo.is_first_pipe_stage:
+        transport.send_forward({"x": torch.ones(2, 4)})
+        before = len(get_recorder().records())
+        try:
+            transport.send_forward({"x": torch.ones(3, 4)}, wait=False)
+        except ValueError as exc:
+            return str(exc), len(get_recorder().records()) == before
+        return "no error", False
+    transport.recv_forward()
+    return "", True
+
+
+@pytest.mark.distributed
+def test_static_shapes_refuse_a_changed_pytree_before_sending():
+    message, nothing_posted = run_distributed(_static_shape_change, 2, timeout_seconds=60)[0]
+    assert nothing_posted
+    assert "static_shapes=True" in message and "forward pytree for rank 1 changed" in message, message
+    assert "dict of [(2, 4) float32] became dict of [(3, 4) float32]" in message, message
+    assert "static_shapes=False" in message
+
+
+def _static_single_tensors():
+    topo = make_topology(pipe_parallel_size=2)
+    g = torch.Generator().manual_seed(1)
+    messages = {
+        torch.bool: [torch.rand(3, 5, generator=g) > 0.5 for _ in range(3)],
+        torch.bfloat16: [torch.randn(4, 6, generator=g).to(torch.bfloat16).t() for _ in range(3)],  # non-contiguous
+        torch.int64: [torch.randint(-9, 9, (7,), generator=g) for _ in range(3)],
+    }
+    for sent in messages.values():
+        transport = PipeTransport(topo.previous_pipe_rank, topo.next_pipe_rank, topo.device, static_shapes=True)
+        for x in sent:
+            if topo.is_first_pipe_stage:
+                transport.send_forward((x,), wait=False)
+            else:
+                _assert_same(transport.recv_forward(), (x,))
+        transport.wait_sends()
+    return True
+
+
+@pytest.mark.distributed
+def test_static_single_tensors_travel_as_themselves():
+    # After the handshake each message is the tensor in its own dtype and shape: bool,
+    # bfloat16 (sent from a non-contiguous view) and int64 arrive bitwise.
+    assert run_distributed(_static_single_tensors, 2, timeout_seconds=60) == [True, True]

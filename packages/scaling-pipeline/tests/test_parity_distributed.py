@@ -39,9 +39,9 @@ def reference(schedule: str) -> tuple[float, dict[str, torch.Tensor]]:
     return sum(losses) / NUM_MICRO_BATCHES, {n: p.grad.clone() for n, p, _ in module.named_parameters_with_meta()}
 
 
-def pipeline_rank(pp: int, schedule: str) -> tuple[float, dict[str, torch.Tensor]]:
+def pipeline_rank(pp: int, schedule: str, static_shapes: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
     topo = make_topology(pipe_parallel_size=pp)
-    module = ParallelModule(specs(NUM_LAYERS), topo, schedule=schedule)
+    module = ParallelModule(specs(NUM_LAYERS), topo, schedule=schedule, static_shapes=static_shapes)
     optimizer = GradCapture(module)
     batches = micro_batches(NUM_MICRO_BATCHES)
     out = module.train_step(batches, optimizer, loss_function)
@@ -61,9 +61,23 @@ def test_pipeline_matches_one_process(pp: int, schedule: str) -> None:
     assert_parity(grads, ref_grads, rtol=1e-6, atol=1e-9, name="grads")
 
 
-def interleaved_rank(pp: int) -> tuple[float, dict[str, torch.Tensor]]:
+@pytest.mark.parametrize("pp", [2, 4])
+def test_static_shapes_match_one_process(pp: int) -> None:
+    # Headerless hand-offs after each channel's first message: the same losses and gradients.
+    results = run_distributed(pipeline_rank, pp, pp, "1f1b", True, timeout_seconds=120)
+    ref_loss, ref_grads = reference("1f1b")
+    grads: dict[str, torch.Tensor] = {}
+    for loss, rank_grads in results:
+        assert loss == pytest.approx(ref_loss, rel=1e-6)
+        grads.update(rank_grads)
+    assert_parity(grads, ref_grads, rtol=1e-6, atol=1e-9, name="grads")
+
+
+def interleaved_rank(pp: int, static_shapes: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
     topo = make_topology(pipe_parallel_size=pp)
-    module = ParallelModule(specs(NUM_LAYERS), topo, schedule="interleaved_1f1b", num_virtual_stages=2)
+    module = ParallelModule(
+        specs(NUM_LAYERS), topo, schedule="interleaved_1f1b", num_virtual_stages=2, static_shapes=static_shapes
+    )
     # Stage s holds virtual stages s and p + s: two chunks, layers far apart in the model.
     assert [list(r) for r in module.chunks] == [
         list(module.partition[topo.pipe_parallel_rank + c * pp]) for c in (0, 1)
@@ -75,19 +89,24 @@ def interleaved_rank(pp: int) -> tuple[float, dict[str, torch.Tensor]]:
     # the transport and its shape cache live as long as the module.
     out = module.train_step(micro_batches(NUM_MICRO_BATCHES), optimizer, loss_function)
     assert module._pipe_transport.handshakes_received == handshakes == 2  # activations and gradients, once
-    # Forward-only evaluation over the same ring (no grad: the activations' metadata changes).
+    # Forward-only evaluation over the same ring, on a transport of its own (no grad: the
+    # activations' metadata differs), which leaves the training transport's cache alone.
     assert module.evaluation_step(micro_batches(NUM_MICRO_BATCHES), loss_function).loss == pytest.approx(
         out.loss, rel=1e-6
     )
+    assert module._pipe_transport_no_grad.handshakes_received == 1  # activations only
+    module.train_step(micro_batches(NUM_MICRO_BATCHES), optimizer, loss_function)
+    assert module._pipe_transport.handshakes_received == 2
     return out.loss, optimizer.grads
 
 
-@pytest.mark.parametrize(("world", "pp"), [(2, 2), (4, 4), (4, 2)])
-def test_interleaved_matches_one_process(world: int, pp: int) -> None:
+@pytest.mark.parametrize(("world", "pp", "static_shapes"), [(2, 2, False), (4, 4, False), (4, 2, False), (2, 2, True)])
+def test_interleaved_matches_one_process(world: int, pp: int, static_shapes: bool) -> None:
     # Two virtual stages per rank: activations go round the ring (last stage -> first
     # stage's second chunk) through the batched exchanges; (4, 2) is dp2 x pp2, where
-    # every data-parallel replica sees the same micro-batches.
-    results = run_distributed(interleaved_rank, world, pp, timeout_seconds=120)
+    # every data-parallel replica sees the same micro-batches. With static shapes both
+    # directions to the one peer of a two-stage ring go without headers.
+    results = run_distributed(interleaved_rank, world, pp, static_shapes, timeout_seconds=120)
     ref_loss, ref_grads = reference("interleaved_1f1b")
     grads: dict[str, torch.Tensor] = {}
     for loss, rank_grads in results:

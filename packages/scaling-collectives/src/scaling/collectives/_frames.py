@@ -105,6 +105,12 @@ class Layout:
             tensors.append(t)
         return _pytree.unflatten(self.spec, tensors)
 
+    def unpack_typed(self, tensor: torch.Tensor, grad_leaf: bool) -> Any:
+        """The pytree of a single-tensor layout around ``tensor``, received as it is (dtype and shape)."""
+        if grad_leaf and self.metas[0].requires_grad:
+            tensor.requires_grad_(True)
+        return _pytree.unflatten(self.spec, [tensor])
+
 
 # A receive buffer: the uint8 tensor, and on CPU the numpy array it wraps (cheap header reads and views).
 Buffer = tuple[torch.Tensor, Any]

@@ -20,9 +20,17 @@ forward, send backward, receive backward), so two stages that send to each other
 other; both directions of a two-stage ring) make progress in lockstep instead of
 deadlocking, and transfers between the same two ranks pair up in order.
 
+With ``static_shapes=True`` (shapes fixed after the first message, as torch's pipeline
+schedules and Megatron-LM assume unless told ``--variable-seq-lengths``), a channel's
+first message handshakes as above and every later one is the payload alone, with no
+header: the receiver trusts the cached metadata, and a sender whose pytree changed raises
+instead of sending. A pytree of one tensor then travels as that tensor (its own memory,
+dtype and shape, into a receive tensor of the same), as torch's schedules send it.
+
 Sends can stay in flight (``wait=False`` / ``wait_sends=False``): the call returns once
 its receives are done, and :meth:`PipeTransport.wait_sends` (the end of a pipeline step)
-waits for the rest. Every frame is a fresh buffer, so nothing is reused while in flight;
+waits for the rest. Every frame is a fresh buffer (with ``static_shapes``, a
+single-tensor message may be the tensor itself: leave it unmodified until then);
 a send that never completes is diagnosed (its peer named) when it is waited on. The
 frames themselves (header, payload layout, the cached per-channel ``Layout``) are in
 ``_frames.py``.
@@ -76,6 +84,10 @@ class PipeTransport:
         ring: the stages form a ring (interleaved schedules: the last stage sends its
             output to the first stage's next model chunk). With two stages both
             neighbours are the same rank, which is refused otherwise.
+        static_shapes: every message on a channel has the first one's structure, shapes,
+            dtypes and grad flags; later messages then carry no header (cheaper per
+            hand-off) and a change raises ``ValueError`` on the sender. Both sides must
+            agree on it.
 
     A forward pytree may hold dataclasses, tuples, namedtuples, lists and dicts of
     tensors, ``None``, bools, ints, floats and strings. Its tensors that required grad
@@ -98,6 +110,7 @@ class PipeTransport:
         group: dist.ProcessGroup | None = None,
         *,
         ring: bool = False,
+        static_shapes: bool = False,
     ) -> None:
         for name, rank in (("prev_rank", prev_rank), ("next_rank", next_rank)):
             if rank is not None and (not isinstance(rank, int) or rank < 0):
@@ -113,6 +126,7 @@ class PipeTransport:
         self.device = torch.device(device)
         self.group = group
         self.ring = ring
+        self.static_shapes = bool(static_shapes)
         # Last metadata sent / received per channel: the handshake cache.
         empty = Layout(None, self.device)
         self._sent: dict[str, Layout] = {_FORWARD: empty, _BACKWARD: empty}
@@ -124,8 +138,8 @@ class PipeTransport:
         self.handshakes_received = 0
 
     def __repr__(self) -> str:
-        ring = ", ring=True" if self.ring else ""
-        return f"PipeTransport(prev_rank={self.prev_rank}, next_rank={self.next_rank}, device={self.device}{ring})"
+        extra = (", ring=True" if self.ring else "") + (", static_shapes=True" if self.static_shapes else "")
+        return f"PipeTransport(prev_rank={self.prev_rank}, next_rank={self.next_rank}, device={self.device}{extra})"
 
     # ------------------------------------------------------------------ public
     def send_forward(self, obj: Any, *, wait: bool = True) -> None:
@@ -187,7 +201,7 @@ class PipeTransport:
         # One frame per message, posted in the fixed order send fwd, recv fwd, send bwd, recv bwd.
         ops: list[tuple[str, torch.Tensor, int]] = []
         handshakes: list[_Handshake] = []
-        incoming: list[tuple[str, int, Buffer]] = []
+        incoming: list[_Incoming] = []
         if send_forward is not _NO_SEND:
             self._add_send(ops, handshakes, _FORWARD, self._peer("next_rank", "send_forward"), send_forward)
         if recv_forward:
@@ -201,7 +215,10 @@ class PipeTransport:
         # While the messages travel: the steady-state pytrees as views of the receive buffers
         # (views read no data), so only the header check is left once the data is in.
         expected = [
-            self._received[channel].unpack(buffer, HEADER, channel == _FORWARD) for channel, _, buffer in incoming
+            self._received[ch].unpack_typed(buffer[0], ch == _FORWARD)
+            if form is _TYPED
+            else self._received[ch].unpack(buffer, form, ch == _FORWARD)
+            for ch, _, buffer, form in incoming
         ]
         self._wait(ops, works, recs, wait_sends)
         got = self._finish(handshakes, incoming, expected, wait_sends)
@@ -311,7 +328,25 @@ class PipeTransport:
         spec, tensors = _pytree.flatten(obj, path=_PATHS[channel])
         cached = self._sent[channel]
         if cached.fits(spec, tensors):
-            frame = torch.cat([cached.header, *cached.payload_pieces(tensors, self.device)])
+            form = self._form(cached)
+            if form is _TYPED:  # the tensor itself, in its own dtype and shape
+                frame = tensors[0].detach()
+                frame = (
+                    frame
+                    if frame.is_contiguous() and frame.device == self.device
+                    else frame.contiguous().to(self.device)
+                )
+            elif form == 0:  # two or more tensors, no header
+                frame = torch.cat(cached.payload_pieces(tensors, self.device))
+            else:
+                frame = torch.cat([cached.header, *cached.payload_pieces(tensors, self.device)])
+        elif self.static_shapes and cached.meta is not None:
+            raise ValueError(
+                f"PipeTransport(static_shapes=True): the {_PATHS[channel]} for rank {dst} changed after its first "
+                f"message: {_describe(cached.spec, cached.metas)} became "
+                f"{_describe(spec, _pytree.tensor_metas(tensors))}; send the same structure, shapes, dtypes and "
+                "requires_grad every time, or use static_shapes=False (one header per message)"
+            )
         else:
             # Filler of the size the receiver expects, then metadata + payload in step 2.
             meta = (spec, _pytree.tensor_metas(tensors))
@@ -329,17 +364,31 @@ class PipeTransport:
         ops.append(("send", frame, dst))
 
     def _add_recv(
-        self, ops: list[tuple[str, torch.Tensor, int]], incoming: list[tuple[str, int, Buffer]], channel: str, src: int
+        self, ops: list[tuple[str, torch.Tensor, int]], incoming: list[_Incoming], channel: str, src: int
     ) -> None:
         """Append the receive of a frame of the size the channel's cached metadata gives."""
-        buffer = empty_buffer(HEADER + self._received[channel].size, self.device)
+        layout = self._received[channel]
+        form = self._form(layout)
+        if form is _TYPED:
+            meta = layout.metas[0]
+            buffer: Buffer = (torch.empty(meta.shape, dtype=meta.dtype, device=self.device), None)
+        else:
+            buffer = empty_buffer(form + layout.size, self.device)
         ops.append(("recv", buffer[0], src))
-        incoming.append((channel, src, buffer))
+        incoming.append((channel, src, buffer, form))
+
+    def _form(self, layout: Layout) -> int | None:
+        """How a message of ``layout`` travels: ``HEADER`` (header + payload frame), ``0`` (payload frame
+        without header) or ``_TYPED`` (one tensor as it is). Both sides decide alike from the same layout.
+        """
+        if not self.static_shapes or layout.size == 0:
+            return HEADER
+        return _TYPED if len(layout.metas) == 1 else 0
 
     def _finish(
         self,
         handshakes: list[_Handshake],
-        incoming: list[tuple[str, int, Buffer]],
+        incoming: list[_Incoming],
         expected: list[Any],
         wait_sends: bool,
     ) -> dict[str, Any]:
@@ -356,7 +405,9 @@ class PipeTransport:
                 ops.append(("send", payload, dst))
             self._sent[channel] = layout
             self.handshakes_sent += 1
-        for channel, src, (frame, array) in incoming:
+        for channel, src, (frame, array), form in incoming:
+            if form != HEADER:  # static shapes, steady state: no header, nothing changed
+                continue
             flag, meta_len, payload_len, _ = read_header(frame, array)
             if flag:
                 meta_buf = torch.empty(meta_len, dtype=torch.uint8, device=self.device)
@@ -374,7 +425,7 @@ class PipeTransport:
         self._post(ops, wait_sends)
 
         received: dict[str, Any] = {}
-        for (channel, _, _), obj in zip(incoming, expected):
+        for (channel, _, _, _), obj in zip(incoming, expected):
             if channel in changed:
                 meta_buf, buffer = changed[channel]
                 layout = self._received[channel] = Layout(pickle.loads(meta_buf.cpu().numpy().tobytes()), self.device)
@@ -386,7 +437,19 @@ class PipeTransport:
 
 # A handshake to send in step 2: (channel, peer, pickled metadata, payload, the new layout).
 _Handshake = tuple[str, int, bytes, torch.Tensor, Layout]
+# A posted receive: (channel, peer, buffer, form: see PipeTransport._form).
+_Incoming = tuple[str, int, Buffer, int | None]
+_TYPED = None  # the form of a static single-tensor message: the tensor itself
 _PATHS = {_FORWARD: "forward pytree", _BACKWARD: "backward pytree"}
+
+
+def _describe(spec: Any, metas: tuple[_pytree.TensorMeta, ...]) -> str:
+    """A pytree's structure and tensors, short: what a static-shapes error shows."""
+    tensors = ", ".join(
+        f"{tuple(m.shape)} {str(m.dtype).replace('torch.', '')}{' grad' if m.requires_grad else ''}" for m in metas
+    )
+    kind = spec[1].__name__ if spec[0] in ("dc", "namedtuple") else {"t": "tensor", "v": "value"}.get(spec[0], spec[0])
+    return f"{kind} of [{tensors}]"
 
 
 def _grad_list(grads: Any) -> list[torch.Tensor | None]:

@@ -97,22 +97,27 @@ def _detach_for_next_chunk(obj: Any) -> Any:
 
 
 def _pipe_transport(module: ParallelModule) -> PipeTransport:
-    """The module's transport, made on first use and kept.
+    """The module's transport for this kind of step, made on first use and kept.
 
     Its metadata cache then spans steps: after the first step every message is one
-    transfer (no handshake), as long as shapes do not change.
+    transfer (no handshake), as long as shapes do not change. Forward-only steps (no
+    gradients recorded: evaluation) have a transport of their own, since their activations
+    do not require grad: alternating training and evaluation changes neither cache, and
+    with ``static_shapes`` each kind of step keeps its own fixed shapes.
     """
-    transport = module._pipe_transport
+    attr = "_pipe_transport" if torch.is_grad_enabled() else "_pipe_transport_no_grad"
+    transport: PipeTransport | None = getattr(module, attr, None)
     if transport is None:
         topo, s, p = module.topology, module.stage, module.num_stages
+        static = bool(getattr(module, "static_shapes", False))
         if module.num_virtual_stages > 1:
             # Virtual stages form a ring: the last stage feeds the first stage's next chunk.
             dp, tp = topo.data_parallel_rank, topo.model_parallel_rank
             prev_rank, next_rank = topo.rank_of((s - 1) % p, dp, tp), topo.rank_of((s + 1) % p, dp, tp)
-            transport = PipeTransport(prev_rank, next_rank, topo.device, ring=True)
+            transport = PipeTransport(prev_rank, next_rank, topo.device, ring=True, static_shapes=static)
         else:
-            transport = PipeTransport(topo.previous_pipe_rank, topo.next_pipe_rank, topo.device)
-        module._pipe_transport = transport
+            transport = PipeTransport(topo.previous_pipe_rank, topo.next_pipe_rank, topo.device, static_shapes=static)
+        setattr(module, attr, transport)
     return transport
 
 

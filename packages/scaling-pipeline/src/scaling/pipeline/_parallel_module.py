@@ -57,6 +57,12 @@ class ParallelModule(torch.nn.Module):
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"zb_h1"``.
         num_virtual_stages: model chunks per stage (``> 1`` only with ``"interleaved_1f1b"``).
         seed: base seed of the per-layer initialisation.
+        static_shapes: every micro-batch's activations have the same structure, shapes and
+            dtypes (the default of torch's pipeline schedules and of Megatron-LM without
+            ``--variable-seq-lengths``): after a step's first hand-off on each channel,
+            messages carry no header, which saves a little per hand-off; a changed shape
+            then raises ``ValueError`` on the sending stage. Training and evaluation steps
+            keep separate shapes. Default ``False``: shapes may change between micro-batches.
 
     Raises:
         ValueError: unknown schedule, virtual stages without interleaving, or a bad partition.
@@ -78,6 +84,7 @@ class ParallelModule(torch.nn.Module):
         schedule: str = "1f1b",
         num_virtual_stages: int = 1,
         seed: int = 42,
+        static_shapes: bool = False,
     ) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
@@ -87,8 +94,11 @@ class ParallelModule(torch.nn.Module):
                 f"num_virtual_stages={num_virtual_stages} needs schedule='interleaved_1f1b' (got {schedule!r})"
             )
         self.topology = topology
-        # Made by the executor on first use and kept, so its shape cache spans steps.
+        # Made by the executor on first use and kept, so their shape caches span steps: one for
+        # training steps, one for forward-only (no-grad) steps.
         self._pipe_transport: PipeTransport | None = None
+        self._pipe_transport_no_grad: PipeTransport | None = None
+        self.static_shapes = static_shapes
         # Metric names of the last step, the same on every rank of the pipe group (see _results.py).
         self._metric_names: tuple[str, ...] | None = None
         self.schedule_name = schedule
