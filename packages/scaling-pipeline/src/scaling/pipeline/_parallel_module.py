@@ -59,10 +59,11 @@ class ParallelModule(torch.nn.Module):
         seed: base seed of the per-layer initialisation.
         static_shapes: every micro-batch's activations have the same structure, shapes and
             dtypes (the default of torch's pipeline schedules and of Megatron-LM without
-            ``--variable-seq-lengths``): after a step's first hand-off on each channel,
-            messages carry no header, which saves a little per hand-off; a changed shape
-            then raises ``ValueError`` on the sending stage. Training and evaluation steps
-            keep separate shapes. Default ``False``: shapes may change between micro-batches.
+            ``--variable-seq-lengths``): after the first hand-off on each channel (the
+            cache spans steps), messages carry no header, which saves a little per
+            hand-off; a changed shape then raises ``ValueError`` on the sending stage.
+            Training and evaluation steps keep separate shapes. Default ``False``: shapes
+            may change between micro-batches.
 
     Raises:
         ValueError: unknown schedule, virtual stages without interleaving, or a bad partition.
