@@ -28,3 +28,12 @@ def test_layout_matches_one_process(reference_losses, tp, pp, dp):
         assert_parity(
             losses(history), reference_losses, rtol=1e-5, name=f"rank {rank} losses at tp={tp} pp={pp} dp={dp}"
         )
+
+
+@pytest.mark.distributed
+def test_pp2_static_shapes_matches_one_process(reference_losses):
+    # training.static_shapes: hand-offs without a header; evaluation (its own transport) runs too.
+    cfg = small_config(1, 2, 1, steps=STEPS, training={"static_shapes": True}, trainer={"eval_interval": 10})
+    for rank, history in enumerate(run_distributed(train_worker, 2, cfg, timeout_seconds=300)):
+        assert_parity(losses(history), reference_losses, rtol=1e-5, name=f"rank {rank} losses, static shapes")
+        assert sum("evaluation/accuracy" in m for m in history) == 2  # steps 10 and 20

@@ -47,6 +47,12 @@ def test_pp2_tied_embeddings(tiny_corpus, reference_losses):
 
 
 @pytest.mark.distributed
+def test_pp2_static_shapes(tiny_corpus, reference_losses):
+    cfg = tiny_config(tiny_corpus, pp=2, steps=STEPS, training={"static_shapes": True})
+    _check(run_distributed(train_worker, 2, cfg, timeout_seconds=180), reference_losses, "pp2 static shapes")
+
+
+@pytest.mark.distributed
 def test_pp2_interleaved(tiny_corpus, reference_losses):
     # 4 pipeline layers (embedding, 2 blocks, head) as 2 stages x 2 virtual chunks of one layer.
     cfg = tiny_config(

@@ -27,6 +27,10 @@ class MLPArchitectureConfig(BaseConfig):
 
 class MLPTrainingConfig(BaseConfig):
     weight_decay: float = Field(0.0001, ge=0.0, description="Weight decay of every parameter, >= 0.")
+    static_shapes: bool = Field(
+        False,
+        description="Activation shapes are the same for every micro-batch (Megatron-LM's default): pipeline hand-offs then carry no header after the first; a changed shape raises on the sending stage. False = shapes may vary.",
+    )
 
 
 class MLPDataConfig(BaseConfig):

@@ -33,6 +33,7 @@ def build_trainer(config: MLPConfig, topology: Topology) -> BaseTrainer[MLPConte
         layer_specs=layer_specs(topology, dataset.num_features, arch.hidden_size, arch.num_blocks, arch.num_classes),
         topology=topology,
         seed=config.trainer.seed,
+        static_shapes=config.training.static_shapes,
     )
 
     parameter_groups = [

@@ -183,6 +183,10 @@ class TransformerTrainingConfig(BaseConfig):
     num_virtual_stages: int = Field(
         1, ge=1, description="Model chunks per pipeline stage (> 1 only with schedule='interleaved_1f1b')."
     )
+    static_shapes: bool = Field(
+        False,
+        description="Activation shapes are the same for every micro-batch (Megatron-LM's default): pipeline hand-offs then carry no header after the first; a changed shape raises on the sending stage. False = shapes may vary.",
+    )
     peak_tflops_per_device: float | None = Field(
         None, gt=0.0, description="Dense peak TFLOP/s of one device in this precision, for MFU; None = no MFU."
     )

@@ -104,6 +104,7 @@ def build_trainer(config: TransformerConfig, topology: Topology) -> TransformerT
         schedule=config.training.schedule,
         num_virtual_stages=config.training.num_virtual_stages,
         seed=config.trainer.seed,
+        static_shapes=config.training.static_shapes,
     )
     apply_finetuning(
         [(int(i), layer) for i, layer in parallel_module.layers.items()],
