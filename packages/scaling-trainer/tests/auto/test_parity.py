@@ -23,3 +23,12 @@ def test_layout_matches_one_process(name: str, layout: str) -> None:
     for losses in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0.0)
     assert expected[-1] < expected[0]  # it trains
+
+
+def test_static_shapes_pp2_dp2_matches_one_process() -> None:
+    # Llama's stage messages carry several tensors: after the handshake they go as one
+    # payload frame without a header (pipeline_parallel.static_shapes).
+    constraints = {**LAYOUTS["pp2_dp2"], "pipeline_parallel.static_shapes": True}
+    expected = reference_losses("llama")
+    for losses in run_distributed(train_worker, 4, "llama", constraints, timeout_seconds=420):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0.0)

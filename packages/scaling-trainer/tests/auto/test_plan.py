@@ -116,5 +116,7 @@ def test_impossible_requests_name_the_module() -> None:
         generate_plan(model, {"tp": 2})
     with pytest.raises(ValueError, match=r"split_method='fast' is invalid"):
         generate_plan(model, {"pipeline_parallel.size": 2, "pipeline_parallel.split_method": "fast"})
+    with pytest.raises(ValueError, match=r"pipeline_parallel.static_shapes='yes' must be true or false"):
+        generate_plan(model, {"pipeline_parallel.size": 2, "pipeline_parallel.static_shapes": "yes"})
     with pytest.raises(TypeError, match="swapped"):
         generate_plan({"tensor_parallel.size": 2}, model)  # type: ignore[arg-type]

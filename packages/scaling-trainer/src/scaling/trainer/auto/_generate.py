@@ -23,6 +23,7 @@ CONSTRAINT_KEYS = (
     "pipeline_parallel.forbidden_split_points",
     "pipeline_parallel.schedule",
     "pipeline_parallel.num_micro_batches",
+    "pipeline_parallel.static_shapes",
     "zero_stage",
     "precision",
     "global_batch_size",
@@ -55,6 +56,10 @@ def _pipeline_and_optimizer(constraints: Mapping[str, Any], plan: Plan) -> None:
             f"pipeline_parallel.num_micro_batches={plan.num_micro_batches} does not divide the per-DP-rank batch "
             f"global_batch_size/data_parallel_size={per_rank}; choose a divisor of {per_rank}"
         )
+    static = constraints.get("pipeline_parallel.static_shapes", False)
+    if not isinstance(static, bool):
+        raise ValueError(f"constraint pipeline_parallel.static_shapes={static!r} must be true or false")
+    plan.static_shapes = static
     stage = constraints.get("zero_stage", 0)
     if stage not in (0, 1, 2):
         raise ValueError(
@@ -132,6 +137,8 @@ def generate_plan(model: torch.nn.Module, constraints: Mapping[str, Any] | None 
             ``pipeline_parallel.schedule`` (``1f1b`` or ``gpipe``),
             ``pipeline_parallel.num_micro_batches`` (per DP rank and step; divides
             ``global_batch_size / data_parallel_size``; default its gcd with the pipeline size),
+            ``pipeline_parallel.static_shapes`` (``True``: every micro-batch has the same
+            shapes, so stage hand-offs carry no header; default ``False``),
             ``zero_stage`` (0, 1 or 2), ``precision`` (``float32``, ``bfloat16``, ``float16``),
             ``global_batch_size`` (default ``data_parallel_size``) and ``seed`` (default 42).
 

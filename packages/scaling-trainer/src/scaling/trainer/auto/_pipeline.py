@@ -131,6 +131,7 @@ class PipelineStage:
         self.model, self.plan, self.topology = model, plan, topology
         self.num_stages, self.stage, self.num_virtual_stages = plan.pipe_parallel_size, topology.pipe_parallel_rank, 1
         self.schedule_name = plan.pipeline_schedule
+        self.static_shapes = plan.static_shapes  # the executor's transports read it
         self.backward_fn: Any = None  # set by parallelize: the optimizer's backward (loss scaling)
         needed = [_needed(model, plan, s) for s in range(self.num_stages)]
         self.tied = self._tied_groups(needed)

@@ -50,6 +50,8 @@ class Plan:
         split_points: module paths where stages 1..pp-1 begin.
         pipeline_schedule: ``1f1b`` or ``gpipe`` (pipelined plans).
         num_micro_batches: micro-batches per DP rank and step (pipelined plans).
+        static_shapes: the stages' messages keep their shapes (pipelined plans; see
+            ``scaling.pipeline.ParallelModule(static_shapes=...)``).
         zero_stage: ZeRO stage over DP (0: plain DP; 1, 2: through ``scaling.optim``).
         precision: parameter dtype, ``float32``, ``bfloat16`` or ``float16`` (the last two
             keep fp32 master weights in ``scaling.optim``; ``float16`` scales the loss).
@@ -69,6 +71,7 @@ class Plan:
     split_points: list[str] = field(default_factory=list)
     pipeline_schedule: str = "1f1b"
     num_micro_batches: int = 1
+    static_shapes: bool = False
     zero_stage: int = 0
     precision: str = "float32"
     sharding_policy: str = "megatron"
@@ -114,7 +117,8 @@ class Plan:
             f"(world_size={self.world_size}), global_batch_size={self.global_batch_size}, seed={self.seed}",
             f"pipeline_parallel.split_method : {self.split_method}",
             f"pipeline_parallel.split_points : {self.split_points}",
-            f"pipeline_parallel.schedule : {self.pipeline_schedule}, num_micro_batches={self.num_micro_batches}",
+            f"pipeline_parallel.schedule : {self.pipeline_schedule}, num_micro_batches={self.num_micro_batches}, "
+            f"static_shapes={self.static_shapes}",
             f"optimizer : zero_stage={self.zero_stage}, precision={self.precision}",
             f"tensor_parallel.sharding_policy : {self.sharding_policy}",
             "tensor_parallel.sharding_plan :",
