@@ -18,6 +18,9 @@ import torch
 from scaling.collectives import _pytree
 
 HEADER = 32  # bytes before the payload in a frame: int64[4], keeps the payload 16-byte aligned
+# How a steady-state message of a layout travels (``Layout.form``): a header + payload frame
+# (the value is the payload's offset), the payload alone, or one tensor as it is.
+FRAMED, PAYLOAD_ONLY, TYPED = HEADER, 0, -1
 
 # torch dtype -> numpy dtype, for the CPU receive path (dtypes numpy lacks, e.g. bfloat16, take the torch path).
 _NUMPY_DTYPES: dict[torch.dtype, Any] = {
@@ -39,12 +42,15 @@ class Layout:
     """A channel's cached metadata and where each tensor sits in a frame's payload.
 
     Both sides build it from the same metadata (at the handshake), so the steady state
-    needs neither ``offsets`` nor a header other than the cached one.
+    needs neither ``offsets`` nor a header other than the cached one. ``form`` says how a
+    steady-state message travels: ``FRAMED`` unless ``static`` (shapes fixed, no header
+    needed); then ``TYPED`` for one tensor, ``PAYLOAD_ONLY`` for several, ``FRAMED`` for
+    none (an empty payload keeps its header). Both sides derive it alike.
     """
 
-    __slots__ = ("header", "meta", "metas", "np_dtypes", "pads", "size", "slices", "spec")
+    __slots__ = ("form", "header", "meta", "metas", "np_dtypes", "pads", "size", "slices", "spec")
 
-    def __init__(self, meta: Any, device: torch.device) -> None:
+    def __init__(self, meta: Any, device: torch.device, static: bool = False) -> None:
         self.meta = meta
         self.spec: Any = None if meta is None else meta[0]
         self.metas: tuple[_pytree.TensorMeta, ...] = () if meta is None else meta[1]
@@ -57,6 +63,10 @@ class Layout:
             for (_, end), nxt in zip(self.slices, ends)
         ]
         self.header = header(0, 0, self.size, device)
+        if not static or self.size == 0:
+            self.form = FRAMED
+        else:
+            self.form = TYPED if len(self.metas) == 1 else PAYLOAD_ONLY
         # On CPU a received tensor is a numpy view of the frame (a third of the cost of torch's views).
         np_dtypes = [_NUMPY_DTYPES.get(m.dtype) for m in self.metas]
         self.np_dtypes = np_dtypes if device.type == "cpu" and None not in np_dtypes else None

@@ -45,7 +45,17 @@ import torch
 import torch.distributed as dist
 
 from scaling.collectives import _p2p_diagnosis, _pytree
-from scaling.collectives._frames import HEADER, Buffer, Layout, empty_buffer, header, read_header
+from scaling.collectives._frames import (
+    FRAMED,
+    HEADER,
+    PAYLOAD_ONLY,
+    TYPED,
+    Buffer,
+    Layout,
+    empty_buffer,
+    header,
+    read_header,
+)
 from scaling.collectives._recorder import CollectiveRecord, get_recorder
 
 _FORWARD, _BACKWARD = "forward", "backward"
@@ -215,10 +225,10 @@ class PipeTransport:
         # While the messages travel: the steady-state pytrees as views of the receive buffers
         # (views read no data), so only the header check is left once the data is in.
         expected = [
-            self._received[ch].unpack_typed(buffer[0], ch == _FORWARD)
-            if form is _TYPED
-            else self._received[ch].unpack(buffer, form, ch == _FORWARD)
-            for ch, _, buffer, form in incoming
+            layout.unpack_typed(buffer[0], ch == _FORWARD)
+            if layout.form == TYPED
+            else layout.unpack(buffer, layout.form, ch == _FORWARD)
+            for ch, _, buffer, layout in incoming
         ]
         self._wait(ops, works, recs, wait_sends)
         got = self._finish(handshakes, incoming, expected, wait_sends)
@@ -328,15 +338,14 @@ class PipeTransport:
         spec, tensors = _pytree.flatten(obj, path=_PATHS[channel])
         cached = self._sent[channel]
         if cached.fits(spec, tensors):
-            form = self._form(cached)
-            if form is _TYPED:  # the tensor itself, in its own dtype and shape
+            if cached.form == TYPED:  # the tensor itself, in its own dtype and shape
                 frame = tensors[0].detach()
                 frame = (
                     frame
                     if frame.is_contiguous() and frame.device == self.device
                     else frame.contiguous().to(self.device)
                 )
-            elif form == 0:  # two or more tensors, no header
+            elif cached.form == PAYLOAD_ONLY:  # two or more tensors, no header
                 frame = torch.cat(cached.payload_pieces(tensors, self.device))
             else:
                 frame = torch.cat([cached.header, *cached.payload_pieces(tensors, self.device)])
@@ -350,7 +359,7 @@ class PipeTransport:
         else:
             # Filler of the size the receiver expects, then metadata + payload in step 2.
             meta = (spec, _pytree.tensor_metas(tensors))
-            layout = Layout(meta, self.device)
+            layout = Layout(meta, self.device, self.static_shapes)
             meta_bytes = pickle.dumps(meta)
             pieces = layout.payload_pieces(tensors, self.device)
             payload = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=self.device)
@@ -368,22 +377,13 @@ class PipeTransport:
     ) -> None:
         """Append the receive of a frame of the size the channel's cached metadata gives."""
         layout = self._received[channel]
-        form = self._form(layout)
-        if form is _TYPED:
+        if layout.form == TYPED:
             meta = layout.metas[0]
             buffer: Buffer = (torch.empty(meta.shape, dtype=meta.dtype, device=self.device), None)
         else:
-            buffer = empty_buffer(form + layout.size, self.device)
+            buffer = empty_buffer(layout.form + layout.size, self.device)
         ops.append(("recv", buffer[0], src))
-        incoming.append((channel, src, buffer, form))
-
-    def _form(self, layout: Layout) -> int | None:
-        """How a message of ``layout`` travels: ``HEADER`` (header + payload frame), ``0`` (payload frame
-        without header) or ``_TYPED`` (one tensor as it is). Both sides decide alike from the same layout.
-        """
-        if not self.static_shapes or layout.size == 0:
-            return HEADER
-        return _TYPED if len(layout.metas) == 1 else 0
+        incoming.append((channel, src, buffer, layout))
 
     def _finish(
         self,
@@ -405,8 +405,8 @@ class PipeTransport:
                 ops.append(("send", payload, dst))
             self._sent[channel] = layout
             self.handshakes_sent += 1
-        for channel, src, (frame, array), form in incoming:
-            if form != HEADER:  # static shapes, steady state: no header, nothing changed
+        for channel, src, (frame, array), layout in incoming:
+            if layout.form != FRAMED:  # static shapes, steady state: no header, nothing changed
                 continue
             flag, meta_len, payload_len, _ = read_header(frame, array)
             if flag:
@@ -428,7 +428,8 @@ class PipeTransport:
         for (channel, _, _, _), obj in zip(incoming, expected):
             if channel in changed:
                 meta_buf, buffer = changed[channel]
-                layout = self._received[channel] = Layout(pickle.loads(meta_buf.cpu().numpy().tobytes()), self.device)
+                meta = pickle.loads(meta_buf.cpu().numpy().tobytes())
+                layout = self._received[channel] = Layout(meta, self.device, self.static_shapes)
                 self.handshakes_received += 1
                 obj = layout.unpack(buffer, 0, grad_leaves=channel == _FORWARD)
             received[channel] = obj
@@ -437,9 +438,8 @@ class PipeTransport:
 
 # A handshake to send in step 2: (channel, peer, pickled metadata, payload, the new layout).
 _Handshake = tuple[str, int, bytes, torch.Tensor, Layout]
-# A posted receive: (channel, peer, buffer, form: see PipeTransport._form).
-_Incoming = tuple[str, int, Buffer, int | None]
-_TYPED = None  # the form of a static single-tensor message: the tensor itself
+# A posted receive: (channel, peer, buffer, the layout it was sized from).
+_Incoming = tuple[str, int, Buffer, Layout]
 _PATHS = {_FORWARD: "forward pytree", _BACKWARD: "backward pytree"}
 
 
