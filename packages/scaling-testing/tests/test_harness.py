@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -86,6 +88,52 @@ def test_no_process_left_after_failure():
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+# A test process that starts two pooled workers and dies without any clean-up (no atexit).
+_ORPHANING_SCRIPT = """
+import os, sys
+import torch.distributed as dist
+from scaling.testing import run_distributed, worker_pids
+
+def rank(_):
+    return dist.get_rank()
+
+if __name__ == "__main__":
+    sys.modules["orphan_main"] = sys.modules["__main__"]
+    assert run_distributed(rank, 2, 0, timeout_seconds=60) == [0, 1]
+    with open("pids", "w") as f:
+        f.write(" ".join(map(str, worker_pids())))
+    os._exit(0)
+"""
+
+
+@pytest.mark.slow
+def test_workers_leave_when_the_test_process_dies_without_clean_up(tmp_path):
+    # Forked workers are children of the forkserver, not of the test process: each must
+    # notice on its own that the test process is gone.
+    script = tmp_path / "orphan_main.py"
+    script.write_text(_ORPHANING_SCRIPT)
+    # Output to files: the workers inherit the script's descriptors, and a pipe would stay open.
+    with open(tmp_path / "err", "w") as err:
+        code = subprocess.call([sys.executable, str(script)], stdout=err, stderr=err, timeout=120, cwd=tmp_path)
+    assert code == 0, (tmp_path / "err").read_text()[-3000:]
+    pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 15  # workers poll for the test process every second
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.2)
+    assert not [pid for pid in pids if _alive(pid)], "pooled workers outlived the test process"
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # An exited child of init is reaped at once; a zombie still answers kill(0).
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_assert_parity_reports_worst_element():

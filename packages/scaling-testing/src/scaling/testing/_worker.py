@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import importlib.util
+import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -86,8 +87,8 @@ def _run_task(task: dict[str, Any]) -> Any:
         os.environ.update(saved_env)
 
 
-def worker_main(idx: int, tasks: Any, results: Any, parent_pid: int) -> None:
-    """Serve tasks until told to stop (``None``) or the parent process is gone."""
+def worker_main(idx: int, tasks: Any, results: Any) -> None:
+    """Serve tasks until told to stop (``None``) or the test process is gone."""
     import torch
 
     torch.set_num_threads(1)
@@ -95,7 +96,10 @@ def worker_main(idx: int, tasks: Any, results: Any, parent_pid: int) -> None:
         try:
             task = tasks.get(timeout=1.0)
         except queue.Empty:
-            if os.getppid() != parent_pid:
+            # The test process (multiprocessing's parent sentinel: the requester of the fork
+            # under forkserver, whose pipe closes when it exits, zombie or not).
+            parent = mp.parent_process()
+            if parent is not None and not parent.is_alive():
                 return
             continue
         if task is None:
