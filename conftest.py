@@ -1,10 +1,28 @@
-"""Repository-wide pytest hooks: GPU tests are skipped, with the reason, without CUDA."""
+"""Repository-wide pytest hooks.
+
+- GPU tests are skipped, with the reason, without CUDA.
+- Tests marked ``slow`` run first: under pytest-xdist (``nox -s tests`` runs ``-n``) the
+  long ones then start while the short ones fill the other workers, instead of one long
+  test starting last and running alone.
+- Under xdist each worker, and every process it launches (pooled ranks, torchrun), gets
+  its share of the cores as intra-op threads: two workers on two cores each taking both
+  cores' worth of OpenMP threads spend their time spinning against each other.
+"""
+
+import os
 
 import pytest
 import torch
 
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _XDIST_WORKERS > 1:
+    _threads = str(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS))
+    os.environ["OMP_NUM_THREADS"] = _threads
+    torch.set_num_threads(int(_threads))
+
 
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: "slow" not in item.keywords)  # stable: otherwise collection order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device; none is present on this machine")
