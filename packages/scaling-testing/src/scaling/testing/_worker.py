@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import importlib
 import importlib.util
 import multiprocessing as mp
@@ -92,6 +93,9 @@ def worker_main(idx: int, tasks: Any, results: Any) -> None:
     import torch
 
     torch.set_num_threads(1)
+    # torch's import leaves hundreds of thousands of long-lived objects that every full
+    # garbage collection would walk again: move them out of the collector's sight.
+    gc.freeze()
     while True:
         try:
             task = tasks.get(timeout=1.0)
