@@ -10,8 +10,8 @@
 - The cyclic garbage collector is off while torch and the test modules import (their
   hundreds of thousands of objects would trigger collection after collection, ~20 % of an
   import's CPU), and on again after collection with everything imported so far frozen out of
-  its sight (full collections would otherwise walk it all again: ~10 % of a worker's CPU in a
-  profile of the distributed tests).
+  its sight (full collections would otherwise walk it all again: ~12 % of the CPU samples,
+  most in the test process, in a profile of the distributed tests before this).
 """
 
 import gc

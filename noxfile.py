@@ -97,10 +97,11 @@ def _parallel() -> list[str]:
     Many tests wait rather than compute (gloo handshakes, process launches, timeouts waited
     out on purpose), so a third worker fills the two cores of this project's machines: the
     whole suite (less the pdsh tests) went from 6 min 29 s serial to 3 min 46 s on one (2
-    workers: 4 min 6 s; 4: 4 min 48 s, where the README's 300-step training starves). ``--maxschedchunk 1`` hands out
-    one test at a time, so the long tests (run first, see conftest.py) spread over the
-    workers instead of queueing on one. Capped at 6: every worker keeps its own pool of up to
-    eight ranks. ``-- -n 0`` on the nox command line runs serially.
+    workers: 4 min 6 s; 4: 4 min 48 s, where the README's 300-step training starves).
+    ``--maxschedchunk 1`` hands out one test at a time, so the long tests (run first, see
+    conftest.py) spread over the workers instead of queueing on one. Capped at 6: every
+    worker keeps its own pool of up to eight ranks. ``-- -n 0`` on the nox command line runs
+    serially.
     """
     workers = min((os.cpu_count() or 1) + 1, 6)
     return ["-n", str(workers), "--maxschedchunk", "1"]

@@ -5,8 +5,8 @@ process on a small machine). Each call gets a fresh temporary directory for its
 ``file://`` rendezvous, so no TCP port is ever fixed. After any failure the whole pool
 is killed and restarted on the next call, so no rank outlives a failed test.
 
-Workers are forked from multiprocessing's forkserver with torch and torch.distributed
-already imported in it (``set_forkserver_preload``), so a worker, and a pool restarted
+Workers are forked from multiprocessing's forkserver with torch, torch.distributed and
+DCP already imported in it (``set_forkserver_preload``), so a worker, and a pool restarted
 after a failure, costs a fork rather than a fresh interpreter importing torch (2-3 s of
 CPU each on two cores). The forkserver is a clean process that imported and ran nothing
 else, so forking it is safe where forking the test process (threads, CUDA) is not. Where
