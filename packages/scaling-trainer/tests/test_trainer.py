@@ -1,8 +1,10 @@
 """BaseTrainer end to end on real gloo ranks: bitwise resume, SIGTERM, config errors."""
 
+import gc
+
 import pytest
 from pydantic import ValidationError
-from trainer_model import train_worker
+from trainer_model import build_trainer, loss_function, train_worker
 
 from scaling.testing import run_distributed
 from scaling.trainer import TrainerConfig, committed_steps, exit_code_for
@@ -48,11 +50,56 @@ def test_sigterm_on_one_rank_saves_and_continues_bitwise(tmp_path):
         assert resumed[rank]["hash"] == continuous[rank]["hash"]
 
 
+def gc_worker(trainer: dict) -> dict:
+    """Train recording the collector's passes, (step, generation, automatic), and whether it was on in each loss."""
+    on_in_loss: list[bool] = []
+
+    def loss(*args):
+        on_in_loss.append(gc.isenabled())
+        return loss_function(*args)
+
+    trainer_obj = build_trainer(1, 1, trainer, loss=loss)
+    passes: list[tuple[int, int, bool]] = []
+
+    def record(phase: str, info: dict) -> None:
+        if phase == "start":  # an automatic pass runs with the collector enabled, a gc.collect() call without
+            passes.append((trainer_obj.context.iterations, info["generation"], gc.isenabled()))
+
+    gc.callbacks.append(record)
+    try:
+        trainer_obj.run_training()
+    finally:
+        gc.callbacks.remove(record)
+    return {"passes": passes, "on_in_loss": on_in_loss, "enabled_after": gc.isenabled()}
+
+
+@pytest.mark.distributed
+def test_garbage_collection_runs_only_between_steps(tmp_path):
+    # 7 steps, a young pass every 2, evaluation at 3 and a save at the end: full passes there.
+    trainer = {"train_iterations": 7, "gc_interval": 2, "eval_interval": 3, "save_dir": str(tmp_path / "ckpt")}
+    for out in run_distributed(gc_worker, 2, trainer, timeout_seconds=120):
+        passes = out["passes"]
+        manual = [i for i, (_, _, automatic) in enumerate(passes) if not automatic]
+        assert [passes[i][:2] for i in manual] == [(0, 2), (2, 1), (3, 2), (4, 1), (6, 2), (7, 2)], passes
+        # Off inside every step: no automatic pass from the first manual one to the last (before
+        # and after the loop the collector is on, and may run while run_training sets up or ends).
+        assert out["on_in_loss"] and not any(out["on_in_loss"])
+        assert not any(automatic for _, _, automatic in passes[manual[0] : manual[-1] + 1]), passes
+        assert out["enabled_after"]
+    # gc_interval=None leaves the collector alone: on inside the steps, never called by the trainer.
+    for out in run_distributed(gc_worker, 2, {"train_iterations": 3, "gc_interval": None}, timeout_seconds=120):
+        assert out["on_in_loss"] and all(out["on_in_loss"])
+        assert all(automatic for _, _, automatic in out["passes"]), out["passes"]
+        assert out["enabled_after"]
+
+
 def test_trainer_config_errors():
     with pytest.raises(ValidationError, match=r"trainer.save_interval=5 needs trainer.save_dir"):
         TrainerConfig(save_interval=5)
     with pytest.raises(ValidationError, match=r"train_iterations\n  Input should be greater than or equal to 1"):
         TrainerConfig(train_iterations=0)
+    with pytest.raises(ValidationError, match=r"gc_interval\n  Input should be greater than or equal to 1"):
+        TrainerConfig(gc_interval=0)
 
 
 @pytest.mark.distributed

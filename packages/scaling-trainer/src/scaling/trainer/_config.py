@@ -70,6 +70,16 @@ class TrainerConfig(BaseConfig):
         ),
     )
     progress_bar: bool = Field(False, description="Show a tqdm progress bar on global rank 0 (needs tqdm).")
+    gc_interval: int | None = Field(
+        50,
+        ge=1,
+        description=(
+            "Python's garbage collector runs only between steps: a young-generation pass every this many steps "
+            "and a full pass before each evaluation and save (torchtitan's gc_freq, Megatron-LM's --manual-gc). "
+            "Automatic collections pause each rank at a different moment, and its peers wait for it at the next "
+            "collective. None = automatic collection."
+        ),
+    )
 
     def resolved_diagnostics_dir(self) -> Path | None:
         """``diagnostics_dir``, else ``save_dir / "diagnostics"``, else ``None`` (no files)."""

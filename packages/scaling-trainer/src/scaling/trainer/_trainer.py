@@ -7,6 +7,7 @@ the signal check, in that order, at the step boundary.
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from collections.abc import Callable
@@ -240,6 +241,10 @@ class BaseTrainer(Generic[ContextT]):
         if cfg.resolved_diagnostics_dir() is not None:
             recorder.configure(diagnostics_dir=cfg.resolved_diagnostics_dir(), rank=topology.global_rank)
         watcher = SignalWatcher(topology.device, grace_seconds=topology.config.timeout_seconds).install()
+        gc_was_enabled = gc.isenabled()
+        if cfg.gc_interval is not None:
+            gc.disable()
+            gc.collect()
         try:
             while self.context.iterations < cfg.train_iterations:
                 recorder.step = self.context.iterations + 1
@@ -253,18 +258,27 @@ class BaseTrainer(Generic[ContextT]):
                 if step % cfg.log_interval == 0 or last:
                     self.metrics_logger.log(metrics, step)
                 self.history.append(metrics)
-                if cfg.eval_interval is not None and (step % cfg.eval_interval == 0 or last):
+                evaluating = cfg.eval_interval is not None and (step % cfg.eval_interval == 0 or last)
+                save_dir = cfg.save_dir if last or (cfg.save_interval and step % cfg.save_interval == 0) else None
+                if cfg.gc_interval is not None:
+                    if evaluating or save_dir is not None:
+                        gc.collect()
+                    elif step % cfg.gc_interval == 0:
+                        gc.collect(1)
+                if evaluating:
                     eval_metrics = self.evaluate()
                     self.metrics_logger.log(eval_metrics, step)
                     self.history.append(eval_metrics)
-                if cfg.save_dir is not None and (last or (cfg.save_interval and step % cfg.save_interval == 0)):
-                    self.checkpointer.save(cfg.save_dir)
+                if save_dir is not None:
+                    self.checkpointer.save(save_dir)
                 profiler.step_end(step)
                 signum = watcher.agreed_signal()
                 if signum:
                     watcher.disarm()
                     self._stop_on_signal(signum)
         finally:
+            if gc_was_enabled:
+                gc.enable()
             watcher.uninstall()
             recorder.step = None
             recorder.configure(*previous_diagnostics)
