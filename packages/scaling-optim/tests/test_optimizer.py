@@ -1,7 +1,9 @@
 """Optimizer behaviour on real gloo ranks: SGD parity, frozen parameters, non-finite policy,
 loss scaling, grad norm over TP/PP with replicas and tied copies, state round trip, errors."""
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -291,3 +293,37 @@ def test_overlap_param_gather_waits_per_layer():
 @pytest.mark.distributed
 def test_errors():
     assert run_distributed(_errors, 2, timeout_seconds=60) == [True, True]
+
+
+def _released_when_dropped(zero, overlap):
+    topo = make_topology()
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    for index, layer in enumerate(layers):
+        for name, p in layer.named_parameters():
+            ParameterMeta(name, tuple(p.shape), layer_index=index).attach(p)
+    opt = Optimizer(
+        config=OptimizerConfig(zero_stage=zero, overlap_param_gather=overlap),
+        parameter_groups=[group(*layers.parameters())],
+        topology=topo,
+        zero3_modules=[layers[0], layers[2]] if zero == 3 else None,
+        model=layers if overlap else None,
+    )
+    for _ in range(2):
+        opt.zero_grad()
+        opt.backward(layers(torch.randn(4, 6)).pow(2).mean())
+        opt.step()
+    refs = [weakref.ref(opt), weakref.ref(layers), weakref.ref(layers[0].weight)]
+    del opt, layers, p
+    gc.collect()
+    return [ref() is not None for ref in refs]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("zero", "overlap"), [(0, False), (1, False), (1, True), (2, False), (3, False)])
+def test_optimizer_and_parameters_are_freed_once_dropped(zero, overlap):
+    # The hooks on the parameters must not keep the optimizer (its buffers, its process
+    # groups) alive, nor the parameters themselves: a tensor hook's references are invisible
+    # to the garbage collector, so a cycle through one is never freed.
+    for alive in run_distributed(_released_when_dropped, 2, zero, overlap, timeout_seconds=60):
+        assert alive == [False, False, False], "optimizer, model, parameter still alive"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -160,6 +161,7 @@ class Optimizer:
     def _shard_gather_hooks(self, gather: ShardGather, model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[Any]:
         """A forward pre-hook on each module owning a trained parameter: wait for its gathers."""
         index_of = {id(slot.param): i for i, slot in enumerate(self.slots)}
+        owner = weakref.ref(gather)  # as in _make_grad_hook
         handles = []
         for root in [model] if isinstance(model, torch.nn.Module) else model:
             for module in root.modules():
@@ -168,8 +170,9 @@ class Optimizer:
                     entries = sorted({gather.entry_of[i] for i in own})
 
                     def hook(_module: torch.nn.Module, _args: Any, entries: list[int] = entries) -> None:
-                        if gather.pending:
-                            gather.wait(entries)
+                        shard_gather = owner()
+                        if shard_gather is not None and shard_gather.pending:
+                            shard_gather.wait(entries)
 
                     handles.append(module.register_forward_pre_hook(hook))
         return handles
@@ -197,11 +200,18 @@ class Optimizer:
         (loss * scale if scale != 1.0 else loss).backward()
 
     def _make_grad_hook(self, slot: ParamSlot) -> Any:
+        # Weak references, as GradientReducer's hooks: a tensor hook holding the optimizer or
+        # the slot (which holds the parameter) would make a cycle the collector never frees.
+        owner, slot_ref = weakref.ref(self), weakref.ref(slot)
+
         def hook(param: torch.Tensor) -> None:
             # ZeRO-3: reduce-scatter each gradient as soon as it is accumulated, keep only
             # the owned shard and free the full gradient and the parameter.
+            optimizer, slot = owner(), slot_ref()
+            if optimizer is None or slot is None:
+                return
             assert param.grad is not None
-            shard = reduce_scatter_mean(slot.padded_flat(param.grad), self.topology.data_parallel_group)
+            shard = reduce_scatter_mean(slot.padded_flat(param.grad), optimizer.topology.data_parallel_group)
             shard = shard[: slot.length].to(slot.compute_dtype)
             slot.grad_shard = shard if slot.grad_shard is None else slot.grad_shard.add_(shard)
             param.grad = None

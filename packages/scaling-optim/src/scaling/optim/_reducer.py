@@ -45,6 +45,7 @@ are reduced there, with zeros for missing gradients.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -101,24 +102,34 @@ class GradientReducer:
         if mode == "all_reduce":
             self.handles += [s.param.register_hook(self._pre_hook(s)) for s in slots]
 
+    # The hooks reach the reducer through a weak reference: a tensor hook's references are
+    # invisible to the garbage collector, so a strong one would make parameter -> hook ->
+    # reducer -> parameter a cycle never freed (the model, the buffers and the process group
+    # would outlive the optimizer).
     def _hook(self, slot: ParamSlot) -> Any:
         index = self._bucket_of[id(slot)]
+        owner = weakref.ref(self)
 
         def hook(param: torch.Tensor) -> None:
-            self._ready[index] += 1
-            if self._ready[index] == len(self.buckets[index]):
-                self._launch(index)
+            reducer = owner()
+            if reducer is None:
+                return
+            reducer._ready[index] += 1
+            if reducer._ready[index] == len(reducer.buckets[index]):
+                reducer._launch(index)
 
         return hook
 
     def _pre_hook(self, slot: ParamSlot) -> Any:
         index = self._bucket_of[id(slot)]
+        owner = weakref.ref(self)
 
         def hook(grad: torch.Tensor) -> None:
             # All-reduce mode leaves the local gradients in .grad while in flight; a new
             # gradient for the bucket must land on the average, so it completes first.
-            if index in self._pending:
-                self._complete(index)
+            reducer = owner()
+            if reducer is not None and index in reducer._pending:
+                reducer._complete(index)
 
         return hook
 

@@ -23,6 +23,7 @@ tensors saved for backward see the same values they were computed with.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -142,25 +143,37 @@ class ParameterGatherer:
             self.free_all()
 
     # ----------------------------------------------------------------- hooks
+    # The hooks hold the gatherer weakly, as the optimizer's own hooks do (see
+    # GradientReducer): no hook keeps the optimizer's state or its parameters alive.
     def _pre_forward(self, index: int) -> Any:
+        owner = weakref.ref(self)
+
         def hook(module: torch.nn.Module, args: Any) -> None:
-            self.gather(index)
-            self._start(index + 1)  # prefetch: overlaps the next layer's gather with this layer
+            gatherer = owner()
+            if gatherer is not None:
+                gatherer.gather(index)
+                gatherer._start(index + 1)  # prefetch: overlaps the next layer's gather with this layer
 
         return hook
 
     def _post_forward(self, index: int) -> Any:
+        owner = weakref.ref(self)
+
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            self.free(index)
+            gatherer = owner()
+            if gatherer is None:
+                return
+            gatherer.free(index)
             if not torch.is_grad_enabled():
                 return
             fired = [False]
 
             def regather(grad: torch.Tensor) -> None:
-                if not fired[0]:
+                gatherer = owner()
+                if gatherer is not None and not fired[0]:
                     fired[0] = True
-                    self.gather(index)
-                    self._start(index - 1)  # backward runs layers in reverse
+                    gatherer.gather(index)
+                    gatherer._start(index - 1)  # backward runs layers in reverse
 
             for tensor in _iter_tensors(output):
                 if tensor.requires_grad:
