@@ -1,9 +1,11 @@
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
 from mlp_testlib import write_mnist
 
-from scaling.mlp.data import MNISTDataset, MNISTDatasetBatch, read_idx
+from scaling.mlp.data import MNISTDataset, MNISTDatasetBatch, read_digits, read_idx
 
 
 def test_digits_split_is_fixed_and_disjoint():
@@ -15,6 +17,26 @@ def test_digits_split_is_fixed_and_disjoint():
     train_rows = {tuple(r.tolist()) for r in train.images}
     overlap = sum(tuple(r.tolist()) in train_rows for r in test.images)
     assert overlap < 5  # the digits set holds a handful of duplicate images, not a shared split
+
+
+def test_digits_are_scikit_learns():
+    from sklearn.datasets import load_digits
+
+    images, labels = read_digits()
+    digits = load_digits()
+    assert images.dtype == digits.images.dtype and np.array_equal(images, digits.images)
+    assert labels.dtype == digits.target.dtype and np.array_equal(labels, digits.target)
+
+
+def test_digits_fall_back_to_load_digits_where_the_file_is_not_found(monkeypatch):
+    expected = read_digits()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    read_digits.cache_clear()
+    try:
+        images, labels = read_digits()
+    finally:
+        read_digits.cache_clear()
+    assert np.array_equal(images, expected[0]) and np.array_equal(labels, expected[1])
 
 
 @pytest.mark.parametrize("gz", [False, True])
