@@ -50,12 +50,18 @@ def test_sigterm_on_one_rank_saves_and_continues_bitwise(tmp_path):
         assert resumed[rank]["hash"] == continuous[rank]["hash"]
 
 
-def gc_worker(trainer: dict) -> dict:
-    """Train recording the collector's passes, (step, generation, automatic), and whether it was on in each loss."""
+def gc_worker(trainer: dict, thawed: bool = False) -> dict:
+    """Train recording the collector's passes, (step, generation, automatic), and whether it was on in each loss.
+
+    ``thawed``: start with nothing frozen, as in a fresh process (pooled workers freeze what they
+    import), and freeze it again afterwards.
+    """
     on_in_loss: list[bool] = []
+    frozen_in_loss: list[int] = []
 
     def loss(*args):
         on_in_loss.append(gc.isenabled())
+        frozen_in_loss.append(gc.get_freeze_count())
         return loss_function(*args)
 
     trainer_obj = build_trainer(1, 1, trainer, loss=loss)
@@ -65,19 +71,30 @@ def gc_worker(trainer: dict) -> dict:
         if phase == "start":  # an automatic pass runs with the collector enabled, a gc.collect() call without
             passes.append((trainer_obj.context.iterations, info["generation"], gc.isenabled()))
 
+    frozen_before = gc.get_freeze_count()
+    if thawed:
+        gc.unfreeze()
     gc.callbacks.append(record)
     try:
         trainer_obj.run_training()
     finally:
         gc.callbacks.remove(record)
-    return {"passes": passes, "on_in_loss": on_in_loss, "enabled_after": gc.isenabled()}
+    frozen_after = gc.get_freeze_count()
+    if thawed:
+        gc.freeze()
+    return {
+        "passes": passes,
+        "on_in_loss": on_in_loss,
+        "enabled_after": gc.isenabled(),
+        "frozen": (frozen_before, frozen_in_loss, frozen_after),
+    }
 
 
 @pytest.mark.distributed
 def test_garbage_collection_runs_only_between_steps(tmp_path):
     # 7 steps, a young pass every 2, evaluation at 3 and a save at the end: full passes there.
     trainer = {"train_iterations": 7, "gc_interval": 2, "eval_interval": 3, "save_dir": str(tmp_path / "ckpt")}
-    for out in run_distributed(gc_worker, 2, trainer, timeout_seconds=120):
+    for out in run_distributed(gc_worker, 2, trainer, True, timeout_seconds=120):
         passes = out["passes"]
         manual = [i for i, (_, _, automatic) in enumerate(passes) if not automatic]
         assert [passes[i][:2] for i in manual] == [(0, 2), (2, 1), (3, 2), (4, 1), (6, 2), (7, 2)], passes
@@ -86,11 +103,20 @@ def test_garbage_collection_runs_only_between_steps(tmp_path):
         assert out["on_in_loss"] and not any(out["on_in_loss"])
         assert not any(automatic for _, _, automatic in passes[manual[0] : manual[-1] + 1]), passes
         assert out["enabled_after"]
+        # What was alive when training started is frozen during the steps, and thawed after.
+        _, frozen_in_loss, frozen_after = out["frozen"]
+        assert min(frozen_in_loss) > 0 and frozen_after == 0, out["frozen"]
+    # Objects the caller froze stay frozen, and the trainer freezes nothing more (the count only
+    # drops, as frozen objects are freed).
+    for out in run_distributed(gc_worker, 2, {"train_iterations": 2, "gc_interval": 1}, timeout_seconds=120):
+        frozen_before, frozen_in_loss, frozen_after = out["frozen"]
+        assert all(0 < count <= frozen_before for count in [*frozen_in_loss, frozen_after]), out["frozen"]
     # gc_interval=None leaves the collector alone: on inside the steps, never called by the trainer.
-    for out in run_distributed(gc_worker, 2, {"train_iterations": 3, "gc_interval": None}, timeout_seconds=120):
+    for out in run_distributed(gc_worker, 2, {"train_iterations": 3, "gc_interval": None}, True, timeout_seconds=120):
         assert out["on_in_loss"] and all(out["on_in_loss"])
         assert all(automatic for _, _, automatic in out["passes"]), out["passes"]
         assert out["enabled_after"]
+        assert set(out["frozen"][1]) == {0}
 
 
 def test_trainer_config_errors():
