@@ -1,12 +1,14 @@
 """A crash during a save, and SIGTERM to the runner: the restart continues bitwise (docs/reliability.md 3, 9b).
 
 Both compare with one uninterrupted reference run of the same config (2 ranks, dp2, dropout,
-save every 10 steps), launched once for the module.
+save every 10 steps), launched once per test run (under xdist too).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -43,13 +45,29 @@ def _cfg(tmp: Path, ckpt: Path, resume: bool = False) -> dict[str, Any]:
     return config(tmp, steps=STEPS, tp=1, dp=2, timeout_s=TIMEOUT_S, trainer=trainer)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    tmp = tmp_path_factory.mktemp("reference")
+def _reference_run(tmp: Path) -> dict[int, float]:
     assert launch(_cfg(tmp, tmp / "ckpt"), tmp / "out") == 0
     result = losses(tmp / "out")
     assert sorted(result) == list(range(1, STEPS + 1))
     return result
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    tmp = tmp_path_factory.mktemp("reference")
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return _reference_run(tmp)
+    # Under xdist this module's tests may land on several workers: the first to get here
+    # launches the reference, the others wait for its losses (JSON keeps floats exact). The
+    # basetemp's parent belongs to this run and is shared by its workers.
+    shared = tmp_path_factory.getbasetemp().parent / "restart_faults_reference.json"
+    with open(shared.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if shared.exists():
+            return {int(step): loss for step, loss in json.loads(shared.read_text()).items()}
+        result = _reference_run(tmp)
+        shared.write_text(json.dumps(result))
+        return result
 
 
 def _latest(ckpt: Path) -> str:
