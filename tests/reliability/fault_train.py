@@ -58,7 +58,7 @@ from scaling.trainer.loggers import LoggerConfig
 
 # The classifier and its data are the trainer tests' own (one definition for both suites).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "packages" / "scaling-trainer" / "tests"))
-from trainer_model import IO, Batch, Blobs, Head, Hidden  # noqa: E402
+from trainer_model import IO, Batch, Blobs, Head, Hidden
 
 gc.enable()
 

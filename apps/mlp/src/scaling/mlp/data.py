@@ -98,7 +98,8 @@ def read_digits() -> tuple[np.ndarray, np.ndarray]:
     ``load_digits`` itself.
     """
     spec = importlib.util.find_spec("sklearn")
-    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+    folders = spec.submodule_search_locations if spec is not None else None
+    for folder in folders or []:
         path = Path(folder) / "datasets" / "data" / "digits.csv.gz"
         if path.is_file():
             data = np.loadtxt(path, delimiter=",")
