@@ -1,7 +1,9 @@
+import gc
 import os
 import subprocess
 import sys
 import time
+import weakref
 
 import pytest
 import torch
@@ -41,6 +43,33 @@ def _die_on(bad_rank):
     if dist.get_rank() == bad_rank:
         os._exit(7)
     dist.barrier()
+
+
+class _Node:
+    pass
+
+
+_CYCLES: list[weakref.ref] = []
+
+
+def _leave_a_cycle():
+    """A cycle that only the collector can free, left behind by this task."""
+    node = _Node()
+    node.self = node
+    _CYCLES.append(weakref.ref(node))
+    return gc.get_freeze_count()
+
+
+def _after_the_cycle():
+    return _CYCLES[-1]() is None, gc.get_freeze_count()
+
+
+def test_finished_task_garbage_is_collected_and_the_rest_frozen():
+    # One rank: the same worker runs both tasks.
+    (frozen_during,) = run_distributed(_leave_a_cycle, 1, timeout_seconds=60)
+    ((freed, frozen_after),) = run_distributed(_after_the_cycle, 1, timeout_seconds=60)
+    assert freed  # collected before the freeze, not kept for the life of the worker
+    assert frozen_after > frozen_during  # what the task left (the test module, its caches)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

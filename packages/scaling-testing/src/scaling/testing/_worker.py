@@ -60,7 +60,11 @@ def _run_task(task: dict[str, Any]) -> Any:
     import torch
     import torch.distributed as dist
 
-    fn = _resolve(task)
+    gc.disable()  # no collection passes over the modules while they import
+    try:
+        fn = _resolve(task)
+    finally:
+        gc.enable()
     args, kwargs = pickle.loads(task["payload"])
     rank, world_size = task["rank"], task["world_size"]
     saved_env = dict(os.environ)
@@ -116,3 +120,8 @@ def worker_main(idx: int, tasks: Any, results: Any) -> None:
             tb = traceback.format_exc()
             reply.update(ok=False, payload=f"{type(exc).__name__}: {exc}\n{tb}")
         results.put(reply)
+        del task, reply
+        # What the task imported or cached lives as long as this worker: collect the task's
+        # cyclic garbage, then freeze what is left, so the next tasks' collections skip it.
+        gc.collect()
+        gc.freeze()
