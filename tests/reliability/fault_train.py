@@ -27,9 +27,10 @@ from __future__ import annotations
 
 # ruff: noqa: E402 (the imports follow gc.disable())
 # Start-up and exit cost most of this short-lived rank's CPU, and the suite launches it dozens
-# of times: no cyclic garbage collection while torch imports (~0.3 s a process), and no
-# interpreter teardown after a clean run (below; ~0.7 s: torch unregisters every operator it
-# registered from Python). Neither changes what the tests check.
+# of times: no cyclic garbage collection while torch imports, what the imports made frozen out
+# of the collector's sight (else the first passes after gc.enable() walk it all: ~0.3 s a
+# process), and no interpreter teardown after a clean run (below; ~0.7 s: torch unregisters
+# every operator it registered from Python). None of it changes what the tests check.
 import gc
 
 gc.disable()
@@ -60,6 +61,7 @@ from scaling.trainer.loggers import LoggerConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "packages" / "scaling-trainer" / "tests"))
 from trainer_model import IO, Batch, Blobs, Head, Hidden
 
+gc.freeze()
 gc.enable()
 
 
@@ -124,9 +126,9 @@ class FaultyTrainer(BaseTrainer[Any]):
         return metrics
 
 
-def main() -> None:
+def run(payload: dict[str, Any]) -> None:
+    """One rank's training under ``payload`` (torchrun's environment, or a pooled test rank's)."""
     torch.set_num_threads(1)
-    payload = load_payload()
     out_dir = Path(payload["out_dir"])
     config = ReliabilityConfig.from_dict(payload["config"])
     faults = payload.get("faults", [])
@@ -213,6 +215,10 @@ def main() -> None:
         if fault["kind"] == "exit" and fault["rank"] == rank and fault["step"] > config.trainer.train_iterations:
             print(f"fault: rank {rank} exits with {fault['code']} after training", flush=True)
             sys.exit(fault["code"])
+
+
+def main() -> None:
+    run(load_payload())
 
 
 if __name__ == "__main__":

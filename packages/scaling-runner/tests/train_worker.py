@@ -10,9 +10,10 @@ from __future__ import annotations
 
 # ruff: noqa: E402 (the imports follow gc.disable())
 # Start-up and exit cost most of this short-lived rank's CPU, and the suite launches it dozens
-# of times: no cyclic garbage collection while torch imports (~0.3 s a process), and no
-# interpreter teardown after a clean run (below; ~0.7 s: torch unregisters every operator it
-# registered from Python). Neither changes what the tests check.
+# of times: no cyclic garbage collection while torch imports, what the imports made frozen out
+# of the collector's sight (else the first passes after gc.enable() walk it all: ~0.3 s a
+# process), and no interpreter teardown after a clean run (below; ~0.7 s: torch unregisters
+# every operator it registered from Python). None of it changes what the tests check.
 import gc
 
 gc.disable()
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from scaling.runner import load_payload
 
+gc.freeze()
 gc.enable()
 
 
