@@ -12,6 +12,10 @@
   import's CPU), and on again after collection with everything imported so far frozen out of
   its sight (full collections would otherwise walk it all again: ~12 % of the CPU samples,
   most in the test process, in a profile of the distributed tests before this).
+- The pooled ranks' forkserver imports Hugging Face's model classes and peft once, instead
+  of every worker whose test builds a transformers model importing them (~2 s of CPU each,
+  up to eight workers a pool); packages' own ``package_tests`` environments without them
+  skip the missing modules.
 """
 
 import gc
@@ -22,6 +26,15 @@ import os  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from scaling.testing import preload  # noqa: E402
+
+preload(
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.llama.modeling_llama",
+    "peft",
+    "scaling.trainer.auto",
+)
 
 _XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if _XDIST_WORKERS > 1:

@@ -154,6 +154,36 @@ def test_workers_leave_when_the_test_process_dies_without_clean_up(tmp_path):
     assert not [pid for pid in pids if _alive(pid)], "pooled workers outlived the test process"
 
 
+_PRELOADING_SCRIPT = """
+import sys
+from scaling.testing import preload, run_distributed
+
+def imported(_):
+    return "wave" in sys.modules  # before this function imports anything
+
+if __name__ == "__main__":
+    preload("wave", "no_such_module_is_installed")  # the missing one is skipped
+    assert "wave" not in sys.modules  # the forkserver imports it, not this process
+    assert run_distributed(imported, 2, 0, timeout_seconds=60) == [True, True]
+    try:
+        preload("mailbox")
+    except RuntimeError as exc:
+        print(exc)
+    else:
+        raise AssertionError("preload after the forkserver started did not raise")
+"""
+
+
+def test_preloaded_modules_are_imported_in_every_worker_and_late_preload_is_refused(tmp_path):
+    script = tmp_path / "preload_main.py"
+    script.write_text(_PRELOADING_SCRIPT)
+    with open(tmp_path / "out", "w") as out:
+        code = subprocess.call([sys.executable, str(script)], stdout=out, stderr=out, timeout=120, cwd=tmp_path)
+    text = (tmp_path / "out").read_text()
+    assert code == 0, text[-3000:]
+    assert "preload('mailbox',): the workers' forkserver has already started" in text, text
+
+
 def _alive(pid):
     try:
         os.kill(pid, 0)

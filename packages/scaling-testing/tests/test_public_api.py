@@ -9,6 +9,7 @@ def test_public_api():
         "WorkerPool",
         "assert_parity",
         "make_topology",
+        "preload",
         "run_distributed",
         "shard",
         "shutdown_workers",

@@ -6,7 +6,8 @@ process on a small machine). Each call gets a fresh temporary directory for its
 is killed and restarted on the next call, so no rank outlives a failed test.
 
 Workers are forked from multiprocessing's forkserver with torch, torch.distributed and
-DCP already imported in it (``set_forkserver_preload``), so a worker, and a pool restarted
+DCP (and whatever :func:`preload` names) already imported in it (``set_forkserver_preload``),
+so a worker, and a pool restarted
 after a failure, costs a fork rather than a fresh interpreter importing torch (2-3 s of
 CPU each on two cores). The forkserver is a clean process that imported and ran nothing
 else, so forking it is safe where forking the test process (threads, CUDA) is not. Where
@@ -31,8 +32,9 @@ from typing import Any
 from scaling.testing._worker import worker_main
 
 DEFAULT_TIMEOUT_SECONDS = 120.0
-# Imported once in the forkserver; every worker is forked with them loaded.
+# Imported once in the forkserver; every worker is forked with them loaded (preload() adds more).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "scaling.testing._worker"]
+_forkserver_started = False
 # Grace period given to the other ranks after one rank has failed, before they are
 # killed: long enough for them to report their own error if they hit one too.
 _FAILURE_GRACE_SECONDS = 3.0
@@ -70,6 +72,8 @@ class WorkerPool:
         self._task_ids = itertools.count()
 
     def _ensure(self, n: int) -> None:
+        global _forkserver_started
+        _forkserver_started = _forkserver_started or self._ctx.get_start_method() == "forkserver"
         if self._results is None:
             self._results = self._ctx.Queue()
         while len(self._procs) < n:
@@ -197,6 +201,27 @@ def _signal_name(code: int | None) -> str:
         return f", killed by {signal.Signals(-code).name}"
     except ValueError:
         return f", killed by signal {-code}"
+
+
+def preload(*modules: str) -> None:
+    """Import ``modules`` once in the forkserver, so that every worker starts with them imported.
+
+    For heavy libraries the ranks' functions import: otherwise each worker imports them on
+    its first call (Hugging Face ``transformers``' model classes: ~2 s of CPU a process,
+    paid by every rank of every pool). Call it before this process's first
+    :func:`run_distributed`, e.g. at the top of ``conftest.py``. A module that is not
+    installed is skipped, so one ``conftest.py`` serves environments with and without it.
+    Where workers are spawned (no forkserver) it has no effect.
+
+    Raises:
+        RuntimeError: when the forkserver has started (its imports are fixed by then).
+    """
+    if _forkserver_started:
+        raise RuntimeError(
+            f"scaling.testing.preload{modules!r}: the workers' forkserver has already started with its imports; "
+            "call preload before the first run_distributed of this process (e.g. at the top of conftest.py)"
+        )
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
 
 _POOL: WorkerPool | None = None
