@@ -242,16 +242,9 @@ class BaseTrainer(Generic[ContextT]):
             recorder.configure(diagnostics_dir=cfg.resolved_diagnostics_dir(), rank=topology.global_rank)
         watcher = SignalWatcher(topology.device, grace_seconds=topology.config.timeout_seconds).install()
         gc_was_enabled = gc.isenabled()
-        froze = False
         if cfg.gc_interval is not None:
             gc.disable()
             gc.collect()
-            # What is alive now (torch's modules, the model, the optimizer) lives through training:
-            # frozen, the full passes below skip it (~0.1 s each with torch imported, ~0 after). Not
-            # when the caller froze objects of its own: unfreezing on the way out would thaw those too.
-            if gc.get_freeze_count() == 0:
-                gc.freeze()
-                froze = True
         try:
             while self.context.iterations < cfg.train_iterations:
                 recorder.step = self.context.iterations + 1
@@ -284,8 +277,6 @@ class BaseTrainer(Generic[ContextT]):
                     watcher.disarm()
                     self._stop_on_signal(signum)
         finally:
-            if froze:
-                gc.unfreeze()
             if gc_was_enabled:
                 gc.enable()
             watcher.uninstall()
