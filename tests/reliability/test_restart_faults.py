@@ -1,14 +1,12 @@
 """A crash during a save, and SIGTERM to the runner: the restart continues bitwise (docs/reliability.md 3, 9b).
 
 Both compare with one uninterrupted reference run of the same config (2 ranks, dp2, dropout,
-save every 10 steps), launched once per test run (under xdist too).
+save every 10 steps), run once per module on pooled gloo ranks.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import signal
 import time
 from pathlib import Path
@@ -28,6 +26,8 @@ from reliability_testlib import (
     worker_pids,
 )
 
+from scaling.testing import run_distributed
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS = 30
@@ -45,29 +45,24 @@ def _cfg(tmp: Path, ckpt: Path, resume: bool = False) -> dict[str, Any]:
     return config(tmp, steps=STEPS, tp=1, dp=2, timeout_s=TIMEOUT_S, trainer=trainer)
 
 
-def _reference_run(tmp: Path) -> dict[int, float]:
-    assert launch(_cfg(tmp, tmp / "ckpt"), tmp / "out") == 0
-    result = losses(tmp / "out")
-    assert sorted(result) == list(range(1, STEPS + 1))
-    return result
+def _train(cfg: dict[str, Any], out: str) -> None:
+    """One rank of the reference: fault_train's training, with no fault, on a pooled gloo rank."""
+    from fault_train import run  # on the rank: the folder is on sys.path there (conftest.py)
+
+    run({"config": cfg, "out_dir": out, "faults": []})
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    # The uninterrupted run needs no launch of its own: the same training on 2 pooled ranks
+    # gives the launched run's losses bitwise (the same code, seeds and collectives), and the
+    # tests below compare their launched runs with it.
     tmp = tmp_path_factory.mktemp("reference")
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return _reference_run(tmp)
-    # Under xdist this module's tests may land on several workers: the first to get here
-    # launches the reference, the others wait for its losses (JSON keeps floats exact). The
-    # basetemp's parent belongs to this run and is shared by its workers.
-    shared = tmp_path_factory.getbasetemp().parent / "restart_faults_reference.json"
-    with open(shared.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if shared.exists():
-            return {int(step): loss for step, loss in json.loads(shared.read_text()).items()}
-        result = _reference_run(tmp)
-        shared.write_text(json.dumps(result))
-        return result
+    (tmp / "out").mkdir()
+    run_distributed(_train, 2, _cfg(tmp, tmp / "ckpt"), str(tmp / "out"), timeout_seconds=120)
+    result = losses(tmp / "out")
+    assert sorted(result) == list(range(1, STEPS + 1))
+    return result
 
 
 def _latest(ckpt: Path) -> str:
