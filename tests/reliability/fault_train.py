@@ -54,7 +54,6 @@ from scaling.pipeline import ParallelModule
 from scaling.runner import load_payload
 from scaling.topology import Topology, TopologyConfig
 from scaling.trainer import BaseContext, BaseTrainer, TrainerConfig
-from scaling.trainer.checkpoint import _save
 from scaling.trainer.loggers import LoggerConfig
 
 # The classifier and its data are the trainer tests' own (one definition for both suites).
@@ -178,6 +177,8 @@ def run(payload: dict[str, Any]) -> None:
 
     for fault in faults:
         if fault["kind"] == "kill_in_save" and fault["rank"] == rank:
+            from scaling.trainer.checkpoint import _save
+
             # _save._commit runs once this rank's shards are written and before anyone writes the
             # marker (whether the shards were hashed while written or are hashed there).
             real_commit, target = _save._commit, _save.mk.step_dir_name(fault["step"])

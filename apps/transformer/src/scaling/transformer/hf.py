@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from scaling.nn import named_parameters_with_meta, write_peft_adapter
-from scaling.trainer import model_state_dict, save_checkpoint
+from scaling.trainer import checkpoint
 from scaling.transformer.config import TransformerArchitectureConfig, TransformerConfig
 from scaling.transformer.inference import TransformerLM, load_model
 
@@ -131,8 +131,12 @@ def _split_qkv(qkv: torch.Tensor, arch: TransformerArchitectureConfig) -> tuple[
 def save_model(model: TransformerLM, config: TransformerConfig, checkpoint_dir: str | Path) -> Path:
     """Write the one-process model as a step-0 checkpoint (loadable by train's load_dir and generate)."""
     params = list(named_parameters_with_meta(model))
-    save_checkpoint(
-        checkpoint_dir, 0, {"model": model_state_dict(params, None)}, None, extra={"config": config.as_dict()}
+    checkpoint.save_checkpoint(
+        checkpoint_dir,
+        0,
+        {"model": checkpoint.model_state_dict(params, None)},
+        None,
+        extra={"config": config.as_dict()},
     ).wait()
     return Path(checkpoint_dir)
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from scaling.nn import KVCache, named_parameters_with_meta, set_layer_index
-from scaling.trainer import committed_steps, load_checkpoint, model_state_dict
+from scaling.trainer import checkpoint, committed_steps
 from scaling.transformer.config import TransformerArchitectureConfig, TransformerConfig
 from scaling.transformer.finetuning import apply_finetuning
 from scaling.transformer.model import EmbeddingLayer, LMHeadLayer, TransformerBlock, layer_specs
@@ -150,9 +150,9 @@ def load_model(
     apply_finetuning(list(enumerate(model.layers)), config.finetuning, seed=config.trainer.seed)
     params = list(named_parameters_with_meta(model))
     head_copy = rf"model\.layers\.{len(model.layers) - 1}\.embedding\.weight"
-    load_checkpoint(
+    checkpoint.load_checkpoint(
         checkpoint_dir,
-        {"model": model_state_dict(params, None)},
+        {"model": checkpoint.model_state_dict(params, None)},
         None,
         step=step,
         allowed_unexpected=[

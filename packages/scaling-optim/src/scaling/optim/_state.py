@@ -15,13 +15,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from scaling.optim._comm import all_gather_chunks
 from scaling.optim._slots import ParamSlot
 
 if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
     from scaling.optim._optimizer import Optimizer
+
+# DTensor (and sympy with it: ~0.35 s of CPU) is imported where a state dict is built or read,
+# not by ``import scaling.optim``: a process that never checkpoints does without it.
 
 
 def _entries(slot: ParamSlot) -> dict[str, torch.Tensor]:
@@ -33,6 +37,8 @@ def _entries(slot: ParamSlot) -> dict[str, torch.Tensor]:
 
 def optimizer_state(opt: Optimizer) -> dict[str, Any]:
     """Counters, loss scaler, schedules and per-parameter DTensors (see the module docstring)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
     topo = opt.topology
     mesh = topo.device_mesh["dp", "tp"]
     chunks, outputs, owners = [], [], []
@@ -74,6 +80,8 @@ def optimizer_state(opt: Optimizer) -> dict[str, Any]:
 
 def _tp_local(slot: ParamSlot, value: torch.Tensor, key: str, name: str, tp_rank: int) -> torch.Tensor:
     """``value`` as this rank's TP-local tensor: a DTensor's local part or a slice of a full tensor."""
+    from torch.distributed.tensor import DTensor
+
     if isinstance(value, DTensor):
         value = value.to_local()
     meta = slot.meta

@@ -1,22 +1,49 @@
 """scaling.trainer: BaseTrainer, BaseContext, checkpoints, metrics loggers, signal handling."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from scaling.trainer._config import TrainerConfig
 from scaling.trainer._context import BaseContext
 from scaling.trainer._profiler import ProfilerConfig, StepProfiler
 from scaling.trainer._signals import HANDLED_SIGNALS, exit_code_for
 from scaling.trainer._trainer import BaseTrainer
-from scaling.trainer.checkpoint import (
-    CheckpointError,
-    LoadedCheckpoint,
-    PendingSave,
-    committed_steps,
-    load_checkpoint,
-    load_model_state_dict,
-    model_state_dict,
-    new_checkpoint_group,
-    save_checkpoint,
-)
+from scaling.trainer.checkpoint import CheckpointError, committed_steps
 from scaling.trainer.loggers import LoggerConfig, MetricsLogger, logger
+
+if TYPE_CHECKING:
+    from scaling.trainer.checkpoint import (
+        LoadedCheckpoint,
+        PendingSave,
+        load_checkpoint,
+        load_model_state_dict,
+        model_state_dict,
+        new_checkpoint_group,
+        save_checkpoint,
+    )
+
+_FROM_CHECKPOINT = {
+    "LoadedCheckpoint",
+    "PendingSave",
+    "load_checkpoint",
+    "load_model_state_dict",
+    "model_state_dict",
+    "new_checkpoint_group",
+    "save_checkpoint",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The checkpoint functions, imported on first use (see scaling.trainer.checkpoint)."""
+    if name not in _FROM_CHECKPOINT:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from scaling.trainer import checkpoint
+
+    value = getattr(checkpoint, name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "HANDLED_SIGNALS",

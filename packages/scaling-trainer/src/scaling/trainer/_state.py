@@ -13,18 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from scaling.trainer.checkpoint import (
-    PendingSave,
-    StagingBuffers,
-    load_checkpoint,
-    load_model_state_dict,
-    model_state_dict,
-    new_checkpoint_group,
-    save_checkpoint,
-)
+from scaling.trainer import checkpoint as ckpt
 
 if TYPE_CHECKING:
     from scaling.trainer._trainer import BaseTrainer
+    from scaling.trainer.checkpoint import PendingSave, StagingBuffers
 
 
 class TrainerCheckpointer:
@@ -34,7 +27,7 @@ class TrainerCheckpointer:
         self.trainer = trainer
         self._pending: PendingSave | None = None
         self._group: Any = None
-        self._staging = StagingBuffers()  # allocated on the first asynchronous save, then reused
+        self._staging: StagingBuffers | None = None  # made by the first asynchronous save, then reused
         self.last_loaded_step: int | None = None
         self.last_saved_step: int | None = None
 
@@ -42,7 +35,7 @@ class TrainerCheckpointer:
         t = self.trainer
         t.wait_for_parameters()  # the last step's gathers may still be in flight
         return {
-            "model": model_state_dict(list(t.parallel_module.named_parameters_with_meta()), t.context.topology),
+            "model": ckpt.model_state_dict(list(t.parallel_module.named_parameters_with_meta()), t.context.topology),
             "optimizer": t.optimizer.state_dict(),
         }
 
@@ -61,9 +54,12 @@ class TrainerCheckpointer:
         if self.last_saved_step == t.context.iterations:
             return
         self.wait()
-        if t.config.async_save and self._group is None and dist.is_initialized():
-            self._group = new_checkpoint_group()
-        self._pending = save_checkpoint(
+        if t.config.async_save:
+            if self._group is None and dist.is_initialized():
+                self._group = ckpt.new_checkpoint_group()
+            if self._staging is None:
+                self._staging = ckpt.StagingBuffers()
+        self._pending = ckpt.save_checkpoint(
             save_dir,
             t.context.iterations,
             self._state(),
@@ -73,7 +69,7 @@ class TrainerCheckpointer:
             keep_last=t.config.keep_last_n_checkpoints,
             async_save=t.config.async_save,
             process_group=self._group,
-            staging=self._staging if t.config.async_save else None,
+            staging=self._staging,
         )
         self.last_saved_step = t.context.iterations
         if not t.config.async_save:
@@ -91,7 +87,7 @@ class TrainerCheckpointer:
         template = self._state()
         if not cfg.load_optimizer_states:
             template.pop("optimizer")
-        loaded = load_checkpoint(
+        loaded = ckpt.load_checkpoint(
             load_dir,
             template,
             t.context.topology,
@@ -101,7 +97,7 @@ class TrainerCheckpointer:
             # Without optimizer states the checkpoint's optimizer keys are simply not read.
             ignored=[*cfg.ignore_keys_in_checkpoint, *([] if cfg.load_optimizer_states else [r"optimizer\..*"])],
         )
-        load_model_state_dict(list(t.parallel_module.named_parameters_with_meta()), loaded.state["model"])
+        ckpt.load_model_state_dict(list(t.parallel_module.named_parameters_with_meta()), loaded.state["model"])
         if "optimizer" in template:
             t.optimizer.load_state_dict(loaded.state["optimizer"])
         extra = loaded.extra
