@@ -7,9 +7,8 @@ is killed and restarted on the next call, so no rank outlives a failed test.
 
 Workers are forked from multiprocessing's forkserver with torch, torch.distributed and
 DCP (and whatever :func:`preload` names) already imported in it (``set_forkserver_preload``),
-so a worker, and a pool restarted
-after a failure, costs a fork rather than a fresh interpreter importing torch (2-3 s of
-CPU each on two cores). The forkserver is a clean process that imported and ran nothing
+so a worker, and a pool restarted after a failure, costs a fork rather than a fresh
+interpreter importing torch (2-3 s of CPU each on two cores). The forkserver is a clean process that imported and ran nothing
 else, so forking it is safe where forking the test process (threads, CUDA) is not. Where
 the platform has no forkserver (Windows) workers are spawned.
 """
@@ -34,7 +33,7 @@ from scaling.testing._worker import worker_main
 DEFAULT_TIMEOUT_SECONDS = 120.0
 # Imported once in the forkserver; every worker is forked with them loaded (preload() adds more).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "scaling.testing._worker"]
-_forkserver_started = False
+_forkserver_started = False  # once it has, its imports are fixed for this process
 # Grace period given to the other ranks after one rank has failed, before they are
 # killed: long enough for them to report their own error if they hit one too.
 _FAILURE_GRACE_SECONDS = 3.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from scaling.trainer import checkpoint
 from scaling.trainer._config import TrainerConfig
 from scaling.trainer._context import BaseContext
 from scaling.trainer._profiler import ProfilerConfig, StepProfiler
@@ -23,26 +24,12 @@ if TYPE_CHECKING:
         save_checkpoint,
     )
 
-_FROM_CHECKPOINT = {
-    "LoadedCheckpoint",
-    "PendingSave",
-    "load_checkpoint",
-    "load_model_state_dict",
-    "model_state_dict",
-    "new_checkpoint_group",
-    "save_checkpoint",
-}
-
 
 def __getattr__(name: str) -> Any:
-    """The checkpoint functions, imported on first use (see scaling.trainer.checkpoint)."""
-    if name not in _FROM_CHECKPOINT:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from scaling.trainer import checkpoint
-
-    value = getattr(checkpoint, name)
-    globals()[name] = value
-    return value
+    """The checkpoint names that need DCP, imported on first use (see scaling.trainer.checkpoint)."""
+    if name in checkpoint.__all__:
+        return getattr(checkpoint, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
