@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from scaling.optim._shard_gather import ShardGather
 from scaling.optim._slots import ParamSlot
 from scaling.optim._state import load_optimizer_state, optimizer_state
 from scaling.optim._update import UpdateItem, apply_updates, state_names
+from scaling.optim._weak import weak_hook
 from scaling.optim._zero3 import ParameterGatherer, check_own_storage, check_zero3, free_storage
 from scaling.topology import Topology
 
@@ -142,8 +142,8 @@ class Optimizer:
             self.gatherer = ParameterGatherer(zero3_modules, self.slots, topology.data_parallel_group)
         self._hooks: list[Any] = []
         if self.gatherer is not None:
-            for slot in self.slots:
-                self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(slot)))
+            for index, slot in enumerate(self.slots):
+                self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(index)))
             self.gatherer.free_all()
         self.reducer: GradientReducer | None = None
         self._dp_reduced = False
@@ -161,7 +161,6 @@ class Optimizer:
     def _shard_gather_hooks(self, gather: ShardGather, model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[Any]:
         """A forward pre-hook on each module owning a trained parameter: wait for its gathers."""
         index_of = {id(slot.param): i for i, slot in enumerate(self.slots)}
-        owner = weakref.ref(gather)  # as in _make_grad_hook
         handles = []
         for root in [model] if isinstance(model, torch.nn.Module) else model:
             for module in root.modules():
@@ -169,12 +168,13 @@ class Optimizer:
                 if own:
                     entries = sorted({gather.entry_of[i] for i in own})
 
-                    def hook(_module: torch.nn.Module, _args: Any, entries: list[int] = entries) -> None:
-                        shard_gather = owner()
-                        if shard_gather is not None and shard_gather.pending:
-                            shard_gather.wait(entries)
+                    def hook(
+                        gather: ShardGather, _module: torch.nn.Module, _args: Any, entries: list[int] = entries
+                    ) -> None:
+                        if gather.pending:
+                            gather.wait(entries)
 
-                    handles.append(module.register_forward_pre_hook(hook))
+                    handles.append(module.register_forward_pre_hook(weak_hook(gather, hook)))
         return handles
 
     # ----------------------------------------------------------------- backward
@@ -199,17 +199,13 @@ class Optimizer:
         scale = self.loss_scaler.scale
         (loss * scale if scale != 1.0 else loss).backward()
 
-    def _make_grad_hook(self, slot: ParamSlot) -> Any:
-        # Weak references, as GradientReducer's hooks: a tensor hook holding the optimizer or
-        # the slot (which holds the parameter) would make a cycle the collector never frees.
-        owner, slot_ref = weakref.ref(self), weakref.ref(slot)
-
-        def hook(param: torch.Tensor) -> None:
+    def _make_grad_hook(self, index: int) -> Any:
+        # The hook holds the optimizer weakly (see weak_hook) and finds its slot by index: the
+        # slot holds the parameter, so capturing it would make the same cycle.
+        def hook(optimizer: Optimizer, param: torch.Tensor) -> None:
             # ZeRO-3: reduce-scatter each gradient as soon as it is accumulated, keep only
             # the owned shard and free the full gradient and the parameter.
-            optimizer, slot = owner(), slot_ref()
-            if optimizer is None or slot is None:
-                return
+            slot = optimizer.slots[index]
             assert param.grad is not None
             shard = reduce_scatter_mean(slot.padded_flat(param.grad), optimizer.topology.data_parallel_group)
             shard = shard[: slot.length].to(slot.compute_dtype)
@@ -217,7 +213,7 @@ class Optimizer:
             param.grad = None
             free_storage(slot)
 
-        return hook
+        return weak_hook(self, hook)
 
     # --------------------------------------------------------------------- step
     def finish_gradient_reduction(self) -> None:

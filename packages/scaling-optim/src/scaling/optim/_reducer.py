@@ -45,7 +45,6 @@ are reduced there, with zeros for missing gradients.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +53,7 @@ import torch
 from scaling.collectives import PendingCollective, all_reduce_async, reduce_scatter_async
 from scaling.optim._comm import group_size
 from scaling.optim._slots import ParamSlot
+from scaling.optim._weak import weak_hook
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -102,36 +102,27 @@ class GradientReducer:
         if mode == "all_reduce":
             self.handles += [s.param.register_hook(self._pre_hook(s)) for s in slots]
 
-    # The hooks reach the reducer through a weak reference: a tensor hook's references are
-    # invisible to the garbage collector, so a strong one would make parameter -> hook ->
-    # reducer -> parameter a cycle never freed (the model, the buffers and the process group
-    # would outlive the optimizer).
+    # The hooks hold the reducer weakly (see weak_hook).
     def _hook(self, slot: ParamSlot) -> Any:
         index = self._bucket_of[id(slot)]
-        owner = weakref.ref(self)
 
-        def hook(param: torch.Tensor) -> None:
-            reducer = owner()
-            if reducer is None:
-                return
+        def hook(reducer: GradientReducer, param: torch.Tensor) -> None:
             reducer._ready[index] += 1
             if reducer._ready[index] == len(reducer.buckets[index]):
                 reducer._launch(index)
 
-        return hook
+        return weak_hook(self, hook)
 
     def _pre_hook(self, slot: ParamSlot) -> Any:
         index = self._bucket_of[id(slot)]
-        owner = weakref.ref(self)
 
-        def hook(grad: torch.Tensor) -> None:
+        def hook(reducer: GradientReducer, grad: torch.Tensor) -> None:
             # All-reduce mode leaves the local gradients in .grad while in flight; a new
             # gradient for the bucket must land on the average, so it completes first.
-            reducer = owner()
-            if reducer is not None and index in reducer._pending:
+            if index in reducer._pending:
                 reducer._complete(index)
 
-        return hook
+        return weak_hook(self, hook)
 
     def _launch(self, index: int) -> None:
         self._complete(index)

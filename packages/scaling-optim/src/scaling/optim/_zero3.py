@@ -23,7 +23,6 @@ tensors saved for backward see the same values they were computed with.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -33,6 +32,7 @@ import torch
 from scaling.optim._comm import group_size
 from scaling.optim._compat import all_gather_single
 from scaling.optim._slots import ParamSlot
+from scaling.optim._weak import weak_hook
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -143,43 +143,33 @@ class ParameterGatherer:
             self.free_all()
 
     # ----------------------------------------------------------------- hooks
-    # The hooks hold the gatherer weakly, as the optimizer's own hooks do (see
-    # GradientReducer): no hook keeps the optimizer's state or its parameters alive.
+    # The hooks hold the gatherer weakly (see weak_hook).
     def _pre_forward(self, index: int) -> Any:
-        owner = weakref.ref(self)
+        def hook(gatherer: ParameterGatherer, module: torch.nn.Module, args: Any) -> None:
+            gatherer.gather(index)
+            gatherer._start(index + 1)  # prefetch: overlaps the next layer's gather with this layer
 
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            gatherer = owner()
-            if gatherer is not None:
-                gatherer.gather(index)
-                gatherer._start(index + 1)  # prefetch: overlaps the next layer's gather with this layer
-
-        return hook
+        return weak_hook(self, hook)
 
     def _post_forward(self, index: int) -> Any:
-        owner = weakref.ref(self)
-
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            gatherer = owner()
-            if gatherer is None:
-                return
+        def hook(gatherer: ParameterGatherer, module: torch.nn.Module, args: Any, output: Any) -> None:
             gatherer.free(index)
             if not torch.is_grad_enabled():
                 return
             fired = [False]
 
-            def regather(grad: torch.Tensor) -> None:
-                gatherer = owner()
-                if gatherer is not None and not fired[0]:
+            def regather(gatherer: ParameterGatherer, grad: torch.Tensor) -> None:
+                if not fired[0]:
                     fired[0] = True
                     gatherer.gather(index)
                     gatherer._start(index - 1)  # backward runs layers in reverse
 
+            once = weak_hook(gatherer, regather)
             for tensor in _iter_tensors(output):
                 if tensor.requires_grad:
-                    tensor.register_hook(regather)
+                    tensor.register_hook(once)
 
-        return hook
+        return weak_hook(self, hook)
 
     def remove(self) -> None:
         for handle in self.handles:
