@@ -6,11 +6,12 @@ process on a small machine). Each call gets a fresh temporary directory for its
 is killed and restarted on the next call, so no rank outlives a failed test.
 
 Workers are forked from multiprocessing's forkserver with torch, torch.distributed and
-DCP (and whatever :func:`preload` names) already imported in it (``set_forkserver_preload``),
-so a worker, and a pool restarted after a failure, costs a fork rather than a fresh
-interpreter importing torch (2-3 s of CPU each on two cores). The forkserver is a clean process that imported and ran nothing
-else, so forking it is safe where forking the test process (threads, CUDA) is not. Where
-the platform has no forkserver (Windows) workers are spawned.
+DCP (and whatever :func:`preload` names) already imported in it
+(``set_forkserver_preload``), so a worker, and a pool restarted after a failure, costs a
+fork rather than a fresh interpreter importing torch (2-3 s of CPU each on two cores).
+The forkserver is a clean process that imported and ran nothing else, so forking it is
+safe where forking the test process (threads, CUDA) is not. Where the platform has no
+forkserver (Windows) workers are spawned.
 """
 
 from __future__ import annotations
@@ -72,7 +73,6 @@ class WorkerPool:
 
     def _ensure(self, n: int) -> None:
         global _forkserver_started
-        _forkserver_started = _forkserver_started or self._ctx.get_start_method() == "forkserver"
         if self._results is None:
             self._results = self._ctx.Queue()
         while len(self._procs) < n:
@@ -81,6 +81,7 @@ class WorkerPool:
             proc = self._ctx.Process(
                 target=worker_main, args=(idx, tq, self._results), name=f"scaling-rank-worker-{idx}"
             )
+            _forkserver_started = _forkserver_started or self._ctx.get_start_method() == "forkserver"
             proc.start()
             self._procs.append(proc)
             self._task_queues.append(tq)
