@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from scaling.runner import RunnerConfig, runner_main
+from scaling.testing import run_distributed
 
 SCRIPT = str(Path(__file__).with_name("fault_train.py"))
 
@@ -41,13 +42,38 @@ def config(
     }
 
 
+def _nproc(cfg: dict[str, Any]) -> int:
+    topo = cfg["topology"]
+    return int(topo["model_parallel_size"] * topo["pipe_parallel_size"] * topo["data_parallel_size"])
+
+
 def launch(cfg: dict[str, Any], out: Path, faults: list[dict[str, Any]] | None = None, **payload: Any) -> int:
     """Run fault_train.py on every rank of ``cfg`` through ``runner_main`` (local torchrun)."""
     out.mkdir(parents=True, exist_ok=True)
-    topo = cfg["topology"]
-    nproc = topo["model_parallel_size"] * topo["pipe_parallel_size"] * topo["data_parallel_size"]
-    runner = RunnerConfig(script=SCRIPT, nproc_per_node=nproc, teardown_timeout_s=10)
+    runner = RunnerConfig(script=SCRIPT, nproc_per_node=_nproc(cfg), teardown_timeout_s=10)
     return runner_main(runner, {"config": cfg, "out_dir": str(out), "faults": faults or [], **payload})
+
+
+def _pooled_rank(cfg: dict[str, Any], out: str, faults: list[dict[str, Any]]) -> str | None:
+    from fault_train import run  # on the rank: this folder is on sys.path there (conftest.py)
+
+    try:
+        run({"config": cfg, "out_dir": out, "faults": faults})
+    except FloatingPointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def pooled(
+    cfg: dict[str, Any], out: Path, faults: list[dict[str, Any]] | None = None, timeout_seconds: float = 60.0
+) -> list[str | None]:
+    """fault_train's training on every rank of ``cfg`` as pooled gloo ranks, with no launch.
+
+    For what the launch itself does not change. Returns, per rank, the FloatingPointError it
+    raised as text, or None.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    return run_distributed(_pooled_rank, _nproc(cfg), cfg, str(out), faults or [], timeout_seconds=timeout_seconds)
 
 
 def cli_config(
@@ -55,9 +81,7 @@ def cli_config(
 ) -> Path:
     """Write a ``scaling-run`` config file (a ``runner`` section plus fault_train's payload) to ``path``."""
     out.mkdir(parents=True, exist_ok=True)
-    topo = cfg["topology"]
-    nproc = topo["model_parallel_size"] * topo["pipe_parallel_size"] * topo["data_parallel_size"]
-    runner = {"script": SCRIPT, "nproc_per_node": nproc, "teardown_timeout_s": 10}
+    runner = {"script": SCRIPT, "nproc_per_node": _nproc(cfg), "teardown_timeout_s": 10}
     path.write_text(
         json.dumps({"runner": runner, "config": cfg, "out_dir": str(out), "faults": faults or [], **payload})
     )

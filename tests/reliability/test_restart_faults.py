@@ -20,13 +20,12 @@ from reliability_testlib import (
     launch,
     losses,
     parent_pid,
+    pooled,
     reap,
     start_cli,
     steps,
     worker_pids,
 )
-
-from scaling.testing import run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -45,21 +44,13 @@ def _cfg(tmp: Path, ckpt: Path, resume: bool = False) -> dict[str, Any]:
     return config(tmp, steps=STEPS, tp=1, dp=2, timeout_s=TIMEOUT_S, trainer=trainer)
 
 
-def _train(cfg: dict[str, Any], out: str) -> None:
-    """One rank of the reference: fault_train's training, with no fault, on a pooled gloo rank."""
-    from fault_train import run  # on the rank: the folder is on sys.path there (conftest.py)
-
-    run({"config": cfg, "out_dir": out, "faults": []})
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     # The uninterrupted run needs no launch of its own: the same training on 2 pooled ranks
     # gives the launched run's losses bitwise (the same code, seeds and collectives), and the
     # tests below compare their launched runs with it.
     tmp = tmp_path_factory.mktemp("reference")
-    (tmp / "out").mkdir()
-    run_distributed(_train, 2, _cfg(tmp, tmp / "ckpt"), str(tmp / "out"), timeout_seconds=120)
+    assert pooled(_cfg(tmp, tmp / "ckpt"), tmp / "out", timeout_seconds=120) == [None, None]
     result = losses(tmp / "out")
     assert sorted(result) == list(range(1, STEPS + 1))
     return result

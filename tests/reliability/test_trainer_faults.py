@@ -13,11 +13,10 @@ stages and replicas, not the launch (the runner's exit code for failing ranks is
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
-from reliability_testlib import config, steps
-
-from scaling.testing import run_distributed
+from reliability_testlib import config, pooled, steps
 
 pytestmark = pytest.mark.distributed
 
@@ -25,29 +24,16 @@ BAD_STEP = 5
 FAULTS = [{"kind": "inf_grad", "rank": 0, "step": BAD_STEP}]
 
 
-def _train(cfg: dict, out: str) -> str | None:
-    """One rank's run of fault_train; the FloatingPointError it raised, if any, as text."""
-    from fault_train import run  # on the rank: the folder is on sys.path there (conftest.py)
-
-    try:
-        run({"config": cfg, "out_dir": out, "faults": FAULTS})
-    except FloatingPointError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
-def _launch(tmp, policy: str, dp: int = 1) -> tuple[list[str | None], object]:
+def _run(tmp: Path, policy: str, dp: int = 1) -> tuple[list[str | None], Path]:
     cfg = config(tmp, steps=8, tp=1, pp=2, dp=dp, timeout_s=10.0, optimizer={"non_finite_policy": policy})
-    out = tmp / "out"
-    out.mkdir()
-    return run_distributed(_train, 2 * dp, cfg, str(out), timeout_seconds=60), out
+    return pooled(cfg, tmp / "out", FAULTS), tmp / "out"
 
 
 def test_inf_grad_on_stage_without_loss_skips_the_same_step_everywhere(tmp_path):
     # pp2·dp2: the Inf reaches neither the loss's stage nor the other DP replica directly,
     # so the verdict has to travel over both (pp2 alone is the fail-policy test below).
     dp = 2
-    errors, out = _launch(tmp_path, "skip", dp)
+    errors, out = _run(tmp_path, "skip", dp)
     assert errors == [None] * 2 * dp
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2 * dp)]
     # The Inf is on stage 0 (rank 0 only), the loss on stage 1.
@@ -64,7 +50,7 @@ def test_inf_grad_on_stage_without_loss_skips_the_same_step_everywhere(tmp_path)
 
 
 def test_inf_grad_on_stage_without_loss_fails_every_rank_naming_the_step(tmp_path):
-    errors, out = _launch(tmp_path, "fail")
+    errors, out = _run(tmp_path, "fail")
     for rank, error in enumerate(errors):
         # Each rank raised on its own (not stopped because its peer died), after the steps before it.
         assert error is not None and error.startswith(
