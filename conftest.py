@@ -3,7 +3,11 @@
 - GPU tests are skipped, with the reason, without CUDA.
 - Tests marked ``slow`` run first: under pytest-xdist (``nox -s tests`` runs ``-n``) the
   long ones then start while the short ones fill the other workers, instead of one long
-  test starting last and running alone.
+  test starting last and running alone. The one marked ``heavy`` (the transformer README
+  session, a quarter of the suite's CPU) starts before all of them. Those marked ``waits``
+  (they sit out a timeout on purpose, the CPU idle) are spread out among the computing slow
+  tests: when several started together, as collection order had them, both cores idled
+  for ~10 s.
 - Under xdist each worker, and every process it launches (pooled ranks, torchrun), gets
   its share of the cores as intra-op threads: two workers on two cores each taking both
   cores' worth of OpenMP threads spend their time spinning against each other.
@@ -43,8 +47,24 @@ if _XDIST_WORKERS > 1:
     torch.set_num_threads(int(_threads))
 
 
+def _start_order(items):
+    kinds = {"heavy": [], "waits": [], "slow": [], "quick": []}
+    for item in items:
+        kinds[next((k for k in ("heavy", "waits", "slow") if item.get_closest_marker(k)), "quick")].append(item)
+    waits, slow = kinds["waits"], kinds["slow"]
+    # One waiting test after every `gap` computing slow ones, so that on two cores and three
+    # workers a waiting worker leaves the cores to the other two.
+    gap = max(1, len(slow) // (len(waits) + 1))
+    order = list(kinds["heavy"])
+    for n, item in enumerate(slow, 1):
+        order.append(item)
+        if n % gap == 0 and waits:
+            order.append(waits.pop(0))
+    return order + waits + kinds["quick"]
+
+
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: "slow" not in item.keywords)  # stable: otherwise collection order
+    items[:] = _start_order(items)  # within each kind, collection order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device; none is present on this machine")

@@ -9,7 +9,7 @@ import time
 import pytest
 from reliability_testlib import config, launch, reap, worker_pids
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.waits]
 
 TIMEOUT_S = 5.0  # the collective timeout of this run
 SLEEPER, STEP = 1, 2

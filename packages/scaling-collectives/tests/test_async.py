@@ -92,6 +92,7 @@ def _hung_peer(op, diagnostics_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 @pytest.mark.distributed
 @pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
 def test_wait_names_the_rank_that_never_issued_the_collective(op, tmp_path):

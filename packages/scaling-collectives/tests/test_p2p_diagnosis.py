@@ -28,6 +28,7 @@ def _both_send():
     return None
 
 
+@pytest.mark.waits
 @pytest.mark.distributed
 def test_send_whose_peer_never_posted_the_recv_names_the_peer_and_what_it_did():
     out = run_distributed(_both_send, 2, timeout_seconds=60)
@@ -59,6 +60,7 @@ def _shape_drift():
     return None
 
 
+@pytest.mark.waits
 @pytest.mark.distributed
 def test_earlier_transfer_with_another_shape_is_named():
     (msg0, missing0), (msg1, missing1) = run_distributed(_shape_drift, 2, timeout_seconds=60)

@@ -124,6 +124,7 @@ def test_debug_mode_names_the_rank_that_called_a_different_collective():
         assert "rank 3: #1 all_reduce(shape=[3], dtype=float32) | #2 barrier() | #3 all_reduce(shape=[4, 8]" in message
 
 
+@pytest.mark.waits
 @pytest.mark.distributed
 def test_mismatch_without_debug_is_named_when_it_fails():
     out = run_distributed(_mismatch, 4, False, timeout_seconds=60)
@@ -156,6 +157,7 @@ def _absent_rank(debug, absent):
         dist.barrier()
 
 
+@pytest.mark.waits
 @pytest.mark.distributed
 @pytest.mark.parametrize("debug", [pytest.param(False, marks=pytest.mark.slow), True], ids=["on-timeout", "debug"])
 def test_rank_that_never_arrives_is_named(debug):
@@ -218,6 +220,7 @@ def _p2p_failure(kind):
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 @pytest.mark.distributed
 @pytest.mark.parametrize(("kind", "missed"), [("recv", "send"), ("send", "receive")])
 def test_p2p_timeout_names_the_peer(kind, missed):

@@ -92,6 +92,7 @@ def test_raising_rank_is_named_and_pool_recovers():
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_hanging_rank_is_named_within_timeout():
     start = time.monotonic()
     with pytest.raises(DistributedTimeoutError, match=r"rank\(s\) \[2\] did not return") as info:

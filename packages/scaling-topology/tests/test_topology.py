@@ -149,6 +149,7 @@ def _group_timeouts():
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 @pytest.mark.distributed
 def test_subgroups_use_the_configured_timeout():
     elapsed = run_distributed(_group_timeouts, 4, timeout_seconds=60)[0]
