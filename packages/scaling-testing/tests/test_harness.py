@@ -64,15 +64,16 @@ def _leave_a_cycle_and_a_survivor():
 def _after_the_first_task():
     survivor = _KEPT[-1]
     # Frozen objects are in no generation that gc.get_objects() lists.
-    return _CYCLES[-1]() is None, not any(o is survivor for o in gc.get_objects())
+    return _CYCLES[-1]() is None, not any(o is survivor for o in gc.get_objects()), gc.isenabled()
 
 
 def test_finished_task_garbage_is_collected_and_the_rest_frozen():
     # One rank: the same worker runs both tasks.
     run_distributed(_leave_a_cycle_and_a_survivor, 1, timeout_seconds=60)
-    ((freed, frozen),) = run_distributed(_after_the_first_task, 1, timeout_seconds=60)
+    ((freed, frozen, enabled),) = run_distributed(_after_the_first_task, 1, timeout_seconds=60)
     assert freed  # collected before the freeze, not kept for the life of the worker
     assert frozen  # later collections skip what the task left
+    assert enabled  # the forkserver imports with collection off; the tasks run with it on
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

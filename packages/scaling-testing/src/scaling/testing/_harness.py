@@ -33,7 +33,13 @@ from scaling.testing._worker import worker_main
 
 DEFAULT_TIMEOUT_SECONDS = 120.0
 # Imported once in the forkserver; every worker is forked with them loaded (preload() adds more).
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "scaling.testing._worker"]
+_PRELOAD = [
+    "scaling.testing._gc_off",  # first: the rest import without cyclic collection
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "scaling.testing._worker",
+]
 _forkserver_started = False  # once it has, its imports are fixed for this process
 # Grace period given to the other ranks after one rank has failed, before they are
 # killed: long enough for them to report their own error if they hit one too.

@@ -98,8 +98,10 @@ def worker_main(idx: int, tasks: Any, results: Any) -> None:
 
     torch.set_num_threads(1)
     # torch's import leaves hundreds of thousands of long-lived objects that every full
-    # garbage collection would walk again: move them out of the collector's sight.
+    # garbage collection would walk again: move them out of the collector's sight, then
+    # collect again (the forkserver imported them with collection off, see _gc_off).
     gc.freeze()
+    gc.enable()
     while True:
         try:
             task = tasks.get(timeout=1.0)
