@@ -4,7 +4,7 @@
 - Tests marked ``slow`` run first: under pytest-xdist (``nox -s tests`` runs ``-n``) the
   long ones then start while the short ones fill the other workers, instead of one long
   test starting last and running alone. The one marked ``heavy`` (the transformer README
-  session, a quarter of the suite's CPU) starts before all of them. Those marked ``waits``
+  session, a fifth of the suite's CPU) starts before all of them. Those marked ``waits``
   (they sit out a timeout on purpose, the CPU idle) are spread out among the computing slow
   tests: when several started together, as collection order had them, both cores idled
   for ~10 s.

@@ -106,9 +106,9 @@ def _parallel() -> list[str]:
     """pytest-xdist arguments: one worker more than there are cores, tests handed out one by one.
 
     Many tests wait rather than compute (gloo handshakes, process launches, timeouts waited
-    out on purpose), so a third worker fills the two cores of this project's machines: the
-    whole suite (less the pdsh tests) went from 6 min 29 s serial to 3 min 46 s on one (2
-    workers: 4 min 6 s; 4: 4 min 48 s, where the README's 300-step training starves).
+    out on purpose), so a third worker fills the two cores of this project's machines: on
+    2026-11-25 (e19861e) the whole suite took 3 min 4 s with 2 workers, 2 min 32 s to 2 min
+    47 s with 3 and 2 min 54 s with 4 (350 CPU-seconds instead of ~280: oversubscribed).
     ``--maxschedchunk 1`` hands out one test at a time, so the long tests (run first, see
     conftest.py) spread over the workers instead of queueing on one. Capped at 6: every
     worker keeps its own pool of up to eight ranks. ``-- -n 0`` on the nox command line runs
