@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
+# How long destroy() lets go of the GIL before destroying the default group (see there).
+_GLOO_SETTLE_SECONDS = 0.01
 
 
 @dataclass(frozen=True)
@@ -319,5 +322,10 @@ class Topology:
         self._groups.clear()
         self._mesh = None
         if self._owns_default_group and dist.is_initialized():
+            # torch 2.6's gloo can deadlock in destroy_process_group: a gloo thread, holding
+            # its work mutex, frees a finished collective whose tensors need the GIL, while
+            # this thread holds the GIL and waits for that mutex in ~ProcessGroupGloo.
+            # Letting go of the GIL for a moment lets such a thread finish first.
+            time.sleep(_GLOO_SETTLE_SECONDS)
             dist.destroy_process_group()
             self._owns_default_group = False
