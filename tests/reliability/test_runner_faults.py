@@ -48,7 +48,7 @@ def test_invalid_checkpoint_pointer_exits_non_zero_naming_the_file(tmp_path, cap
     # `latest` points to a folder a crash left uncommitted. The three bad-pointer messages
     # (missing, uncommitted, garbled) come from one function, checked one by one in
     # scaling-trainer's tests/checkpoint/test_integrity.py; this launch checks the path from
-    # that error to every rank's exit and the runner's code.
+    # that error to the ranks' exit and the runner's code.
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     (ckpt / "step_00000010").mkdir(parents=True)
     (ckpt / "latest").write_text("step_00000010\n")
@@ -58,10 +58,16 @@ def test_invalid_checkpoint_pointer_exits_non_zero_naming_the_file(tmp_path, cap
     try:
         assert code == 1, err[-3000:]
         assert "scaling-run: the run failed with exit code 1" in err
-        for rank in range(2):
-            message = (out / f"error_rank{rank}.txt").read_text()
+        files = [out / f"error_rank{rank}.txt" for rank in range(2)]
+        messages = [f.read_text() for f in files if f.exists()]
+        assert messages, err[-3000:]  # the first rank to reach the load names the file
+        for message in messages:
             assert message.startswith("CheckpointError: ") and str(ckpt / "latest") in message, message
             assert expected in message, message
+        if len(messages) < len(files):
+            # A rank slower to get there was stopped by torchrun when the first one failed
+            # (seen on torch 2.6, whose CUDA build imports slower); it never trained either.
+            assert "closing signal SIGTERM" in err, err[-3000:]
         assert not steps(out, 0)  # nothing trained from scratch behind the user's back
     finally:
         reap(_pids(out))
