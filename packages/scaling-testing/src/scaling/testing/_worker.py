@@ -109,7 +109,7 @@ def worker_main(idx: int, tasks: Any, results: Any) -> None:
     torch.set_num_threads(1)
     # torch's import leaves hundreds of thousands of long-lived objects that every full
     # garbage collection would walk again: move them out of the collector's sight, then
-    # collect again (the forkserver imported them with collection off, see _gc_off).
+    # turn collection back on (the forkserver imported them with it off, see _gc_off).
     gc.freeze()
     gc.enable()
     while True:
