@@ -92,7 +92,9 @@ def main() -> None:
         while True:  # real collectives until a rank is killed; then gloo errors out on the peers
             dist.all_reduce(beat)
             time.sleep(0.2)
-    time.sleep(0.01)  # torch 2.6's gloo teardown deadlock: see scaling.topology's Topology.destroy
+    # scaling.topology.destroy_process_group does this pause too; this script runs with the
+    # runner alone installed (torch 2.6 gloo teardown deadlock, see there).
+    time.sleep(0.01)
     dist.destroy_process_group()
 
 

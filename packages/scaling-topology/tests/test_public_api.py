@@ -9,6 +9,7 @@ def test_public_api():
         "RankCoordinates",
         "Topology",
         "TopologyConfig",
+        "destroy_process_group",
         "get_rng_state",
         "seed_all",
         "set_rng_state",

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from scaling.testing import run_distributed
-from scaling.topology import RankCoordinates, Topology, TopologyConfig
+from scaling.topology import RankCoordinates, Topology, TopologyConfig, destroy_process_group
 
 LAYOUTS = [
     (1, 1, 1),
@@ -76,6 +76,21 @@ def test_groups_need_initialisation():
     with pytest.raises(RuntimeError, match="initialize_distributed"):
         _ = topo.model_parallel_group
     assert topo.device == torch.device("cpu") and topo.backend == "gloo"
+
+
+def test_destroy_process_group(tmp_path):
+    destroy_process_group()  # nothing initialised: nothing to do
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        x = torch.ones(1)
+        dist.all_reduce(x, group=group)
+        destroy_process_group()
+        assert not dist.is_initialized()
+        assert group not in dist.distributed_c10d._world.pg_map  # the subgroups go too
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _check_groups(tp, dp, pp):

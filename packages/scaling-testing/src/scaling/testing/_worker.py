@@ -11,13 +11,9 @@ import os
 import pickle
 import queue
 import sys
-import time
 import traceback
 import types
 from typing import Any
-
-# How long a rank lets go of the GIL before destroying its process groups (see _run_task).
-_GLOO_SETTLE_SECONDS = 0.01
 
 
 def _register_parents(name: str, module_file: str) -> None:
@@ -64,6 +60,8 @@ def _run_task(task: dict[str, Any]) -> Any:
     import torch
     import torch.distributed as dist
 
+    from scaling.topology import destroy_process_group
+
     gc.disable()  # no collection passes over the modules while they import
     try:
         fn = _resolve(task)
@@ -90,14 +88,7 @@ def _run_task(task: dict[str, Any]) -> Any:
         dist.barrier()
         return result
     finally:
-        if dist.is_initialized():
-            # torch 2.6's gloo can deadlock here: a gloo thread, holding its work mutex,
-            # frees a finished collective whose tensors need the GIL to drop their Python
-            # objects, while this thread holds the GIL and waits for that mutex in
-            # ~ProcessGroupGloo. Letting go of the GIL for a moment lets such a thread
-            # finish first (seen under load: ranks hung in destroy_process_group).
-            time.sleep(_GLOO_SETTLE_SECONDS)
-            dist.destroy_process_group()
+        destroy_process_group()  # with torch 2.6's teardown-deadlock pause
         os.environ.clear()
         os.environ.update(saved_env)
 

@@ -2,7 +2,7 @@
 
 from scaling.topology._config import TopologyConfig
 from scaling.topology._rng import MODEL_PARALLEL_RNG, RNGTracker, get_rng_state, seed_all, set_rng_state
-from scaling.topology._topology import MESH_DIM_NAMES, RankCoordinates, Topology
+from scaling.topology._topology import MESH_DIM_NAMES, RankCoordinates, Topology, destroy_process_group
 
 __all__ = [
     "MESH_DIM_NAMES",
@@ -11,6 +11,7 @@ __all__ = [
     "RankCoordinates",
     "Topology",
     "TopologyConfig",
+    "destroy_process_group",
     "get_rng_state",
     "seed_all",
     "set_rng_state",

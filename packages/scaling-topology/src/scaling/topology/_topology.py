@@ -26,8 +26,23 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
-# How long destroy() lets go of the GIL before destroying the default group (see there).
+# How long destroy_process_group() lets go of the GIL before destroying the groups.
 _GLOO_SETTLE_SECONDS = 0.01
+
+
+def destroy_process_group() -> None:
+    """Destroy the default process group and every subgroup, if one is initialised.
+
+    ``torch.distributed.destroy_process_group`` after a short pause: on torch 2.6 gloo can
+    deadlock there. A gloo thread, holding its work mutex, frees a finished collective
+    whose tensors need the GIL to drop their Python objects, while the caller holds the
+    GIL and waits for that mutex in ``~ProcessGroupGloo`` (seen under load: ranks hung at
+    the end of a run). Letting go of the GIL for 10 ms lets such a thread finish first.
+    This narrows the race; it does not close it.
+    """
+    if dist.is_initialized():
+        time.sleep(_GLOO_SETTLE_SECONDS)
+        dist.destroy_process_group()
 
 
 @dataclass(frozen=True)
@@ -321,11 +336,6 @@ class Topology:
         """Forget the subgroups; destroy the default group if this topology created it."""
         self._groups.clear()
         self._mesh = None
-        if self._owns_default_group and dist.is_initialized():
-            # torch 2.6's gloo can deadlock in destroy_process_group: a gloo thread, holding
-            # its work mutex, frees a finished collective whose tensors need the GIL, while
-            # this thread holds the GIL and waits for that mutex in ~ProcessGroupGloo.
-            # Letting go of the GIL for a moment lets such a thread finish first.
-            time.sleep(_GLOO_SETTLE_SECONDS)
-            dist.destroy_process_group()
+        if self._owns_default_group:
+            destroy_process_group()
             self._owns_default_group = False
