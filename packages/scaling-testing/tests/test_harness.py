@@ -12,9 +12,11 @@ import torch.distributed as dist
 from scaling.testing import (
     DistributedTestError,
     DistributedTimeoutError,
+    _harness,
     assert_parity,
     run_distributed,
     shard,
+    shutdown_workers,
     worker_pids,
 )
 
@@ -74,6 +76,31 @@ def test_finished_task_garbage_is_collected_and_the_rest_frozen():
     assert freed  # collected before the freeze, not kept for the life of the worker
     assert frozen  # later collections skip what the task left
     assert enabled  # the forkserver imports with collection off; the tasks run with it on
+
+
+_GROUPS: list = []
+
+
+def _keep_a_group():
+    _GROUPS.append(dist.new_group([0]))  # holds the task's store past its end
+
+
+def _release_the_groups():
+    _GROUPS.clear()
+
+
+def test_a_store_outliving_its_task_is_destroyed_with_its_rendezvous_file_in_place():
+    run_distributed(_keep_a_group, 1, timeout_seconds=60)
+    rendezvous_dir = _harness._POOL.rendezvous_dir
+    kept = set(os.listdir(rendezvous_dir))
+    assert kept  # the kept store's file: its destructor has not run
+    # The store's destructor runs in the next task; its file must still be there (a missing
+    # directory made it throw, aborting the worker: the pool removed the directory too soon).
+    run_distributed(_release_the_groups, 1, timeout_seconds=60)
+    assert _harness._POOL.rendezvous_dir == rendezvous_dir
+    assert not kept & set(os.listdir(rendezvous_dir))  # the last store of a rendezvous removes its file
+    shutdown_workers()
+    assert not os.path.exists(rendezvous_dir)  # the directory goes with the workers
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

@@ -1,9 +1,14 @@
 """Run a function on N gloo ranks: pooled workers, file:// rendezvous, timeouts, rank-named errors.
 
 Workers start once and are reused across tests (importing torch costs seconds per
-process on a small machine). Each call gets a fresh temporary directory for its
-``file://`` rendezvous, so no TCP port is ever fixed. After any failure the whole pool
-is killed and restarted on the next call, so no rank outlives a failed test.
+process on a small machine). Each call gets a fresh ``file://`` rendezvous file, so no TCP
+port is ever fixed. The files live in a temporary directory that lasts as long as the
+pool's workers: a rank may drop its last reference to a store (a process group kept in a
+reference cycle, freed by a collection after the task reported) and the store's
+destructor then writes to its file; had the file's directory gone meanwhile, it would
+throw from a destructor and abort the worker (``DistStoreError``, SIGABRT). After any
+failure the whole pool is killed and restarted on the next call, so no rank outlives a
+failed test.
 
 Workers are forked from multiprocessing's forkserver with torch, torch.distributed and
 DCP (and whatever :func:`preload` names) already imported in it
@@ -76,6 +81,7 @@ class WorkerPool:
         self._task_queues: list[Any] = []
         self._results: Any = None
         self._task_ids = itertools.count()
+        self._rendezvous_dir: str | None = None  # while workers live; see the module docstring
 
     def _ensure(self, n: int) -> None:
         global _forkserver_started
@@ -93,7 +99,7 @@ class WorkerPool:
             self._task_queues.append(tq)
 
     def shutdown(self) -> None:
-        """Stop every worker (SIGTERM, then SIGKILL) and forget them."""
+        """Stop every worker (SIGTERM, then SIGKILL), forget them and remove their rendezvous files."""
         for tq in self._task_queues:
             try:
                 tq.put_nowait(None)
@@ -111,6 +117,14 @@ class WorkerPool:
                 q.close()
                 q.cancel_join_thread()
         self._procs, self._task_queues, self._results = [], [], None
+        if self._rendezvous_dir is not None:  # only now: no worker is left to touch it
+            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+            self._rendezvous_dir = None
+
+    @property
+    def rendezvous_dir(self) -> str | None:
+        """The directory of the live workers' rendezvous files (``None`` without workers)."""
+        return self._rendezvous_dir
 
     @property
     def pids(self) -> list[int]:
@@ -143,15 +157,14 @@ class WorkerPool:
             "env": dict(env or {}),
         }
         self._ensure(world_size)
-        tmpdir = tempfile.mkdtemp(prefix="scaling-rdzv-")
+        if self._rendezvous_dir is None:
+            self._rendezvous_dir = tempfile.mkdtemp(prefix="scaling-rdzv-")
         task_id = next(self._task_ids)
-        task["init_method"] = "file://" + os.path.join(tmpdir, "rendezvous")
-        try:
-            for rank in range(world_size):
-                self._task_queues[rank].put({**task, "task_id": task_id, "rank": rank})
-            return self._collect(task_id, world_size, timeout_seconds, fn.__qualname__)
-        finally:
-            shutil.rmtree(tmpdir, ignore_errors=True)
+        # The ranks' last store removes the file; the directory goes with the workers.
+        task["init_method"] = "file://" + os.path.join(self._rendezvous_dir, f"rendezvous-{task_id}")
+        for rank in range(world_size):
+            self._task_queues[rank].put({**task, "task_id": task_id, "rank": rank})
+        return self._collect(task_id, world_size, timeout_seconds, fn.__qualname__)
 
     def _collect(self, task_id: int, world_size: int, timeout_seconds: float, name: str) -> list[Any]:
         results: dict[int, Any] = {}
