@@ -38,7 +38,9 @@ def destroy_process_group() -> None:
     whose tensors need the GIL to drop their Python objects, while the caller holds the
     GIL and waits for that mutex in ``~ProcessGroupGloo`` (seen under load: ranks hung at
     the end of a run). Letting go of the GIL for 10 ms lets such a thread finish first.
-    This narrows the race; it does not close it.
+    This narrows the race; it does not close it. Upstream, pytorch/pytorch#154976 (merged
+    June 2025) releases the GIL in the process group's destructor; the suite has not hung
+    there on torch 2.10 or newer.
     """
     if dist.is_initialized():
         time.sleep(_GLOO_SETTLE_SECONDS)
