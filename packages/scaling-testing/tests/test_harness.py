@@ -92,13 +92,14 @@ def _release_the_groups():
 def test_a_store_outliving_its_task_is_destroyed_with_its_rendezvous_file_in_place():
     run_distributed(_keep_a_group, 1, timeout_seconds=60)
     rendezvous_dir = _harness._POOL.rendezvous_dir
-    kept = set(os.listdir(rendezvous_dir))
-    assert kept  # the kept store's file: its destructor has not run
-    # The store's destructor runs in the next task; its file must still be there (a missing
+    # The newest file is this call's: its store is kept, so its destructor has not run (older
+    # files are those of stores that earlier tests in this process left alive).
+    kept = max(os.listdir(rendezvous_dir), key=lambda name: int(name.rsplit("-", 1)[1]))
+    # The store's destructor runs in the next call; its file must still be there (a missing
     # directory made it throw, aborting the worker: the pool removed the directory too soon).
     run_distributed(_release_the_groups, 1, timeout_seconds=60)
     assert _harness._POOL.rendezvous_dir == rendezvous_dir
-    assert not kept & set(os.listdir(rendezvous_dir))  # the last store of a rendezvous removes its file
+    assert kept not in os.listdir(rendezvous_dir)  # the last store of a rendezvous removes its file
     shutdown_workers()
     assert not os.path.exists(rendezvous_dir)  # the directory goes with the workers
 
