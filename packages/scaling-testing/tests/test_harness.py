@@ -176,8 +176,12 @@ def test_workers_leave_when_the_test_process_dies_without_clean_up(tmp_path):
     script = tmp_path / "orphan_main.py"
     script.write_text(_ORPHANING_SCRIPT)
     # Output to files: the workers inherit the script's descriptors, and a pipe would stay open.
+    # The pool's rendezvous directory, never removed by a process that dies, goes to tmp_path.
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
     with open(tmp_path / "err", "w") as err:
-        code = subprocess.call([sys.executable, str(script)], stdout=err, stderr=err, timeout=120, cwd=tmp_path)
+        code = subprocess.call(
+            [sys.executable, str(script)], stdout=err, stderr=err, timeout=120, cwd=tmp_path, env=env
+        )
     assert code == 0, (tmp_path / "err").read_text()[-3000:]
     pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
     assert len(pids) == 2

@@ -6,7 +6,8 @@ port is ever fixed. The files live in a temporary directory that lasts as long a
 pool's workers: a rank may drop its last reference to a store (a process group kept in a
 reference cycle, freed by a collection after the task reported) and the store's
 destructor then writes to its file; had the file's directory gone meanwhile, it would
-throw from a destructor and abort the worker (``DistStoreError``, SIGABRT). After any
+throw from a destructor and abort the worker (``DistStoreError``, SIGABRT). The directory
+goes at pool shutdown (``atexit`` too); a test process killed outright leaves it. After any
 failure the whole pool is killed and restarted on the next call, so no rank outlives a
 failed test.
 
