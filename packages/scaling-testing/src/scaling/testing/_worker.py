@@ -15,6 +15,9 @@ import traceback
 import types
 from typing import Any
 
+# Imported here, so the forkserver (which preloads this module) imports it once for every worker.
+from scaling.topology import destroy_process_group
+
 
 def _register_parents(name: str, module_file: str) -> None:
     """Make ``a.b`` importable for a module ``a.b.c`` loaded by path (pytest's importlib mode).
@@ -59,8 +62,6 @@ def _resolve(task: dict[str, Any]) -> Any:
 def _run_task(task: dict[str, Any]) -> Any:
     import torch
     import torch.distributed as dist
-
-    from scaling.topology import destroy_process_group
 
     gc.disable()  # no collection passes over the modules while they import
     try:
