@@ -11,8 +11,8 @@ goes at pool shutdown (``atexit`` too); a test process killed outright leaves it
 failure the whole pool is killed and restarted on the next call, so no rank outlives a
 failed test.
 
-Workers are forked from multiprocessing's forkserver with torch, torch.distributed and
-DCP (and whatever :func:`preload` names) already imported in it
+Workers are forked from multiprocessing's forkserver with torch, torch.distributed, DCP
+and scaling.topology (and whatever :func:`preload` names) already imported in it
 (``set_forkserver_preload``), so a worker, and a pool restarted after a failure, costs a
 fork rather than a fresh interpreter importing torch (2-3 s of CPU each on two cores).
 The forkserver is a clean process that imported and ran nothing else, so forking it is
