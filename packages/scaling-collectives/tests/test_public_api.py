@@ -5,6 +5,7 @@ import scaling.collectives
 
 def test_public_api():
     assert sorted(scaling.collectives.__all__) == [
+        "CollectiveDeviceError",
         "CollectiveError",
         "CollectiveMismatchError",
         "CollectiveRecord",
@@ -30,6 +31,7 @@ def test_public_api():
         "gather_from_model_parallel_region",
         "gather_from_sequence_parallel_region",
         "get_recorder",
+        "group_device",
         "recv",
         "reduce_from_model_parallel_region",
         "reduce_scatter",

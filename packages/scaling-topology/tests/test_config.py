@@ -110,3 +110,8 @@ def test_frozen():
     c = TopologyConfig(world_size=2)
     with pytest.raises(ValidationError, match="frozen"):
         c.world_size = 4  # type: ignore[misc]
+
+
+def test_gloo_with_cuda_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"backend='gloo' carries CPU tensors; with device='cuda' use backend='nccl'"):
+        TopologyConfig(world_size=1, device="cuda", backend="gloo")

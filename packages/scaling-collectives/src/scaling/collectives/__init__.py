@@ -7,7 +7,12 @@ every call so a hang or a mismatched collective is reported with the ranks at fa
 
 from scaling.collectives._broadcast import broadcast_pytree
 from scaling.collectives._diagnosis import check_consistency
-from scaling.collectives._errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
+from scaling.collectives._errors import (
+    CollectiveDeviceError,
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+)
 from scaling.collectives._gradients import (
     GradientBucketer,
     all_gather_flat,
@@ -25,6 +30,7 @@ from scaling.collectives._ops import (
     broadcast,
     broadcast_async,
     broadcast_object,
+    group_device,
     recv,
     reduce_scatter,
     reduce_scatter_async,
@@ -43,6 +49,7 @@ from scaling.collectives._regions import (
 )
 
 __all__ = [
+    "CollectiveDeviceError",
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveRecord",
@@ -68,6 +75,7 @@ __all__ = [
     "gather_from_model_parallel_region",
     "gather_from_sequence_parallel_region",
     "get_recorder",
+    "group_device",
     "recv",
     "reduce_from_model_parallel_region",
     "reduce_scatter",

@@ -25,8 +25,9 @@ def broadcast_pytree(obj: T, src: int, group: dist.ProcessGroup | None, *, devic
             (pass ``None``).
         src: global rank that holds ``obj``, e.g. ``topology.model_parallel_ranks[0]``.
         group: the group to broadcast to; ``None`` or one rank returns ``obj`` as is.
-        device: where receivers allocate tensors; default ``cpu`` for CPU sources and
-            the current CUDA device for CUDA sources.
+        device: where receivers' tensors land; default ``cpu`` for CPU sources and
+            the current CUDA device for CUDA sources. The bytes themselves travel on the
+            group's device (CUDA on NCCL, CPU on gloo), whatever the source's.
 
     Returns:
         ``obj`` itself on ``src``; an equal pytree elsewhere. Received tensors share one
@@ -51,24 +52,25 @@ def broadcast_pytree(obj: T, src: int, group: dist.ProcessGroup | None, *, devic
             f"pass the global rank of the sender, e.g. topology.model_parallel_ranks[0]"
         )
     is_src = dist.get_rank() == src
+    # The bytes travel on the group's device (NCCL takes only CUDA tensors); received
+    # tensors land on ``device``, by default where the source's were.
+    wire = _ops.group_device(group)
     header: Any = None
     if is_src:
         spec, tensors = _pytree.flatten(obj)
         metas = _pytree.tensor_metas(tensors)
         src_device = tensors[0].device if tensors else torch.device("cpu")
         header = (spec, metas, src_device.type)
-    spec, metas, device_type = cast(
-        tuple[Any, tuple[Any, ...], str], _ops.broadcast_object(header, src, group, device=device)
-    )
+    spec, metas, device_type = cast(tuple[Any, tuple[Any, ...], str], _ops.broadcast_object(header, src, group))
     if not metas:
         return obj if is_src else _pytree.unflatten(spec, [])
     if is_src:
-        _ops.broadcast(_pytree.pack(tensors, metas, src_device), src, group)
+        _ops.broadcast(_pytree.pack(tensors, metas, wire or src_device), src, group)
         return obj
     target = device if device is not None else _default_device(device_type)
     _, total = _pytree.offsets(metas)
-    buffer = _ops.broadcast(torch.empty(total, dtype=torch.uint8, device=target), src, group)
-    return _pytree.unflatten(spec, _pytree.unpack(buffer, metas))
+    buffer = _ops.broadcast(torch.empty(total, dtype=torch.uint8, device=wire or target), src, group)
+    return _pytree.unflatten(spec, _pytree.unpack(buffer.to(target), metas))
 
 
 def _default_device(device_type: str) -> torch.device:

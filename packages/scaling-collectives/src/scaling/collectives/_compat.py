@@ -47,3 +47,22 @@ def group_description(group: dist.ProcessGroup) -> str | None:
     if not desc or desc == "undefined":
         return None
     return str(desc)
+
+
+# The device type each backend communicates on, as Topology pairs them (gloo with CPU
+# tensors, NCCL with CUDA ones). Other backends, and a mixed "cpu:gloo,cuda:nccl" default
+# group, map to None: no device check.
+_BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
+
+
+def group_backend(group: dist.ProcessGroup | None) -> str:
+    """The backend name of ``group`` (the default group when ``None``), ``""`` if unknown."""
+    try:
+        return str(dist.get_backend(group)).lower()
+    except (RuntimeError, ValueError, AttributeError):
+        return ""
+
+
+def backend_device_type(backend: str) -> str | None:
+    """``"cpu"`` for gloo, ``"cuda"`` for nccl, None for any other or mixed backend."""
+    return _BACKEND_DEVICE.get(backend)

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from scaling.collectives import _compat
+from scaling.collectives._errors import CollectiveDeviceError
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -107,6 +108,9 @@ class _GroupState:
     # Cached once per group so a wrapper asks torch nothing on the hot path (both are fixed).
     size: int = 1
     rank: int = 0
+    # The group's backend and the device type it communicates on (None: not checked).
+    backend: str = ""
+    device_type: str | None = None
     # op -> the [bytes, calls] list of ``CollectiveRecorder._counts[(op, name)]``: skips building
     # and hashing that key per call. Cleared on a rename or a counter reset.
     counts: dict[str, list[int]] = field(default_factory=dict)
@@ -204,6 +208,8 @@ class CollectiveRecorder:
             world = dist.group.WORLD
             if world is not (self._p2p_world() if self._p2p_world is not None else None):
                 self._p2p = self._new_state(P2P_GROUP_NAME, P2P_GROUP_NAME, ())
+                if world is not None:
+                    _set_backend(self._p2p, world)
                 self._p2p_pairs.clear()
                 self._p2p_world = None if world is None else weakref.ref(world)
             return self._p2p
@@ -221,6 +227,7 @@ class CollectiveRecorder:
             ranks = tuple(dist.get_process_group_ranks(group))
             state = self._new_state(self.group_name(group), str(group.group_name), ranks)
             state.size, state.rank = group.size(), group.rank()
+            _set_backend(state, group)
             self._states[id(group)] = (weakref.ref(group, functools.partial(self._forget, id(group))), state)
             return state
 
@@ -244,6 +251,8 @@ class CollectiveRecorder:
         site = _call_site(sys._getframe(1))
         with self._lock:
             state = self.state(group)
+            for t in tensors:
+                check_device(state, op, t)
             state.seq += 1
             # tuple.__new__ skips the Python-level __new__ a NamedTuple class call goes through.
             rec = _new_tuple(
@@ -270,6 +279,8 @@ class CollectiveRecorder:
         recs = []
         with self._lock:
             state = self.state(None)
+            for kind, tensor, _ in ops:
+                check_device(state, kind, tensor)
             for kind, tensor, peer in ops:
                 dtype = tensor.dtype
                 size, seq = tensor.nbytes, state.seq + 1
@@ -301,6 +312,8 @@ class CollectiveRecorder:
         if tensor is None:
             size, shapes, dtypes = 0, (), ()
         else:
+            if state.device_type is not None and tensor.device.type != state.device_type:
+                check_device(state, op, tensor)
             dtype = tensor.dtype
             name = _DTYPE_NAMES.get(dtype) or _dtype_name(dtype)
             size, shapes, dtypes = tensor.nbytes, (tensor.shape,), (name,)
@@ -406,6 +419,20 @@ class CollectiveRecorder:
             for _, state in list(self._states.values()):
                 state.counts.clear()
             self._p2p.counts.clear()
+
+
+def _set_backend(state: _GroupState, group: dist.ProcessGroup) -> None:
+    state.backend = _compat.group_backend(group)
+    state.device_type = _compat.backend_device_type(state.backend)
+
+
+def check_device(state: _GroupState, op: str, tensor: torch.Tensor) -> None:
+    """Raise :class:`CollectiveDeviceError` when ``tensor`` is not on the group's device type.
+
+    Always on: one attribute comparison per tensor, before the call is recorded or sent.
+    """
+    if state.device_type is not None and tensor.device.type != state.device_type:
+        raise CollectiveDeviceError(op, state.name, state.backend, tensor, state.device_type)
 
 
 def _record_dict(rec: CollectiveRecord) -> dict[str, Any]:

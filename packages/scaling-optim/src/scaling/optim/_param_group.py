@@ -7,8 +7,8 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
+from scaling.collectives import all_reduce, group_device
 from scaling.nn import ParameterMeta
 from scaling.optim._config import OptimizerParamGroupConfig
 from scaling.optim._lr_scheduler import LearningRateScheduler
@@ -123,8 +123,9 @@ def build_parameter_groups(
         patterns.append(("frozen", text, _compile("frozen", text)))
 
     hits = torch.tensor([sum(bool(p.search(n)) for n, _, _ in triples) for _, _, p in patterns], dtype=torch.long)
-    if process_group is not None and dist.get_world_size(process_group) > 1 and hits.numel():
-        dist.all_reduce(hits, group=process_group)
+    if process_group is not None and hits.numel():
+        # Summed on the group's device (NCCL takes no CPU tensor).
+        hits = all_reduce(hits.to(group_device(process_group) or hits.device), process_group).cpu()
     unmatched = [f"{owner}: {text!r}" for (owner, text, _), h in zip(patterns, hits.tolist()) if h == 0]
     if unmatched:
         raise ValueError(f"parameter patterns match no parameter: {unmatched}; fix or remove them")

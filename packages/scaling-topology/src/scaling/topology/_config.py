@@ -56,7 +56,11 @@ class TopologyConfig(BaseConfig):
         None, ge=1, description="Micro-batches per optimizer step on one DP rank; None = derived, or 1."
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="Device of each rank: 'cuda' (cuda:LOCAL_RANK), 'cpu', or 'auto' = cuda when available."
+        "auto",
+        description=(
+            "Device of each rank: 'cuda' (cuda:LOCAL_RANK), 'cpu', or 'auto' = cuda when available "
+            "(cpu with backend='gloo')."
+        ),
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend: 'auto' = nccl on cuda, gloo on cpu."
@@ -71,6 +75,9 @@ class TopologyConfig(BaseConfig):
         self._derive_batches()
         if self.backend == "nccl" and self.device == "cpu":
             raise ValueError("backend='nccl' needs device='cuda' (or 'auto'); with device='cpu' use backend='gloo'")
+        if self.backend == "gloo" and self.device == "cuda":
+            # Scaling's gloo groups carry CPU tensors (the collectives check it); NCCL is the CUDA backend.
+            raise ValueError("backend='gloo' carries CPU tensors; with device='cuda' use backend='nccl' (or 'auto')")
         return self
 
     # Derived values are written with object.__setattr__: the model is frozen to users,

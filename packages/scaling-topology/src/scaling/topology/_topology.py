@@ -195,9 +195,9 @@ class Topology:
     # ------------------------------------------------------------- device
     @property
     def device(self) -> torch.device:
-        """``cuda:local_rank`` for device cuda (or auto with CUDA present), else cpu."""
+        """``cuda:local_rank`` for device cuda (or auto with CUDA present and no gloo backend), else cpu."""
         want = self.config.device
-        if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if want == "cuda" or (want == "auto" and self.config.backend != "gloo" and torch.cuda.is_available()):
             if not torch.cuda.is_available():
                 raise RuntimeError("topology device='cuda' but torch.cuda.is_available() is False; use device='cpu'")
             return torch.device("cuda", self.local_rank % max(torch.cuda.device_count(), 1))
