@@ -47,12 +47,22 @@ def test_base_classes_enforce_the_contract():
     with pytest.raises(TypeError, match="abstract"):
         Incomplete()
 
-    class NotDataclass(scaling.data.BaseDatasetBatch):
+
+def test_plain_class_batch_moves_and_pins_like_a_dataclass():
+    import torch
+
+    class PlainBatch(scaling.data.BaseDatasetBatch):  # the walkthrough's style: no @dataclass
+        def __init__(self, inputs, targets):
+            self.inputs, self.targets, self.note = inputs, targets, "kept"
+
         def only_inputs(self):
             return self
 
         def only_targets(self):
             return self
 
-    with pytest.raises(TypeError, match=r"NotDataclass.to\(\): the default implementation needs a dataclass batch"):
-        NotDataclass().to("cpu")
+    batch = PlainBatch(torch.ones(2, 3), torch.arange(2))
+    moved = batch.to("cpu")
+    assert moved is not batch and moved.note == "kept" and torch.equal(moved.targets, batch.targets)
+    meta = batch.to("meta")
+    assert meta.inputs.device.type == "meta" and batch.inputs.device.type == "cpu"

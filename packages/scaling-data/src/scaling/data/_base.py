@@ -8,6 +8,7 @@ reaches the other TP ranks through ``sync_batch_to_model_parallel``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -36,7 +37,8 @@ class BaseDatasetBatch(ABC):
     """Base class of a collated batch.
 
     Subclasses are usually dataclasses of tensors (their fields may be ``None`` after
-    :meth:`only_inputs` / :meth:`only_targets`). Dataclass batches get :meth:`to` for free.
+    :meth:`only_inputs` / :meth:`only_targets`). Dataclass batches, and plain classes
+    that hold their tensors as attributes, get :meth:`to` and :meth:`pin_memory` for free.
     """
 
     @abstractmethod
@@ -48,22 +50,34 @@ class BaseDatasetBatch(ABC):
         """Return the batch with only what the loss on the last stage reads (drop inputs)."""
 
     def to(self: _B, device: torch.device | str, non_blocking: bool = False) -> _B:
-        """Move every tensor field of a dataclass batch to ``device``.
+        """The batch with every tensor field on ``device`` (a copy; the batch itself is unchanged).
 
-        Raises:
-            TypeError: when the batch is not a dataclass; override ``to`` in that case.
+        Works for dataclass batches and for plain classes that keep their tensors as
+        instance attributes; override it for anything else (tensors inside containers).
         """
-        if not dataclasses.is_dataclass(self):
-            raise TypeError(
-                f"{type(self).__name__}.to(): the default implementation needs a dataclass batch; "
-                "decorate the class with @dataclass or override to()"
-            )
+        return _map_tensors(self, lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self: _B) -> _B:
+        """The batch with every CPU tensor field in pinned (page-locked) host memory.
+
+        ``torch.utils.data.DataLoader(pin_memory=True)`` calls it in its pinning thread, so
+        the trainer's copy to the GPU can be non-blocking.
+        """
+        return _map_tensors(self, lambda t: t.pin_memory() if t.device.type == "cpu" else t)
+
+
+def _map_tensors(batch: _B, fn: Any) -> _B:
+    """``batch`` with ``fn`` applied to each tensor field (dataclass fields or instance attributes)."""
+    if dataclasses.is_dataclass(batch):
         changes = {
-            f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
-            for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), torch.Tensor)
+            f.name: fn(getattr(batch, f.name))
+            for f in dataclasses.fields(batch)
+            if isinstance(getattr(batch, f.name), torch.Tensor)
         }
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(batch, **changes)
+    moved = copy.copy(batch)
+    moved.__dict__.update({k: fn(v) for k, v in vars(batch).items() if isinstance(v, torch.Tensor)})
+    return moved
 
 
 class BaseDataset(Dataset[ItemT], Generic[ItemT, BatchT], ABC):

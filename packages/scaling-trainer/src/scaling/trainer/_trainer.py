@@ -20,6 +20,7 @@ from scaling.collectives import all_reduce, get_recorder
 from scaling.data import BaseDataset, DataLoader
 from scaling.trainer._config import TrainerConfig
 from scaling.trainer._context import BaseContext
+from scaling.trainer._placement import to_device
 from scaling.trainer._profiler import ProfilerConfig, StepProfiler, num_tokens, peak_memory_mib, progress_bar
 from scaling.trainer._signals import SignalWatcher, exit_code_for
 from scaling.trainer._state import TrainerCheckpointer
@@ -102,7 +103,11 @@ class BaseTrainer(Generic[ContextT]):
         self.flops_per_sample = flops_per_sample
         self.hardware_flops_per_sample = hardware_flops_per_sample
         self.loader = DataLoader(
-            dataset, seed=config.seed, topology=topology, num_workers=config.dataloader_num_workers
+            dataset,
+            seed=config.seed,
+            topology=topology,
+            num_workers=config.dataloader_num_workers,
+            pin_memory=topology.device.type == "cuda",
         )
         self.checkpointer = TrainerCheckpointer(self)
         self.history: list[dict[str, Any]] = []
@@ -114,7 +119,8 @@ class BaseTrainer(Generic[ContextT]):
     def train_step(self) -> dict[str, Any]:
         """One optimizer step; returns the metrics of that step (same on every rank)."""
         start = time.perf_counter()
-        micro_batches = self.loader.next_step()
+        device = self.context.topology.device
+        micro_batches = [to_device(b, device) for b in self.loader.next_step()]
         out = self.parallel_module.train_step(
             micro_batches,
             self.optimizer,
@@ -198,13 +204,18 @@ class BaseTrainer(Generic[ContextT]):
         if self.dataset_evaluation is None:
             return {}
         loader = DataLoader(
-            self.dataset_evaluation, seed=self.config.seed, topology=self.context.topology, shuffle=False
+            self.dataset_evaluation,
+            seed=self.config.seed,
+            topology=self.context.topology,
+            shuffle=False,
+            pin_memory=self.context.topology.device.type == "cuda",
         )
         losses: list[float] = []
         sums: dict[str, float] = {}
+        device = self.context.topology.device
         for _ in range(self.config.eval_iterations):
             out = self.parallel_module.evaluation_step(
-                loader.next_step(),
+                [to_device(b, device) for b in loader.next_step()],
                 self.loss_function,
                 metrics_aggregation_fn=self.metrics_aggregation_fn,
                 sync_batch_to_model_parallel=self.sync_batch_to_model_parallel,

@@ -1,0 +1,32 @@
+"""Batch placement: the one place a batch reaches ``topology.device``.
+
+The loader yields batches in host memory (pinned when the device is CUDA, see
+``BaseDatasetBatch.pin_memory``); the trainer's step moves each micro-batch here before
+anything reads it, so layers, the TP batch sync (NCCL takes only CUDA tensors) and the
+loss all see device tensors. On CUDA the copy is non-blocking: it is queued on the
+current stream, which the forward pass uses too, so no synchronisation is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` on ``device``: a tensor, ``None`` (a rank that reads no data), or anything with ``.to``.
+
+    Raises:
+        TypeError: when ``batch`` is neither; give its class a ``to(device, non_blocking)``
+            method (``BaseDatasetBatch`` subclasses have one).
+    """
+    if batch is None:
+        return None
+    to = getattr(batch, "to", None)
+    if to is None:
+        raise TypeError(
+            f"a batch of type {type(batch).__name__} cannot be moved to {device}: it has no "
+            "to(device, non_blocking=...) method; derive it from scaling.data.BaseDatasetBatch or add one"
+        )
+    return to(device, non_blocking=device.type == "cuda")
