@@ -89,6 +89,7 @@ def generate(
             f"transformer_architecture.max_sequence_length={arch.max_sequence_length}; shorten them"
         )
     b = len(prompts)
+    device = next(model.parameters()).device
     ids = torch.zeros(b, longest, dtype=torch.long)
     real = torch.zeros(b, longest + max_new_tokens, dtype=torch.bool)
     for i, p in enumerate(prompts):
@@ -99,11 +100,12 @@ def generate(
     generator = torch.Generator().manual_seed(seed)
     out: list[list[int]] = [[] for _ in range(b)]
     done = torch.zeros(b, dtype=torch.bool)
-    step_ids = ids
+    step_ids, real = ids.to(device), real.to(device)
     for _ in range(max_new_tokens):
         t = caches[0].seq_len + step_ids.shape[1]
         logits = model.forward_cached(step_ids, caches, real[:, :t] if padded else None)
-        next_ids = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
+        # Sampled on CPU, so one seed gives the same tokens on every device.
+        next_ids = sample_next(logits[:, -1].float().cpu(), temperature, top_k, top_p, generator)
         for i in range(b):
             if not done[i]:
                 out[i].append(int(next_ids[i]))
@@ -111,7 +113,7 @@ def generate(
             done |= next_ids == eos_token_id
             if bool(done.all()):
                 break
-        step_ids = next_ids.unsqueeze(-1)
+        step_ids = next_ids.unsqueeze(-1).to(device)
     return out
 
 

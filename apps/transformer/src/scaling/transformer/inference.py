@@ -104,10 +104,11 @@ def _padded_block(block: TransformerBlock, x_bsh: torch.Tensor, cache: KVCache, 
         q, k = attn.rotary(q, positions_bs), attn.rotary(k, positions_bs)
     k, v = cache.update(k, v)
     t = k.shape[2]
-    causal_st = torch.arange(offset, offset + s).unsqueeze(-1) >= torch.arange(t)
-    mask = (causal_st.unsqueeze(0) & real_bt[:, None, :t]).unsqueeze(1)
+    queries_s1 = torch.arange(offset, offset + s, device=real_bt.device).unsqueeze(-1)
+    keys_t = torch.arange(t, device=real_bt.device)
+    mask = ((queries_s1 >= keys_t).unsqueeze(0) & real_bt[:, None, :t]).unsqueeze(1)
     # A left-padding query row sees no real key; let it see itself so softmax stays finite.
-    mask = mask | (torch.arange(offset, offset + s).unsqueeze(-1) == torch.arange(t)).unsqueeze(0).unsqueeze(0)
+    mask = mask | (queries_s1 == keys_t).unsqueeze(0).unsqueeze(0)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     out = attn.dense(out.transpose(1, 2).reshape(x_bsh.shape[0], s, -1))
     adapter = getattr(attn, "adapter", None)  # finetuning.method='adapter' hooks the attention's output
