@@ -1,14 +1,15 @@
 """A training step of the transformer app (1 process) against plain PyTorch, in one run.
 
 python bench/transformer_step.py                      # CPU default: hidden 256, 4 layers, seq 256, batch 8
-python bench/transformer_step.py --hidden 2048 --layers 16 --seq 2048 --batch 4 --device cuda --dtype bf16
+python bench/transformer_step.py --hidden 2048 --layers 16 --heads 16 --vocab 32000 --seq 2048 --batch 4 \
+    --device cuda --dtype bf16 --iters 10 --trace out/   # ~1B parameters, what scripts/gpu_check runs
 
 Both sides: the same shapes, weight layout and kernels (SDPA causal attention, SwiGLU, RMSNorm,
 tied embeddings, AdamW). Ours runs ParallelModule.train_step + scaling.optim.Optimizer
 (no document masking, so the same is_causal SDPA kernel); the reference is a hand-written
 nn.Module with torch.optim.AdamW. The two alternate step by step (and which goes first) in
 one process. Prints median wall-clock step times and ours / reference (target <= 1.05),
-tokens/s and, with --peak-tflops, MFU; on CPU also the process CPU time of each side, which
+tokens/s and MFU (bf16 on a known CUDA card, or with --peak-tflops); on CPU also the process CPU time of each side, which
 a shared machine's load changes far less than the wall clock. CPU runs use one intra-op
 thread by default (--threads 0 keeps torch's default).
 """
@@ -116,8 +117,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20, help="timed steps per side")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per side")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU (0: torch's default)")
-    p.add_argument("--peak-tflops", type=float, default=None, help="device dense peak for MFU (H200 bf16: 989)")
+    p.add_argument(
+        "--peak-tflops", type=float, default=None,
+        help="device dense peak for MFU; default on CUDA: the card's bf16 dense peak when known (H100/H200: 989)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-master-weights", action="store_true",
+        help="bf16: update the bf16 weights directly, as the reference does (default: fp32 master weights)",
+    )  # fmt: skip
+    p.add_argument("--trace", default=None, help="folder for a torch.profiler trace of 3 of our steps (chrome JSON)")
     return p.parse_args(argv)
+
+
+# Dense bf16 peak TFLOP/s by the vendor's datasheets (SXM parts), for MFU.
+BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def card_peak_tflops(device: torch.device) -> float | None:
+    """The bf16 dense peak of this CUDA card when its name is in ``BF16_PEAK_TFLOPS``, else None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in BF16_PEAK_TFLOPS.items() if k in name), None)
 
 
 def build(a: argparse.Namespace) -> Bench:
@@ -134,7 +155,7 @@ def build(a: argparse.Namespace) -> Bench:
             "runner": {"runner_type": "local", "nproc_per_node": 1},
             "topology": {"world_size": 1, "global_batch_size": a.batch, "micro_batch_size": a.batch,
                          "device": a.device},
-            "optimizer": {"zero_stage": 0, "master_weights": a.dtype != "fp32"},
+            "optimizer": {"zero_stage": 0, "master_weights": a.dtype != "fp32" and not a.no_master_weights},
             "learning_rate_scheduler": {"learning_rate": 1e-4},
             "transformer_architecture": arch.as_dict(),
             "data": {"sequence_length": a.seq},
@@ -199,6 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model: hidden {a.hidden}, layers {a.layers}, heads {a.heads}/{b.arch.kv_heads}, vocab {a.vocab}, "
           f"seq {a.seq}, batch {a.batch}, {a.dtype} on {b.device} ({threads} threads); "
           f"FLOPs/token = 6*N + 12*L*H*S = {fpt:.3e}; {a.iters} steps per side after {a.warmup} warm-up")  # fmt: skip
+    if a.dtype != "fp32":
+        print(f"ours: {'bf16 weights updated directly' if a.no_master_weights else 'fp32 master weights'}; "
+              "reference: bf16 weights updated directly (torch.optim.AdamW, foreach)")  # fmt: skip
     print(f"ours      {mo * 1e3:9.2f} ms/step  {tokens / mo:10.0f} tokens/s  {tokens * fpt / mo / 1e12:.3f} TFLOP/s")
     print(f"reference {mr * 1e3:9.2f} ms/step  {tokens / mr:10.0f} tokens/s  {tokens * fpt / mr / 1e12:.3f} TFLOP/s")
     paired = [o / r for o, r in zip(wall["ours"], wall["ref"])]
@@ -211,9 +235,39 @@ def main(argv: list[str] | None = None) -> None:
             f"cpu-time  ours {co * 1e3:.2f} ms, reference {cr * 1e3:.2f} ms, ratio = {co / cr:.3f}; "
             f"per-step pairs {_spread(paired)}"
         )
-    if a.peak_tflops:
-        print(f"MFU ours = {tokens * fpt / mo / 1e12 / a.peak_tflops:.1%} of {a.peak_tflops} TFLOP/s")
+    peak = a.peak_tflops or (card_peak_tflops(b.device) if a.dtype == "bf16" else None)
+    if peak:
+        print(
+            f"MFU ours = {tokens * fpt / mo / 1e12 / peak:.1%}, reference = {tokens * fpt / mr / 1e12 / peak:.1%} "
+            f"of {peak} TFLOP/s"
+        )
+    if b.device.type == "cuda":
+        print(f"device: {torch.cuda.get_device_name(b.device)}; torch {torch.__version__}; peak memory "
+              f"{torch.cuda.max_memory_allocated(b.device) / 2**30:.1f} GiB (both sides)")  # fmt: skip
+    if a.trace:
+        trace(b, a.trace)
     b.topo.destroy()
+
+
+def trace(b: Bench, folder: str) -> None:
+    """Profile 3 steps of each side (CPU and CUDA activity): ``folder/transformer_step_trace.json.gz`` (ours)
+    and the top operators of each side, ``transformer_step_top_ops.txt`` and ``reference_step_top_ops.txt``."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if b.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    os.makedirs(folder, exist_ok=True)
+    sort = "self_cuda_time_total" if b.device.type == "cuda" else "self_cpu_time_total"
+    for name, step in (("transformer_step", b.ours), ("reference_step", b.reference)):
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(3):
+                step()
+            if b.device.type == "cuda":
+                torch.cuda.synchronize()
+        if name == "transformer_step":
+            prof.export_chrome_trace(os.path.join(folder, "transformer_step_trace.json.gz"))
+        with open(os.path.join(folder, f"{name}_top_ops.txt"), "w") as f:
+            f.write(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60))
+    print(f"traces of 3 steps: {folder}/transformer_step_trace.json.gz, *_top_ops.txt")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,95 @@
+"""The collectives and the topology on CUDA with NCCL, on the single-rank group one GPU allows.
+
+A group of one rank makes Scaling's wrappers the identity, so the NCCL kernels behind
+them (all-gather and reduce-scatter into one tensor, all-reduce, object broadcast) are
+also called directly on the topology's NCCL groups; the device check is exercised
+through point-to-point ops, which are checked before they are posted.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from scaling.collectives import (
+    CollectiveDeviceError,
+    _compat,
+    all_gather,
+    all_gather_async,
+    all_reduce,
+    batch_send_recv,
+    broadcast_object,
+    broadcast_pytree,
+    group_device,
+    reduce_scatter,
+    reduce_scatter_async,
+)
+from scaling.testing import make_topology, run_distributed
+
+pytestmark = pytest.mark.gpu
+
+
+def _topology_worker():
+    topo = make_topology(device="auto", backend="auto")
+    return (
+        str(topo.device),
+        topo.backend,
+        dist.get_backend(topo.data_parallel_group),
+        str(group_device(topo.model_parallel_group)),
+    )
+
+
+def test_auto_topology_is_cuda_with_nccl():
+    ((device, backend, group_backend, wire),) = run_distributed(_topology_worker, 1, backend="nccl")
+    assert (device, backend, group_backend, wire) == ("cuda:0", "nccl", "nccl", "cuda:0")
+
+
+def _collectives_worker():
+    topo = make_topology(device="cuda", backend="nccl")
+    dev = topo.device
+    group = topo.data_parallel_group
+    x = torch.arange(6.0, device=dev)
+    out = {
+        "wrappers": [
+            all_reduce(x.clone(), group).tolist(),
+            all_gather(x, group).tolist(),
+            reduce_scatter(x, group).tolist(),
+            broadcast_object({"k": 1}, 0, group),
+            broadcast_pytree({"ids": x}, 0, group)["ids"].device.type,
+        ]
+    }
+    gathered, scattered = torch.empty(6, device=dev), torch.empty(6, device=dev)
+    all_gather_async(gathered, x, group).wait()
+    reduce_scatter_async(scattered, x.clone(), group).wait()
+    # The NCCL kernels themselves, on the same group (the wrappers skip a group of one).
+    nccl_sum = x.clone()
+    dist.all_reduce(nccl_sum, group=group)
+    nccl_gather, nccl_scatter = torch.empty(6, device=dev), torch.empty(6, device=dev)
+    _compat.all_gather_single(nccl_gather, x, group=group)
+    _compat.reduce_scatter_single(nccl_scatter, x, group=group)
+    box = [{"step": 3}]
+    dist.broadcast_object_list(box, src=0, group=group, device=group_device(group))
+    out["async"] = [gathered.tolist(), scattered.tolist()]
+    out["nccl"] = [nccl_sum.tolist(), nccl_gather.tolist(), nccl_scatter.tolist(), box[0]]
+    torch.cuda.synchronize()
+    return out
+
+
+def test_collectives_run_on_an_nccl_group():
+    (out,) = run_distributed(_collectives_worker, 1, backend="nccl")
+    r = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert out["wrappers"] == [r, r, r, {"k": 1}, "cuda"]
+    assert out["async"] == [r, r]
+    assert out["nccl"] == [r, r, r, {"step": 3}]
+
+
+def _wrong_device_worker():
+    make_topology(device="cuda", backend="nccl")
+    with pytest.raises(CollectiveDeviceError) as info:
+        batch_send_recv([("send", torch.ones(3), 0)])
+    return str(info.value), info.value.tensor_device, info.value.group_device
+
+
+def test_cpu_tensor_on_nccl_is_refused_by_name():
+    ((message, tensor_device, group_device_type),) = run_distributed(_wrong_device_worker, 1, backend="nccl")
+    assert (tensor_device, group_device_type) == ("cpu", "cuda")
+    assert message.startswith("send on group 'p2p' (nccl) got a tensor of shape [3] (float32) on device cpu")
