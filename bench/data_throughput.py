@@ -2,7 +2,7 @@
 
 The consumer is measured in the same run: one training step of the transformer app
 (scaling.transformer) in one CPU process, built from its bundled config.yml (model shape,
-optimizer, weight decay groups, document masking): ``ParallelModule.train_step`` with the
+optimizer, weight decay groups, document masking): ``scaling.trainer.train_step`` with the
 app's loss and ``scaling.optim.Optimizer``, on batches of the same packing dataset. The
 loader runs at the config's sequence length and micro-batch size, so both sides move
 the same batches.
@@ -27,6 +27,7 @@ from scaling.data import DataLoader, LMPackingDataset, MMapTokenBuilder, MMapTok
 from scaling.optim import Optimizer
 from scaling.pipeline import ParallelModule
 from scaling.topology import Topology
+from scaling.trainer import train_step
 from scaling.transformer.__main__ import DEFAULT_CONFIG
 from scaling.transformer.config import TransformerConfig
 from scaling.transformer.data import TransformerDataset
@@ -95,8 +96,8 @@ def consumer_tokens_per_second(cfg: TransformerConfig, tokens: MMapTokenDataset,
             batches = [ds.collate([ds[i * b + j] for j in range(b)]) for i in range(args.model_steps + 1)]
 
             def step(batch: object) -> None:
-                module.train_step(
-                    [batch], optimizer, loss_fn, sync_batch_to_model_parallel=ds.sync_batch_to_model_parallel
+                train_step(
+                    module, [batch], optimizer, loss_fn, sync_batch_to_model_parallel=ds.sync_batch_to_model_parallel
                 )
 
             step(batches[0])  # warm-up

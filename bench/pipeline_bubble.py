@@ -43,6 +43,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,7 @@ from scaling.collectives import PipeTransport
 from scaling.nn import BaseLayer, LayerSpec
 from scaling.pipeline import ParallelModule
 from scaling.testing import make_topology, run_distributed
+from scaling.trainer import train_step
 
 WIDTH, BATCH = 64, 8
 
@@ -116,6 +118,10 @@ class Batch:
 
 
 class _NoUpdate:
+    """scaling.trainer's OptimizerLike without an update: the step times the schedule and its results."""
+
+    loss_scaler = SimpleNamespace(scale=1.0)
+
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
 
@@ -125,8 +131,11 @@ class _NoUpdate:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def step(self) -> None:
-        return None
+    def finish_gradient_reduction(self) -> None:
+        pass
+
+    def step(self) -> SimpleNamespace:
+        return SimpleNamespace(global_grad_norm=None, learning_rates={}, current_loss_scale=1.0)
 
 
 def _loss(out: IO, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -191,7 +200,7 @@ def worker(
             module = ParallelModule(layers, topo, schedule=name, static_shapes=static_shapes)
             opt = _NoUpdate(module)
             steps[name] = lambda module=module, opt=opt, batches=batches: (
-                module.train_step(batches, opt, _loss).step_duration
+                train_step(module, batches, opt, _loss).step_duration
             )
         steps["torch_1f1b"] = _torch_1f1b(topo, batches, forward_s, backward_s)
         for step in steps.values():

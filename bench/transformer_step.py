@@ -5,7 +5,7 @@ python bench/transformer_step.py --hidden 2048 --layers 16 --heads 16 --vocab 32
     --device cuda --dtype bf16 --iters 10 --trace out/   # ~1B parameters, what scripts/gpu_check runs
 
 Both sides: the same shapes, weight layout and kernels (SDPA causal attention, SwiGLU, RMSNorm,
-tied embeddings, AdamW). Ours runs ParallelModule.train_step + scaling.optim.Optimizer
+tied embeddings, AdamW). Ours runs scaling.trainer.train_step + scaling.optim.Optimizer
 (no document masking, so the same is_causal SDPA kernel); the reference is a hand-written
 nn.Module with torch.optim.AdamW. The two alternate step by step (and which goes first) in
 one process. Prints median wall-clock step times and ours / reference (target <= 1.05),
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from scaling.optim import Optimizer
 from scaling.pipeline import ParallelModule
 from scaling.topology import Topology
+from scaling.trainer import train_step
 from scaling.transformer.config import TransformerArchitectureConfig, TransformerConfig
 from scaling.transformer.data import TransformerBatch
 from scaling.transformer.model import TransformerLoss, flops_per_token, layer_specs
@@ -174,7 +175,7 @@ def build(a: argparse.Namespace) -> Bench:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
 
     def ours() -> None:
-        module.train_step([batch], optimizer, loss_fn)
+        train_step(module, [batch], optimizer, loss_fn)
 
     def reference() -> None:
         ref_opt.zero_grad(set_to_none=True)

@@ -47,20 +47,3 @@ def loss_function(output: IO, batch: Batch) -> tuple[torch.Tensor, dict[str, tor
 def micro_batches(num: int, width: int = 6, seed: int = 0) -> list[Batch]:
     g = torch.Generator().manual_seed(seed)
     return [Batch(torch.randn(3, width, generator=g), torch.randn(3, width, generator=g)) for _ in range(num)]
-
-
-class GradCapture:
-    """The optimizer protocol without an update, so gradients can be compared after the step."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-        self.grads: dict[str, torch.Tensor] = {}
-
-    def zero_grad(self) -> None:
-        self.module.zero_grad(set_to_none=True)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def step(self) -> None:
-        self.grads = {n: p.grad.clone() for n, p, _ in self.module.named_parameters_with_meta()}

@@ -1,4 +1,4 @@
-"""ParallelModule in one process (pp=1): building, seeding, names, train/eval steps."""
+"""ParallelModule in one process (pp=1): building, seeding, names, running its schedules."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from scaling.pipeline import ParallelModule
 from scaling.topology import Topology, TopologyConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
-from pipeline_test_model import GradCapture, loss_function, micro_batches, specs  # noqa: E402
+from pipeline_test_model import loss_function, micro_batches, specs  # noqa: E402
 
 
 def topology() -> Topology:
@@ -43,43 +43,63 @@ def test_names_and_metas_are_layout_independent() -> None:
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1", "interleaved_1f1b"])
-def test_train_step_matches_plain_autograd(schedule: str) -> None:
+def test_schedule_matches_plain_autograd(schedule: str) -> None:
     v = 2 if schedule == "interleaved_1f1b" else 1
     module = ParallelModule(specs(4), topology(), schedule=schedule, num_virtual_stages=v)
     batches = micro_batches(3)
-    optimizer = GradCapture(module)
-    out = module.train_step(batches, optimizer, loss_function)
+    out = module.run_schedule(batches, loss_function)
+    grads = {name: p.grad.clone() for name, p, _ in module.named_parameters_with_meta()}
     module.zero_grad()
-    losses = []
-    for b in batches:  # one-process gradient accumulation
-        loss = loss_function(module(b), b)[0]
+    for i, b in enumerate(batches):  # one-process gradient accumulation
+        loss, metrics = loss_function(module(b), b)
         (loss / len(batches)).backward()
-        losses.append(float(loss.detach()))
-    assert out.loss == pytest.approx(sum(losses) / 3, rel=1e-6)
+        assert float(out.losses[i]) == pytest.approx(float(loss.detach()), rel=1e-6)
+        assert set(out.metrics[i]) == set(metrics) == {"mean_output"}
     for name, p, _ in module.named_parameters_with_meta():
-        torch.testing.assert_close(optimizer.grads[name], p.grad, rtol=1e-6, atol=0)
-    assert set(out.metrics) == {"mean_output"} and out.step_duration > 0
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-6, atol=0)
 
 
-def test_train_step_switches_an_eval_module_to_training_and_keeps_a_submodule_in_eval() -> None:
-    module = ParallelModule(specs(2), topology())
-    module.eval()
-    module.train_step(micro_batches(1), GradCapture(module), loss_function)
-    assert all(m.training for m in module.modules())
-    module.layers["1"].eval()  # e.g. a frozen layer the caller keeps in eval mode
-    module.train_step(micro_batches(1), GradCapture(module), loss_function)
-    assert module.training and not module.layers["1"].training
+def test_loss_backward_and_scale_are_the_callers() -> None:
+    # A mixed-precision caller scales the loss in its own backward; the split backward
+    # (zb_h1's input pass) applies loss_scale itself. Both give scale x the plain gradients.
+    plain = ParallelModule(specs(2), topology(), schedule="1f1b")
+    plain.run_schedule(micro_batches(2), loss_function)
+    for schedule in ("1f1b", "zb_h1"):
+        module = ParallelModule(specs(2), topology(), schedule=schedule)
+        seen: list[float] = []
+
+        def scaled_backward(loss: torch.Tensor, seen: list[float] = seen) -> None:
+            seen.append(float(loss.detach()))
+            (loss * 8.0).backward()
+
+        module.run_schedule(micro_batches(2), loss_function, loss_backward=scaled_backward, loss_scale=8.0)
+        assert len(seen) == (2 if schedule == "1f1b" else 0), schedule
+        for (_, p, _), (_, q, _) in zip(module.named_parameters_with_meta(), plain.named_parameters_with_meta()):
+            torch.testing.assert_close(p.grad, 8.0 * q.grad, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
-def test_evaluation_step_is_forward_only(schedule: str) -> None:
+def test_forward_only_schedule_computes_no_gradients(schedule: str) -> None:
     v = 2 if schedule == "interleaved_1f1b" else 1
     module = ParallelModule(specs(2 * v), topology(), schedule=schedule, num_virtual_stages=v)
-    out = module.evaluation_step(micro_batches(2), loss_function)
+    out = module.run_schedule(micro_batches(2), loss_function, forward_only=True)
     with torch.no_grad():
-        expected = sum(float(loss_function(module(b), b)[0]) for b in micro_batches(2)) / 2
-    assert out.loss == pytest.approx(expected, rel=1e-6)
-    assert all(p.grad is None for p in module.parameters()) and out.global_grad_norm is None
+        expected = [float(loss_function(module(b), b)[0]) for b in micro_batches(2)]
+    assert [float(out.losses[i]) for i in range(2)] == pytest.approx(expected, rel=1e-6)
+    assert all(p.grad is None for p in module.parameters())
+
+
+def test_instruction_timings_are_recorded_when_asked() -> None:
+    module = ParallelModule(specs(2), topology())
+    module.run_schedule(micro_batches(1), loss_function)
+    module.instruction_timings = []
+    module.run_schedule(micro_batches(1), loss_function)
+    assert [name for name, _, _ in module.instruction_timings] == [
+        "LoadMicroBatch(mb=0)",
+        "Forward(mb=0, chunk=0)",
+        "Backward(mb=0, chunk=0)",
+    ]
+    assert all(start <= end for _, start, end in module.instruction_timings)
 
 
 def test_bad_schedule_and_virtual_stages() -> None:

@@ -15,18 +15,19 @@ def test_public_api_is_pinned() -> None:
             "Forward",
             "Instruction",
             "LoadMicroBatch",
-            "OptimizerLike",
-            "OptimizerStep",
+            "LossBackward",
+            "LossFunction",
             "ParallelModule",
+            "PipelineStage",
             "RecvActivation",
             "RecvGrad",
-            "ReduceTiedGrads",
             "ScheduleError",
             "SendActivation",
             "SendGrad",
             "SimulationResult",
             "StageExecutor",
-            "TrainStepOutput",
+            "StageOutputs",
+            "StageTransports",
             "count_parameters",
             "forward_only_schedule",
             "gpipe_schedule",
@@ -40,6 +41,7 @@ def test_public_api_is_pinned() -> None:
         ]
     )
     assert sorted(scaling.pipeline.schedules.__all__) == [
+        "SCHEDULES",
         "forward_only_schedule",
         "gpipe_schedule",
         "interleaved_1f1b_schedule",
@@ -48,3 +50,19 @@ def test_public_api_is_pinned() -> None:
     ]
     for name in scaling.pipeline.__all__:
         assert hasattr(scaling.pipeline, name), name
+
+
+def test_the_pipeline_runs_schedules_and_nothing_around_them() -> None:
+    # The step (update, loss scaling, batch sync, metric aggregation) is scaling.trainer's.
+    import pathlib
+    import re
+
+    root = pathlib.Path(scaling.pipeline.__file__).parent
+    words = re.compile(r"optimi[sz]er|loss_scaler|LossScaler|sync_batch|aggregat", re.IGNORECASE)
+    found = [
+        f"{path.relative_to(root)}:{n}: {line.strip()}"
+        for path in sorted(root.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if words.search(line)
+    ]
+    assert not found, "\n".join(found)

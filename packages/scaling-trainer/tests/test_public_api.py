@@ -16,11 +16,15 @@ def test_public_api():
         "LoadedCheckpoint",
         "LoggerConfig",
         "MetricsLogger",
+        "OptimizerLike",
         "PendingSave",
         "ProfilerConfig",
+        "ScheduledStage",
         "StepProfiler",
+        "TrainStepOutput",
         "TrainerConfig",
         "committed_steps",
+        "evaluation_step",
         "exit_code_for",
         "load_checkpoint",
         "load_model_state_dict",
@@ -28,6 +32,7 @@ def test_public_api():
         "model_state_dict",
         "new_checkpoint_group",
         "save_checkpoint",
+        "train_step",
     ]
 
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from trainer_model import Batch, Blobs, build_trainer, loss_function
 
 from scaling.testing import run_distributed
-from scaling.trainer import BaseTrainer, committed_steps
+from scaling.trainer import BaseTrainer, committed_steps, evaluation_step
 from scaling.trainer.checkpoint import model_state_dict
 
 TIMEOUT = 240
@@ -54,8 +54,8 @@ def _logits(trainer: BaseTrainer[Any]) -> list[torch.Tensor] | None:
         return loss_function(out, target)
 
     # Forward only (dropout off); the loss function runs on the last stage only.
-    trainer.parallel_module.evaluation_step(
-        [batch], capture, sync_batch_to_model_parallel=trainer.sync_batch_to_model_parallel
+    evaluation_step(
+        trainer.parallel_module, [batch], capture, sync_batch_to_model_parallel=trainer.sync_batch_to_model_parallel
     )
     mine = captured[0] if captured else None
     gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []

@@ -1,6 +1,13 @@
 """scaling.pipeline: ParallelModule, stage partitioning, schedules as data, simulator, executor."""
 
-from scaling.pipeline._executor import OptimizerLike, StageExecutor, TrainStepOutput
+from scaling.pipeline._executor import (
+    LossBackward,
+    LossFunction,
+    PipelineStage,
+    StageExecutor,
+    StageOutputs,
+    StageTransports,
+)
 from scaling.pipeline._instructions import (
     Backward,
     BackwardInput,
@@ -9,18 +16,17 @@ from scaling.pipeline._instructions import (
     Forward,
     Instruction,
     LoadMicroBatch,
-    OptimizerStep,
     RecvActivation,
     RecvGrad,
-    ReduceTiedGrads,
     SendActivation,
     SendGrad,
 )
-from scaling.pipeline._parallel_module import SCHEDULES, ParallelModule
+from scaling.pipeline._parallel_module import ParallelModule
 from scaling.pipeline._partition import PARTITION_METHODS, count_parameters, partition_layers
 from scaling.pipeline._render import render_program_grid
 from scaling.pipeline._simulator import DEFAULT_COSTS, ScheduleError, SimulationResult, simulate, simulate_schedule
 from scaling.pipeline.schedules import (
+    SCHEDULES,
     forward_only_schedule,
     gpipe_schedule,
     interleaved_1f1b_schedule,
@@ -39,18 +45,19 @@ __all__ = [
     "Forward",
     "Instruction",
     "LoadMicroBatch",
-    "OptimizerLike",
-    "OptimizerStep",
+    "LossBackward",
+    "LossFunction",
     "ParallelModule",
+    "PipelineStage",
     "RecvActivation",
     "RecvGrad",
-    "ReduceTiedGrads",
     "ScheduleError",
     "SendActivation",
     "SendGrad",
     "SimulationResult",
     "StageExecutor",
-    "TrainStepOutput",
+    "StageOutputs",
+    "StageTransports",
     "count_parameters",
     "forward_only_schedule",
     "gpipe_schedule",

@@ -151,30 +151,6 @@ class RecvGrad(_Message):
     _arrow = "rg"
 
 
-@dataclass(frozen=True, repr=False)
-class ReduceTiedGrads(Instruction):
-    """All-reduce the gradients of tied parameters over their tied groups."""
-
-    @property
-    def short(self) -> str:
-        return "TIE"
-
-    def __repr__(self) -> str:
-        return "ReduceTiedGrads()"
-
-
-@dataclass(frozen=True, repr=False)
-class OptimizerStep(Instruction):
-    """Run the optimizer step (DP reduction, clipping, update) after all micro-batches."""
-
-    @property
-    def short(self) -> str:
-        return "OPT"
-
-    def __repr__(self) -> str:
-        return "OptimizerStep()"
-
-
 COMPUTE_TYPES = (Forward, Backward, BackwardInput, BackwardWeight)
 
 

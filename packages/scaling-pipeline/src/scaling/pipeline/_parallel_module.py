@@ -1,4 +1,4 @@
-"""ParallelModule: build this pipeline stage's layers from the model's LayerSpec list."""
+"""ParallelModule: build this pipeline stage's layers from the model's LayerSpec list, run its schedule."""
 
 from __future__ import annotations
 
@@ -9,40 +9,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scaling.collectives import PipeTransport, all_reduce, broadcast
+from scaling.collectives import all_reduce, broadcast
 from scaling.nn import ParameterMeta, get_parameter_meta, set_layer_index
 from scaling.pipeline._executor import (
+    InstructionTimings,
+    LossBackward,
     LossFunction,
-    MetricsAggregation,
-    OptimizerLike,
-    SyncBatch,
-    TrainStepOutput,
-    run_evaluation_step,
-    run_train_step,
+    StageExecutor,
+    StageOutputs,
+    StageTransports,
 )
 from scaling.pipeline._partition import count_parameters, partition_layers
-from scaling.pipeline.schedules import (
-    gpipe_schedule,
-    interleaved_1f1b_schedule,
-    one_f_one_b_schedule,
-    zb_h1_schedule,
-)
+from scaling.pipeline.schedules import SCHEDULES, forward_only_schedule
 from scaling.topology import Topology
 
 logger = logging.getLogger(__name__)
-
-SCHEDULES: dict[str, Callable[..., list[Any]]] = {
-    "gpipe": gpipe_schedule,
-    "1f1b": one_f_one_b_schedule,
-    "interleaved_1f1b": interleaved_1f1b_schedule,
-    "zb_h1": zb_h1_schedule,
-}
 
 
 class ParallelModule(torch.nn.Module):
     """The local pipeline stage of a model declared as a list of ``LayerSpec``s.
 
-    Only the layers of this rank's stage are built. Before building layer ``i`` the
+    Only the layers of this rank's stage are built. :meth:`run_schedule` runs the
+    configured schedule over a list of micro-batches (forward, backward, transfers);
+    the training step around it (batch placement, tied-gradient reduction, the update,
+    the step's results) is ``scaling.trainer.train_step``. Before building layer ``i`` the
     default torch generator is seeded with ``seed + i`` (inside ``fork_rng``, so the
     caller's stream is untouched): every layout starts from the same weights. Parameter
     names are layout-independent: ``layers.{i}.{name inside the layer}``.
@@ -71,7 +61,7 @@ class ParallelModule(torch.nn.Module):
     Example::
 
         module = ParallelModule(layer_specs=specs, topology=topology, schedule="1f1b")
-        out = module.train_step(micro_batches, optimizer, loss_function)
+        outputs = module.run_schedule(micro_batches, loss_function)  # or scaling.trainer.train_step
     """
 
     def __init__(
@@ -95,18 +85,16 @@ class ParallelModule(torch.nn.Module):
                 f"num_virtual_stages={num_virtual_stages} needs schedule='interleaved_1f1b' (got {schedule!r})"
             )
         self.topology = topology
-        # Made by the executor on first use and kept, so their shape caches span steps: one for
-        # training steps, one for forward-only (no-grad) steps.
-        self._pipe_transport: PipeTransport | None = None
-        self._pipe_transport_no_grad: PipeTransport | None = None
         self.static_shapes = static_shapes
-        # Metric names of the last step, the same on every rank of the pipe group (see _results.py).
-        self._metric_names: tuple[str, ...] | None = None
+        #: When a list, :meth:`run_schedule` appends ``(repr(instruction), start, end)`` per
+        #: instruction (the trainer's profiler sets one for its window).
+        self.instruction_timings: InstructionTimings | None = None
         self.schedule_name = schedule
         self.schedule_fn = SCHEDULES[schedule]
         self.num_stages = topology.pipe_parallel_size
         self.stage = topology.pipe_parallel_rank
         self.num_virtual_stages = num_virtual_stages
+        self.transports = StageTransports(topology, num_virtual_stages, static_shapes)
         self.layer_specs = list(layer_specs)
         weights = count_parameters(self.layer_specs) if partition_method == "parameters" else layer_costs
         self.partition = partition_layers(
@@ -216,6 +204,10 @@ class ParallelModule(torch.nn.Module):
         for name, param in self.named_parameters():
             yield name, param, get_parameter_meta(param)
 
+    def chunk_parameters(self, chunk: int) -> list[torch.nn.Parameter]:
+        """The trainable parameters of local ``chunk``'s layers (the weight-gradient pass's)."""
+        return [p for i in self.chunks[chunk] for p in self.layers[str(i)].parameters() if p.requires_grad]
+
     # ------------------------------------------------------------ forward
     def forward_chunk(self, chunk: int, x: Any) -> Any:
         """Run the layers of local ``chunk`` on ``x`` (a LayerIO)."""
@@ -227,67 +219,80 @@ class ParallelModule(torch.nn.Module):
         """Whole-model forward in one process (``pipe_parallel_size == 1`` only).
 
         Raises:
-            RuntimeError: with more than one pipeline stage; use :meth:`train_step` or
-                :meth:`evaluation_step` there.
+            RuntimeError: with more than one pipeline stage; use :meth:`run_schedule` there
+                (``scaling.trainer.train_step`` / ``evaluation_step`` do).
         """
         if self.num_stages != 1:
             raise RuntimeError(
                 f"ParallelModule.forward runs the whole model and needs pipe_parallel_size=1 "
-                f"(got {self.num_stages}); use train_step or evaluation_step"
+                f"(got {self.num_stages}); use run_schedule (scaling.trainer.train_step / evaluation_step do)"
             )
         x = batch.only_inputs() if hasattr(batch, "only_inputs") else batch
         for c in range(self.num_virtual_stages):
             x = self.forward_chunk(c, x)
         return x
 
-    # ------------------------------------------------------------ steps
-    def train_step(
+    # ------------------------------------------------------------ schedule
+    def run_schedule(
         self,
         micro_batches: Sequence[Any],
-        optimizer: OptimizerLike,
         loss_function: LossFunction,
-        metrics_aggregation_fn: MetricsAggregation | None = None,
-        sync_batch_to_model_parallel: SyncBatch | None = None,
-    ) -> TrainStepOutput:
-        """Run the configured schedule over ``micro_batches`` and the optimizer step.
+        *,
+        forward_only: bool = False,
+        loss_backward: LossBackward | None = None,
+        loss_scale: float = 1.0,
+        before_first_wait: Callable[[], object] | None = None,
+    ) -> StageOutputs:
+        """Run this stage's part of the configured schedule over ``micro_batches``.
 
-        A module in eval mode is switched to training mode first (``train()``); one
-        already in training mode is left as it is, so a submodule the caller put in eval
-        mode (e.g. a frozen normalisation layer) stays there, as in a Megatron-LM or
-        torchtitan training loop.
+        Forward and backward of every micro-batch (gradients accumulate into ``.grad``,
+        each micro-batch's loss divided by their number) and the transfers to the
+        neighbouring stages; with ``forward_only`` the forward-only schedule under
+        ``torch.no_grad()``. Nothing else: no update, no tied-gradient sum (see
+        :meth:`reduce_tied_gradients`), no result broadcast.
 
         Args:
-            micro_batches: one batch per micro-batch (``len`` is the number of
-                micro-batches on every rank; stages other than the first and last never
-                read them, so they may hold ``None`` there).
-            optimizer: has ``zero_grad()``, ``backward(loss)`` (applies the loss scale)
-                and ``step()`` (e.g. ``scaling.optim.Optimizer``).
+            micro_batches: one batch per micro-batch, on the device and synced over TP
+                (``len`` is the number of micro-batches on every rank; stages other than
+                the first and last never read them, so they may hold ``None`` there).
             loss_function: ``(last_layer_output, batch.only_targets()) -> (loss, metrics)``.
-            metrics_aggregation_fn: ``(topology, [metrics per micro-batch]) -> metrics``;
-                default: mean per key over micro-batches and data-parallel ranks.
-            sync_batch_to_model_parallel: ``(topology, batch) -> batch``, applied to each
-                micro-batch a stage loads (broadcast from TP rank 0).
+            forward_only: evaluation: no backward.
+            loss_backward: back-propagates a micro-batch's loss (e.g. a mixed-precision
+                backward that applies a loss scale); default ``loss.backward()``.
+            loss_scale: the scale ``loss_backward`` applies (the ``zb_h1`` schedule's split
+                backward differentiates the loss itself).
+            before_first_wait: called once, right before this stage first waits for a message.
 
         Returns:
-            :class:`TrainStepOutput`, identical on every rank.
+            :class:`StageOutputs`: losses and metrics per micro-batch on the last stage.
         """
-        return run_train_step(
-            self, micro_batches, optimizer, loss_function, metrics_aggregation_fn, sync_batch_to_model_parallel
+        n = len(micro_batches)
+        if forward_only:
+            with torch.no_grad():
+                instructions = forward_only_schedule(self.num_stages, n, self.stage, self.num_virtual_stages)
+                return self._executor(micro_batches, loss_function, None, 1.0, before_first_wait).run(instructions)
+        extra = (self.num_virtual_stages,) if self.schedule_name == "interleaved_1f1b" else ()
+        instructions = self.schedule_fn(self.num_stages, n, self.stage, *extra)
+        return self._executor(micro_batches, loss_function, loss_backward, loss_scale, before_first_wait).run(
+            instructions
         )
 
-    @torch.no_grad()
-    def evaluation_step(
+    def _executor(
         self,
         micro_batches: Sequence[Any],
         loss_function: LossFunction,
-        metrics_aggregation_fn: MetricsAggregation | None = None,
-        sync_batch_to_model_parallel: SyncBatch | None = None,
-    ) -> TrainStepOutput:
-        """Forward-only pass over ``micro_batches``: loss and metrics on every rank, no update.
-
-        Returns:
-            :class:`TrainStepOutput` whose optimizer fields are ``None``/empty.
-        """
-        return run_evaluation_step(
-            self, micro_batches, loss_function, metrics_aggregation_fn, sync_batch_to_model_parallel
+        loss_backward: LossBackward | None,
+        loss_scale: float,
+        before_first_wait: Callable[[], object] | None,
+    ) -> StageExecutor:
+        transport = self.transports.get(torch.is_grad_enabled()) if self.num_stages > 1 else None
+        return StageExecutor(
+            self,
+            list(micro_batches),
+            loss_function,
+            transport,
+            loss_backward=loss_backward,
+            loss_scale=loss_scale,
+            before_first_wait=before_first_wait,
+            timings=self.instruction_timings,
         )

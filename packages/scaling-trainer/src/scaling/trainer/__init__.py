@@ -1,4 +1,4 @@
-"""scaling.trainer: BaseTrainer, BaseContext, checkpoints, metrics loggers, signal handling."""
+"""scaling.trainer: the training step, BaseTrainer, BaseContext, checkpoints, metrics loggers, signal handling."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from scaling.trainer._config import TrainerConfig
 from scaling.trainer._context import BaseContext
 from scaling.trainer._profiler import ProfilerConfig, StepProfiler
 from scaling.trainer._signals import HANDLED_SIGNALS, exit_code_for
+from scaling.trainer._step import OptimizerLike, ScheduledStage, TrainStepOutput, evaluation_step, train_step
 from scaling.trainer._trainer import BaseTrainer
 from scaling.trainer.checkpoint import CheckpointError, committed_steps
 from scaling.trainer.loggers import LoggerConfig, MetricsLogger, logger
@@ -40,11 +41,15 @@ __all__ = [
     "LoadedCheckpoint",
     "LoggerConfig",
     "MetricsLogger",
+    "OptimizerLike",
     "PendingSave",
     "ProfilerConfig",
+    "ScheduledStage",
     "StepProfiler",
+    "TrainStepOutput",
     "TrainerConfig",
     "committed_steps",
+    "evaluation_step",
     "exit_code_for",
     "load_checkpoint",
     "load_model_state_dict",
@@ -52,4 +57,5 @@ __all__ = [
     "new_checkpoint_group",
     "logger",
     "save_checkpoint",
+    "train_step",
 ]

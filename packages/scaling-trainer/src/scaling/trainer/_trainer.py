@@ -1,8 +1,8 @@
 """BaseTrainer: the training loop of the MLP walkthrough.
 
-One optimizer step = the data loader's micro-batches of one global batch, run through
-the parallel module's schedule (``train_step``), then logging, evaluation, saving and
-the signal check, in that order, at the step boundary.
+One optimizer step = the data loader's micro-batches of one global batch through
+:func:`scaling.trainer.train_step` (placement, the schedule, the update, the results),
+then logging, evaluation, saving and the signal check, in that order, at the step boundary.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from scaling.collectives import all_reduce, get_recorder
 from scaling.data import BaseDataset, DataLoader
 from scaling.trainer._config import TrainerConfig
 from scaling.trainer._context import BaseContext
-from scaling.trainer._placement import to_device
 from scaling.trainer._profiler import ProfilerConfig, StepProfiler, num_tokens, peak_memory_mib, progress_bar
 from scaling.trainer._signals import SignalWatcher, exit_code_for
 from scaling.trainer._state import TrainerCheckpointer
+from scaling.trainer._step import evaluation_step, train_step
 from scaling.trainer.loggers import LoggerConfig, MetricsLogger
 
 ContextT = TypeVar("ContextT", bound=BaseContext[Any])
@@ -119,9 +119,9 @@ class BaseTrainer(Generic[ContextT]):
     def train_step(self) -> dict[str, Any]:
         """One optimizer step; returns the metrics of that step (same on every rank)."""
         start = time.perf_counter()
-        device = self.context.topology.device
-        micro_batches = [to_device(b, device) for b in self.loader.next_step()]
-        out = self.parallel_module.train_step(
+        micro_batches = self.loader.next_step()
+        out = train_step(
+            self.parallel_module,
             micro_batches,
             self.optimizer,
             self.loss_function,
@@ -212,10 +212,10 @@ class BaseTrainer(Generic[ContextT]):
         )
         losses: list[float] = []
         sums: dict[str, float] = {}
-        device = self.context.topology.device
         for _ in range(self.config.eval_iterations):
-            out = self.parallel_module.evaluation_step(
-                [to_device(b, device) for b in loader.next_step()],
+            out = evaluation_step(
+                self.parallel_module,
+                loader.next_step(),
                 self.loss_function,
                 metrics_aggregation_fn=self.metrics_aggregation_fn,
                 sync_batch_to_model_parallel=self.sync_batch_to_model_parallel,

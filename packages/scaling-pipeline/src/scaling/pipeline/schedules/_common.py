@@ -22,10 +22,8 @@ from scaling.pipeline._instructions import (
     Forward,
     Instruction,
     LoadMicroBatch,
-    OptimizerStep,
     RecvActivation,
     RecvGrad,
-    ReduceTiedGrads,
     SendActivation,
     SendGrad,
 )
@@ -54,8 +52,6 @@ def lower(
     num_stages: int,
     stage: int,
     num_virtual: int = 1,
-    *,
-    train: bool = True,
 ) -> list[Instruction]:
     """Wrap a stage's compute order with loads, receives and sends.
 
@@ -64,7 +60,6 @@ def lower(
         num_stages: pipeline stages ``p``.
         stage: this stage.
         num_virtual: chunks per stage ``v``.
-        train: append ``ReduceTiedGrads`` and ``OptimizerStep``.
     """
     last_vs = num_stages * num_virtual - 1
     prev_stage = (stage - 1) % num_stages
@@ -102,8 +97,6 @@ def lower(
             out.append(ins)
             if vs > 0 and num_stages > 1:
                 out.append(SendGrad(mb, chunk, prev_stage))
-    if train:
-        out += [ReduceTiedGrads(), OptimizerStep()]
     return out
 
 
@@ -168,7 +161,7 @@ _OP_ORDER: dict[type[Instruction], int] = {SendActivation: 0, RecvActivation: 1,
 
 
 def lower_lockstep(
-    steps: Sequence[Sequence[Sequence[Instruction]]], num_stages: int, num_virtual: int, *, train: bool = True
+    steps: Sequence[Sequence[Sequence[Instruction]]], num_stages: int, num_virtual: int
 ) -> list[list[Instruction]]:
     """Lower every stage's compute, given as steps, into programs that exchange in rounds.
 
@@ -187,7 +180,6 @@ def lower_lockstep(
             ``Backward``.
         num_stages: pipeline stages ``p``.
         num_virtual: chunks per stage ``v``.
-        train: append ``ReduceTiedGrads`` and ``OptimizerStep``.
     """
     p, last_vs = num_stages, num_stages * num_virtual - 1
     have: list[set[tuple[str, int, int]]] = [set() for _ in range(p)]  # received in earlier rounds
@@ -237,9 +229,6 @@ def lower_lockstep(
                 programs[s].append(Exchange(tuple(round_ops)))
             elif round_ops:
                 programs[s].append(round_ops[0])
-    if train:
-        for prog in programs:
-            prog += [ReduceTiedGrads(), OptimizerStep()]
     return programs
 
 
@@ -249,7 +238,6 @@ def build(
     stage: int,
     num_virtual: int = 1,
     *,
-    train: bool = True,
     cache_key: Hashable = None,
     lockstep: bool = False,
 ) -> list[Instruction]:
@@ -259,15 +247,15 @@ def build(
     and its arguments) they are kept, and asking for each stage in turn costs one build.
     With ``lockstep`` the compute order is a list of steps, lowered by :func:`lower_lockstep`.
     """
-    key = (cache_key, num_stages, num_virtual, train, lockstep)
+    key = (cache_key, num_stages, num_virtual, lockstep)
     programs = _CACHE.get(key) if cache_key is not None else None
     if programs is None:
         if lockstep:
             stage_steps = [list(compute_order(s)) for s in range(num_stages)]
-            lowered = lower_lockstep(stage_steps, num_stages, num_virtual, train=train)
+            lowered = lower_lockstep(stage_steps, num_stages, num_virtual)
             programs = tuple(tuple(p) for p in lowered)
         else:
-            lowered = [lower(compute_order(s), num_stages, s, num_virtual, train=train) for s in range(num_stages)]
+            lowered = [lower(compute_order(s), num_stages, s, num_virtual) for s in range(num_stages)]
             programs = tuple(tuple(p) for p in fuse_exchanges(lowered, num_stages))
         if cache_key is not None:
             if len(_CACHE) >= _CACHE_SIZE:

@@ -17,6 +17,4 @@ def forward_only_schedule(
     """
     check_arguments(num_stages, num_microbatches, stage, num_virtual)
     order = [Forward(mb, c) for mb in range(num_microbatches) for c in range(num_virtual)]
-    return build(
-        lambda s: order, num_stages, stage, num_virtual, train=False, cache_key=("forward_only", num_microbatches)
-    )
+    return build(lambda s: order, num_stages, stage, num_virtual, cache_key=("forward_only", num_microbatches))

@@ -19,7 +19,7 @@ def gpipe_schedule(num_stages: int, num_microbatches: int, stage: int) -> list[I
         stage: the stage in ``[0, p)``.
 
     Returns:
-        The stage's instructions, ending with ``ReduceTiedGrads`` and ``OptimizerStep``.
+        The stage's instructions.
 
     Example:
         >>> [i.short for i in gpipe_schedule(2, 2, 1)][:4]

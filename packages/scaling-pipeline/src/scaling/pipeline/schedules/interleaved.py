@@ -46,7 +46,7 @@ def interleaved_1f1b_schedule(
         num_virtual: model chunks per stage ``v`` (the model has ``p * v`` virtual stages).
 
     Returns:
-        The stage's instructions, ending with ``ReduceTiedGrads`` and ``OptimizerStep``.
+        The stage's instructions.
     """
     check_arguments(num_stages, num_microbatches, stage, num_virtual)
     group = group_size(num_stages, num_microbatches)

@@ -20,7 +20,7 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int, stage: int) -> 
         stage: the stage in ``[0, p)``.
 
     Returns:
-        The stage's instructions, ending with ``ReduceTiedGrads`` and ``OptimizerStep``.
+        The stage's instructions.
 
     Example:
         >>> [i.short for i in one_f_one_b_schedule(2, 2, 0) if i.is_compute]

@@ -76,7 +76,7 @@ def zb_h1_schedule(num_stages: int, num_microbatches: int, stage: int) -> list[I
 
     Returns:
         The stage's instructions (``Forward``, ``BackwardInput``, ``BackwardWeight`` and
-        their messages), ending with ``ReduceTiedGrads`` and ``OptimizerStep``.
+        their messages).
 
     Example:
         >>> [i.short for i in zb_h1_schedule(2, 2, 1) if i.is_compute]

@@ -1,5 +1,7 @@
 """Pipeline stages of an unmodified model, run by scaling.pipeline's executor and schedules.
 
+:class:`PipelineStage` is a ``scaling.pipeline.PipelineStage`` (the executor's Protocol).
+
 A stage keeps the model's own ``forward`` (so masks, rotary embeddings and the loss stay
 the model's) and changes only which modules exist on it:
 
@@ -17,14 +19,14 @@ Modules that own only buffers (e.g. rotary embeddings) are kept everywhere.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from scaling.collectives import all_reduce, broadcast
-from scaling.pipeline import OptimizerStep, ReduceTiedGrads, StageExecutor, gpipe_schedule, one_f_one_b_schedule
+from scaling.pipeline import StageExecutor, StageTransports, gpipe_schedule, one_f_one_b_schedule
 from scaling.topology import Topology
 from scaling.trainer.auto._plan import Plan
 
@@ -131,8 +133,9 @@ class PipelineStage:
         self.model, self.plan, self.topology = model, plan, topology
         self.num_stages, self.stage, self.num_virtual_stages = plan.pipe_parallel_size, topology.pipe_parallel_rank, 1
         self.schedule_name = plan.pipeline_schedule
-        self.static_shapes = plan.static_shapes  # the executor's transports read it
-        self.backward_fn: Any = None  # set by parallelize: the optimizer's backward (loss scaling)
+        self.transports = StageTransports(topology, 1, plan.static_shapes)
+        #: Back-propagates the last stage's loss; parallelize sets the optimizer's (loss scaling).
+        self.backward_fn: Callable[[torch.Tensor], None] | None = None
         needed = [_needed(model, plan, s) for s in range(self.num_stages)]
         self.tied = self._tied_groups(needed)
         mine = needed[self.stage]
@@ -148,10 +151,7 @@ class PipelineStage:
         self.blocks = _StageBlocks({str(i): full[i] for i in local})
         parent, _, name = plan.blocks_path.rpartition(".")
         setattr(model.get_submodule(parent), name, self.blocks)
-        self.layers = {str(i): b for i, b in zip(local, self.blocks)}  # the executor's weight pass reads it
         self._incoming: Any = None
-        # The executor keeps its PipeTransport (and its metadata cache) on the module across steps.
-        self._pipe_transport: Any = None
         first, last = self.blocks[0], self.blocks[-1]
         if self.stage > 0:
             first.register_forward_pre_hook(self._swap_input, with_kwargs=True)
@@ -194,6 +194,10 @@ class PipelineStage:
     def _stop(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         raise _StageDone(output)
 
+    def chunk_parameters(self, chunk: int) -> list[torch.nn.Parameter]:
+        """This stage's trainable parameters (one chunk per stage here)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
     def forward_chunk(self, chunk: int, x: Any) -> Any:
         """The executor's hook: micro-batch (first stage) or received activation in, activation or output out."""
         if self.stage == 0:
@@ -227,14 +231,14 @@ class PipelineStage:
                 "make the per-DP-rank batch a multiple of it"
             )
         micro = [{k: (v.chunk(n)[i] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()} for i in range(n)]
-        executor = StageExecutor(self, micro, _loss_of, _Backward(self.backward_fn), None)  # type: ignore[arg-type]
-        program = SCHEDULE_FNS[self.schedule_name](self.num_stages, n, self.stage)
+        transport = self.transports.get(torch.is_grad_enabled())
+        executor = StageExecutor(self, micro, _loss_of, transport, loss_backward=self.backward_fn)
         # The update and the tied-weight sum belong to optimizer.step(), so several calls
         # before one step accumulate gradients exactly as on one device.
-        executor.run([i for i in program if not isinstance(i, (OptimizerStep, ReduceTiedGrads))])
+        outputs = executor.run(SCHEDULE_FNS[self.schedule_name](self.num_stages, n, self.stage))
         loss = torch.zeros((), dtype=torch.float32, device=self.topology.device)
         if self.stage == self.num_stages - 1:
-            loss += torch.stack([executor.losses[i].float() for i in range(n)]).mean()
+            loss += torch.stack([outputs.losses[i].float() for i in range(n)]).mean()
         topo = self.topology
         broadcast(
             loss,
@@ -252,16 +256,3 @@ def _loss_of(output: Any, _targets: Any) -> tuple[torch.Tensor, dict[str, Any]]:
             f"transformers model), got {type(output).__name__}"
         )
     return loss, {}
-
-
-class _Backward:
-    """What the executor calls on the last stage: the optimizer's backward (loss scale) or plain."""
-
-    def __init__(self, backward_fn: Any) -> None:
-        self.backward_fn = backward_fn
-
-    def backward(self, loss: torch.Tensor) -> None:
-        if self.backward_fn is None:
-            loss.backward()
-        else:
-            self.backward_fn(loss)

@@ -1,0 +1,201 @@
+"""The training step: one function, read top to bottom, shared by BaseTrainer and both apps.
+
+A step takes one global batch's micro-batches on this rank and
+
+1. moves each to ``topology.device`` and, on the stages that read data, syncs it over the
+   tensor-parallel group (only TP rank 0 reads);
+2. runs the stage's pipeline schedule (forward, backward, transfers: ``scaling.pipeline``),
+   the loss going through the optimizer's ``backward`` (loss scaling);
+3. finishes the data-parallel gradient reduction and sums tied weights' gradients over
+   the stages that hold a copy;
+4. steps the optimizer;
+5. returns the loss and metrics, the same on every rank (``_results.py``).
+
+The parts meet through the two Protocols below (``ParallelModule`` and
+``scaling.optim.Optimizer`` satisfy them), not through each other's attributes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from scaling.pipeline import LossBackward, LossFunction, StageOutputs
+from scaling.topology import Topology
+from scaling.trainer._placement import to_device
+from scaling.trainer._results import MetricsAggregation, StepResults
+
+SyncBatch = Callable[[Topology, Any], Any]
+
+
+class ScheduledStage(Protocol):
+    """What the step needs of the model: this rank's pipeline stage (``ParallelModule``)."""
+
+    topology: Topology
+    num_stages: int
+    training: bool
+
+    def train(self, mode: bool = True) -> Any: ...
+
+    def run_schedule(
+        self,
+        micro_batches: Sequence[Any],
+        loss_function: LossFunction,
+        *,
+        forward_only: bool = False,
+        loss_backward: LossBackward | None = None,
+        loss_scale: float = 1.0,
+        before_first_wait: Callable[[], object] | None = None,
+    ) -> StageOutputs: ...
+
+    def reduce_tied_gradients(self) -> None: ...
+
+
+class LossScalerLike(Protocol):
+    scale: float
+
+
+class StepReport(Protocol):
+    """What an optimizer step reports (``scaling.optim.OptimizerStepOutput`` has it)."""
+
+    global_grad_norm: float | None
+    learning_rates: dict[str, float]
+    current_loss_scale: float
+
+
+class OptimizerLike(Protocol):
+    """What the step needs of an optimizer (``scaling.optim.Optimizer`` has it)."""
+
+    loss_scaler: LossScalerLike
+
+    def zero_grad(self) -> None: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def finish_gradient_reduction(self) -> None: ...
+
+    def step(self) -> StepReport: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStepOutput:
+    """Result of one :func:`train_step` / :func:`evaluation_step`, the same on every rank.
+
+    Attributes:
+        loss: mean loss over micro-batches and data-parallel ranks.
+        metrics: aggregated metrics (floats).
+        global_grad_norm: from the optimizer step (None in evaluation).
+        learning_rates: per parameter group (empty in evaluation).
+        loss_scale: the loss scale after the step (None in evaluation).
+        step_duration: wall-clock seconds of the step on this rank.
+    """
+
+    loss: float
+    metrics: dict[str, float]
+    global_grad_norm: float | None
+    learning_rates: dict[str, float]
+    loss_scale: float | None
+    step_duration: float
+
+
+def train_step(
+    module: ScheduledStage,
+    micro_batches: Sequence[Any],
+    optimizer: OptimizerLike,
+    loss_function: LossFunction,
+    metrics_aggregation_fn: MetricsAggregation | None = None,
+    sync_batch_to_model_parallel: SyncBatch | None = None,
+) -> TrainStepOutput:
+    """One optimizer step over this rank's ``micro_batches`` (see the module docstring).
+
+    A module in eval mode is switched to training mode first; one already in training
+    mode is left as it is, so a submodule the caller put in eval mode (a frozen norm, say)
+    stays there, as in a Megatron-LM or torchtitan loop.
+
+    Args:
+        module: this rank's stage (``ParallelModule``).
+        micro_batches: one batch per micro-batch, in host or device memory (stages other
+            than the first and last never read them, so they may hold ``None`` there).
+        optimizer: ``scaling.optim.Optimizer`` or anything with its :class:`OptimizerLike` part.
+        loss_function: ``(last_layer_output, batch.only_targets()) -> (loss, metrics)``.
+        metrics_aggregation_fn: ``(topology, [metrics per micro-batch]) -> metrics``;
+            default: mean per key over micro-batches, then over data-parallel ranks.
+        sync_batch_to_model_parallel: ``(topology, batch) -> batch``, applied to each
+            micro-batch on the stages that read data (broadcast from TP rank 0).
+
+    Returns:
+        :class:`TrainStepOutput`, identical on every rank.
+    """
+    start = time.perf_counter()
+    batches = _placed(module.topology, micro_batches, sync_batch_to_model_parallel)
+    if not module.training:  # train() walks every submodule: only when needed, not every step
+        module.train()
+    optimizer.zero_grad()
+    results = StepResults(module, metrics_aggregation_fn)
+    try:
+        outputs = module.run_schedule(
+            batches,
+            loss_function,
+            loss_backward=optimizer.backward,
+            loss_scale=optimizer.loss_scaler.scale,
+            before_first_wait=results.post_receive,
+        )
+        # An overlapped DP reduction adds its averages into .grad: finish it before the tied sum.
+        optimizer.finish_gradient_reduction()
+        module.reduce_tied_gradients()
+        report = optimizer.step()
+    except BaseException:
+        results.abandon()  # every rank keeps one result broadcast per step
+        raise
+    loss, metrics = results.gather(outputs)
+    return TrainStepOutput(
+        loss=loss,
+        metrics=metrics,
+        global_grad_norm=report.global_grad_norm,
+        learning_rates=dict(report.learning_rates),
+        loss_scale=report.current_loss_scale,
+        step_duration=time.perf_counter() - start,
+    )
+
+
+@torch.no_grad()
+def evaluation_step(
+    module: ScheduledStage,
+    micro_batches: Sequence[Any],
+    loss_function: LossFunction,
+    metrics_aggregation_fn: MetricsAggregation | None = None,
+    sync_batch_to_model_parallel: SyncBatch | None = None,
+) -> TrainStepOutput:
+    """Forward-only pass over ``micro_batches``: loss and metrics on every rank, no update.
+
+    The module runs in eval mode and goes back to its previous mode afterwards.
+
+    Returns:
+        :class:`TrainStepOutput` whose optimizer fields are ``None``/empty.
+    """
+    start = time.perf_counter()
+    batches = _placed(module.topology, micro_batches, sync_batch_to_model_parallel)
+    was_training = module.training
+    module.train(False)
+    results = StepResults(module, metrics_aggregation_fn)
+    try:
+        outputs = module.run_schedule(batches, loss_function, forward_only=True, before_first_wait=results.post_receive)
+    except BaseException:
+        results.abandon()
+        raise
+    finally:
+        module.train(was_training)
+    loss, metrics = results.gather(outputs)
+    return TrainStepOutput(loss, metrics, None, {}, None, time.perf_counter() - start)
+
+
+def _placed(topology: Topology, micro_batches: Sequence[Any], sync: SyncBatch | None) -> list[Any]:
+    """Each micro-batch on the device; on the stages that read data, synced over TP."""
+    batches = [to_device(b, topology.device) for b in micro_batches]
+    if sync is not None and (topology.is_first_pipe_stage or topology.is_last_pipe_stage):
+        batches = [sync(topology, b) for b in batches]
+    return batches
