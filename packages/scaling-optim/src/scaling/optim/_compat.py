@@ -15,6 +15,7 @@ import torch.distributed as dist
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+foreach_copy_ = torch._foreach_copy_
 foreach_mul_ = torch._foreach_mul_
 foreach_norm = torch._foreach_norm
 fused_adam_ = torch._fused_adam_
@@ -22,6 +23,7 @@ fused_adamw_ = torch._fused_adamw_
 
 __all__ = [
     "all_gather_single",
+    "foreach_copy_",
     "foreach_mul_",
     "foreach_norm",
     "fused_adam_",

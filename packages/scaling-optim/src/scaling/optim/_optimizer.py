@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from scaling.optim._comm import all_reduce_, group_size, reduce_scatter_mean
-from scaling.optim._compat import foreach_mul_
+from scaling.optim._compat import foreach_copy_, foreach_mul_
 from scaling.optim._config import OptimizerConfig
 from scaling.optim._grad_norm import global_norm_squared, mark_norm_owners
 from scaling.optim._loss_scaler import LossScaler
@@ -336,10 +336,12 @@ class Optimizer:
                 if slot.master is not None and slot.param_shard is not None:
                     slot.param_shard.copy_(slot.master)
             return
-        # Without ZeRO (ZeRO 1/2 gather in step(), see ShardGather).
-        for slot in self.slots:
-            if slot.master is not None:
-                slot.flat_param().copy_(slot.master)
+        # Without ZeRO (ZeRO 1/2 gather in step(), see ShardGather). One multi-tensor copy
+        # (and cast) instead of a kernel per parameter: on a GPU, ~280 launches a step fewer
+        # at 0.87B parameters.
+        masters = [(slot.flat_param(), slot.master) for slot in self.slots if slot.master is not None]
+        if masters:
+            foreach_copy_([p for p, _ in masters], [m for _, m in masters])
 
     def _clear_grad_shards(self) -> None:
         for slot in self.slots:
@@ -369,7 +371,7 @@ class Optimizer:
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state keyed by ``meta.key`` (see :func:`optimizer_state`)."""
         self.finish_parameter_gather()
-        return optimizer_state(self)
+        return optimizer_state(self, self.topology.data_parallel_group if self._shard_world > 1 else None)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict` (same layout)."""

@@ -12,17 +12,35 @@ of the full logical shape loads as well (one process, inference tools).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from scaling.optim._comm import all_gather_chunks
+from scaling.optim._config import OptimizerConfig
+from scaling.optim._loss_scaler import LossScaler
+from scaling.optim._param_group import OptimizerParamGroup
 from scaling.optim._slots import ParamSlot
+from scaling.optim._zero3 import ParameterGatherer
+from scaling.topology import Topology
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-    from scaling.optim._optimizer import Optimizer
+
+class StatefulOptimizer(Protocol):
+    """What the state functions read and restore (``Optimizer`` has it)."""
+
+    topology: Topology
+    config: OptimizerConfig
+    slots: list[ParamSlot]
+    parameter_groups: Sequence[OptimizerParamGroup]
+    loss_scaler: LossScaler
+    gatherer: ParameterGatherer | None
+    step_count: int
+
 
 # DTensor (and sympy with it: ~0.35 s of CPU) is imported where a state dict is built or read,
 # not by ``import scaling.optim``: a process that never checkpoints does without it.
@@ -35,8 +53,11 @@ def _entries(slot: ParamSlot) -> dict[str, torch.Tensor]:
     return out
 
 
-def optimizer_state(opt: Optimizer) -> dict[str, Any]:
-    """Counters, loss scaler, schedules and per-parameter DTensors (see the module docstring)."""
+def optimizer_state(opt: StatefulOptimizer, shard_group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """Counters, loss scaler, schedules and per-parameter DTensors (see the module docstring).
+
+    ``shard_group``: the data-parallel group the state is sharded over (ZeRO), else None.
+    """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     topo = opt.topology
@@ -52,8 +73,7 @@ def optimizer_state(opt: Optimizer) -> dict[str, Any]:
             chunks.append(padded)
             outputs.append(full)
             owners.append((slot, name))
-    group = topo.data_parallel_group if opt._shard_world > 1 else None
-    all_gather_chunks(chunks, outputs, group, opt.config.allreduce_bucket_size)
+    all_gather_chunks(chunks, outputs, shard_group, opt.config.allreduce_bucket_size)
     params: dict[str, dict[str, DTensor]] = {}
     for (slot, name), full in zip(owners, outputs):
         meta = slot.meta
@@ -96,7 +116,7 @@ def _tp_local(slot: ParamSlot, value: torch.Tensor, key: str, name: str, tp_rank
     return value
 
 
-def load_optimizer_state(opt: Optimizer, state: dict[str, Any]) -> None:
+def load_optimizer_state(opt: StatefulOptimizer, state: dict[str, Any]) -> None:
     """Load a state from :func:`optimizer_state` saved with any layout (after DCP filled it in).
 
     Raises:

@@ -9,21 +9,37 @@ restored only when the world size is unchanged (another layout has other streams
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
+from scaling.data import DataLoader
 from scaling.trainer import checkpoint as ckpt
+from scaling.trainer._config import TrainerConfig
+from scaling.trainer._context import BaseContext
+from scaling.trainer.loggers import MetricsLogger
 
 if TYPE_CHECKING:
-    from scaling.trainer._trainer import BaseTrainer
     from scaling.trainer.checkpoint import PendingSave, StagingBuffers
 
 
-class TrainerCheckpointer:
-    """Saves and restores one :class:`BaseTrainer`'s full state."""
+class CheckpointedTrainer(Protocol):
+    """The parts of a trainer whose state a checkpoint holds (``BaseTrainer`` has them)."""
 
-    def __init__(self, trainer: BaseTrainer[Any]) -> None:
+    config: TrainerConfig
+    context: BaseContext[Any]
+    parallel_module: Any
+    optimizer: Any
+    loader: DataLoader[Any]
+    metrics_logger: MetricsLogger
+
+    def wait_for_parameters(self) -> None: ...
+
+
+class TrainerCheckpointer:
+    """Saves and restores one trainer's full state."""
+
+    def __init__(self, trainer: CheckpointedTrainer) -> None:
         self.trainer = trainer
         self._pending: PendingSave | None = None
         self._group: Any = None

@@ -11,17 +11,30 @@ and each ``step()`` reads them, so any ``torch.optim.lr_scheduler`` works unchan
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import torch
 
 from scaling.collectives import all_reduce_gradients
 from scaling.nn import get_parameter_meta
 from scaling.optim import LossScalerConfig, Optimizer, OptimizerConfig, OptimizerParamGroup, OptimizerParamGroupConfig
+from scaling.topology import Topology
+from scaling.trainer.auto._pipeline import PipelineStage
+from scaling.trainer.auto._plan import Plan
 
-if TYPE_CHECKING:
-    from scaling.trainer.auto._parallelize import ParallelModel
+
+class PlannedModel(Protocol):
+    """What the optimizer needs of the parallelized model (``ParallelModel`` has it)."""
+
+    module: torch.nn.Module
+    plan: Plan
+    topology: Topology
+    pipeline: PipelineStage | None
+    scale_loss: Callable[[torch.Tensor], torch.Tensor] | None
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
+
 
 _PRECISION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,7 +91,7 @@ def _config(optimizer: torch.optim.Optimizer, zero_stage: int, precision: str) -
     )
 
 
-def build_engine(optimizer: torch.optim.Optimizer, model: ParallelModel) -> Optimizer:
+def build_engine(optimizer: torch.optim.Optimizer, model: PlannedModel) -> Optimizer:
     """A :class:`scaling.optim.Optimizer` doing what ``optimizer`` would, per the plan's ZeRO and precision.
 
     Raises:
@@ -119,7 +132,7 @@ class ParallelOptimizer:
     :class:`scaling.optim.Optimizer` when the plan asks for ZeRO or reduced precision.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: ParallelModel) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, model: PlannedModel) -> None:
         self.optimizer, self.model = optimizer, model
         self._params = [p for p in model.parameters() if p.requires_grad]
         plan = model.plan

@@ -33,7 +33,9 @@ class ParallelModel(torch.nn.Module):
     accumulate over calls until ``optimizer.step()``.
     """
 
-    def __init__(self, module: torch.nn.Module, plan: Plan, topology: Topology, pipeline: Any = None) -> None:
+    def __init__(
+        self, module: torch.nn.Module, plan: Plan, topology: Topology, pipeline: PipelineStage | None = None
+    ) -> None:
         super().__init__()
         self.module, self.plan, self.topology = module, plan, topology
         self.pipeline = pipeline
