@@ -69,7 +69,7 @@ def test_missing_file_and_non_mapping(tmp_path):
 
 def test_yaml_loading_is_safe(tmp_path):
     (tmp_path / "evil.yml").write_text("name: !!python/object/apply:os.system ['echo hi']\n")
-    with pytest.raises(yaml.YAMLError):
+    with pytest.raises(ValueError, match=r"evil.yml', line 1, column 7: not valid YAML: .*python/object/apply"):
         Outer.from_yaml(tmp_path / "evil.yml")
 
 
@@ -108,3 +108,39 @@ def test_every_field_needs_a_description():
 
         class Bad(BaseConfig):
             x: int = 1
+
+
+def test_secret_names_are_masked_in_dumps_and_errors_but_not_their_look_alikes():
+    from scaling.config._secrets import is_secret_name
+
+    assert [is_secret_name(n) for n in ("HF_TOKEN", "client_secret", "wandb_api_key", "db.password", "apikey")] == [
+        True
+    ] * 5
+    assert not any(is_secret_name(n) for n in ("tokenizer_path", "max_tokens", "tokens_per_second", "keys"))
+
+    class Service(BaseConfig):
+        _require_descriptions = False
+        api_key: str = ""
+        tokenizer_path: str = ""
+        port: int = 1
+
+    cfg = Service(api_key="s3cr3t-value", tokenizer_path="/data/tok.json")
+    assert cfg.as_dict() == {"api_key": "**********", "tokenizer_path": "/data/tok.json", "port": 1}
+    with pytest.raises(ValidationError) as info:
+        Service(api_key="s3cr3t-value", port="x")
+    assert "s3cr3t" not in str(info.value) and "port\n  Input should be a valid integer" in str(info.value)
+
+
+def test_booleans_and_infinities_are_refused_in_number_fields():
+    class Numbers(BaseConfig):
+        _require_descriptions = False
+        steps: int = 1
+        rate: float = 1.0
+        flag: bool = False
+        bound: float = Field(1.0, allow_inf_nan=True)
+
+    assert Numbers(flag=True, bound=float("inf")).bound == float("inf")
+    with pytest.raises(ValidationError, match=r"steps got the boolean True; give a number"):
+        Numbers(steps=True)
+    with pytest.raises(ValidationError, match=r"rate\n  Input should be a finite number"):
+        Numbers(rate=float("nan"))

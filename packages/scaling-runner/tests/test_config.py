@@ -53,9 +53,22 @@ def test_slots_not_an_integer_and_unknown_option():
         pdsh(hosts=["a gpus=2"])
 
 
-def test_missing_script():
-    with pytest.raises(ValidationError, match=r"script is missing .*set runner.script"):
-        RunnerConfig(runner_type="pdsh", hosts=["a"])
+def test_missing_script_is_refused_at_launch_not_at_definition():
+    # A default written into an app's config class (runner: RunnerConfig = Field(RunnerConfig())).
+    from pydantic import Field
+
+    from scaling.config import BaseConfig
+    from scaling.runner import runner_main
+
+    class AppConfig(BaseConfig):
+        runner: RunnerConfig = Field(RunnerConfig(), description="how to launch")
+
+    config = AppConfig()
+    assert config.runner.script is None
+    with pytest.raises(ValueError, match=r"script is missing \(got None\); set runner.script"):
+        runner_main(config.runner, dry_run=True)
+    with pytest.raises(ValidationError, match=r"script='  ' is empty"):
+        RunnerConfig(runner_type="pdsh", hosts=["a"], script="  ")
 
 
 def test_local_script_must_exist(tmp_path):

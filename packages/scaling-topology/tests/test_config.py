@@ -17,6 +17,8 @@ from scaling.topology import TopologyConfig
         ({"world_size": 8, "pipe_parallel_size": 4, "data_parallel_size": 1}, (8, 2, 4, 1)),
         ({"world_size": 4}, (4, 1, 1, 4)),
         ({"data_parallel_size": 3}, (3, 1, 1, 3)),
+        ({}, (1, 1, 1, 1)),  # a default written into a config class: one process
+        ({"model_parallel_size": 2}, (2, 2, 1, 1)),
         ({"world_size": 6, "model_parallel_size": 2, "pipe_parallel_size": 3, "data_parallel_size": 1}, (6, 2, 3, 1)),
     ],
 )
@@ -49,7 +51,6 @@ INVALID = [
         {"world_size": 6, "model_parallel_size": 4, "pipe_parallel_size": 1},
         r"world_size=6 is not divisible by model_parallel_size=4 × pipe_parallel_size=1 = 4",
     ),
-    ({"model_parallel_size": 2}, r"give data_parallel_size or world_size"),
     (
         {"world_size": 0},
         r"world_size\n  Input should be greater than or equal to 1 \[type=greater_than_equal, input_value=0",

@@ -20,7 +20,7 @@ DEFAULT_CONFIG = Path(__file__).with_name("config.yml")
 
 def load_config(path: str | Path, overrides: list[str]) -> MLPConfig:
     """Validate the config and the process count before anything launches."""
-    config = MLPConfig.from_yaml(path, overrides=overrides)
+    config = MLPConfig.from_file(path, overrides=overrides)
     runner = config.runner
     if runner.runner_type == "local" and runner.hosts is None and runner.hostsfile is None:
         if runner.nproc_per_node != config.topology.world_size:
@@ -40,7 +40,9 @@ def load_config(path: str | Path, overrides: list[str]) -> MLPConfig:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scaling.mlp", description=__doc__.splitlines()[0])
-    parser.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="YAML config (default: the bundled one)")
+    parser.add_argument(
+        "config", nargs="?", default=str(DEFAULT_CONFIG), help="YAML or JSON config (default: the bundled one)"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.train_iterations=50")
     parser.add_argument("--template", action="store_true", help="print the commented config template and exit")
     args = parser.parse_args(argv)

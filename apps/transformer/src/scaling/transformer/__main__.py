@@ -26,7 +26,7 @@ def load_config(path: str | Path, overrides: list[str]) -> TransformerConfig:
     """Validate the config, the process count and the data before anything launches."""
     from scaling.transformer.data import open_tokens
 
-    config = TransformerConfig.from_yaml(path, overrides=overrides)
+    config = TransformerConfig.from_file(path, overrides=overrides)
     runner = config.runner
     if runner.runner_type == "local" and runner.hosts is None and runner.hostsfile is None:
         if runner.nproc_per_node != config.topology.world_size:
@@ -128,7 +128,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="BPE vocabulary size")
     p.set_defaults(fn=_preprocess)
     p = sub.add_parser("train", help="launch training (runner_main)")
-    p.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="YAML config (default: the bundled one)")
+    p.add_argument(
+        "config", nargs="?", default=str(DEFAULT_CONFIG), help="YAML or JSON config (default: the bundled one)"
+    )
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.train_iterations=50")
     p.add_argument("--template", action="store_true", help="print the commented config template and exit")
     p.set_defaults(fn=_train)

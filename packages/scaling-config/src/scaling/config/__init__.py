@@ -1,6 +1,6 @@
 """scaling.config: frozen pydantic configs with YAML/JSON/CLI loading."""
 
-from scaling.config._base import BaseConfig
+from scaling.config._base import BaseConfig, load_mapping
 from scaling.config._overrides import Overrides, apply_overrides, parse_override
 
-__all__ = ["BaseConfig", "Overrides", "apply_overrides", "parse_override"]
+__all__ = ["BaseConfig", "Overrides", "apply_overrides", "load_mapping", "parse_override"]

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, SecretBytes, SecretStr
+from pydantic import BaseModel, ConfigDict, SecretBytes, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_core import to_jsonable_python
 
 from scaling.config._overrides import Overrides, apply_overrides
+from scaling.config._secrets import MASK, is_secret_name, masked_error
 
 C = TypeVar("C", bound="BaseConfig")
 
@@ -34,7 +36,9 @@ class BaseConfig(BaseModel):
         cfg = Train.from_dict({}, overrides=["steps=20"])
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    # allow_inf_nan=False: a float field takes finite numbers only, unless its Field says
+    # allow_inf_nan=True (an infinite learning rate or timeout is a typo, not a setting).
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False)
 
     # Set to False on a subclass to allow fields without descriptions (tests only).
     _require_descriptions: ClassVar[bool] = True
@@ -50,6 +54,33 @@ class BaseConfig(BaseModel):
                 f"{cls.__name__}: every config field needs a description; "
                 f"missing for {sorted(missing)}. Add Field(..., description='...')."
             )
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise masked_error(exc, data, type(self)) from None
+
+    @classmethod
+    def model_validate(cls: type[C], obj: Any, **kwargs: Any) -> C:  # type: ignore[override]
+        """pydantic's ``model_validate``, with secrets masked in any error (see ``_secrets.py``)."""
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as exc:
+            raise masked_error(exc, obj, cls) from None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic would read a YAML `yes`/`true` as 1 in an int field (and 1.0 in a float one).
+        if isinstance(value, bool) and info.field_name is not None:
+            annotation = cls.model_fields[info.field_name].annotation
+            allowed = {annotation, *typing.get_args(annotation)}
+            if bool not in allowed and allowed & {int, float}:
+                raise ValueError(
+                    f"{info.field_name} got the boolean {value}; give a number (YAML reads yes/no/true/false as booleans)"
+                )
+        return value
 
     # ----------------------------------------------------------------- loading
     @classmethod
@@ -94,7 +125,8 @@ class BaseConfig(BaseModel):
         """A JSON-serialisable dict of the config with every secret field left out.
 
         Secrets (``SecretStr``/``SecretBytes``) travel through the environment, never
-        through dumps, payloads, logs or checkpoints.
+        through dumps, payloads, logs or checkpoints; a plain string under a secret-looking
+        key (``api_key``, ``hf_token``, ``client_secret``, ...) is replaced by ``**********``.
         """
         raw = self.model_dump(mode="python", round_trip=True)
         cleaned = _drop_secrets(raw)
@@ -126,10 +158,34 @@ class BaseConfig(BaseModel):
         return render_template(cls)
 
 
+def load_mapping(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML (``.yml``/``.yaml``) or JSON (anything else) config file.
+
+    YAML is read with ``yaml.safe_load``: no Python object tags.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: the file does not parse (the message names the file, line, column
+            and the parser's complaint) or holds no mapping at the top level.
+    """
+    p = Path(path)
+    return _load_mapping(p, yaml.safe_load if p.suffix in (".yml", ".yaml") else json.loads)
+
+
 def _load_mapping(path: Path, parse: Any) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist; pass the path of a YAML or JSON config")
-    data = parse(path.read_text()) or {}
+    try:
+        data = parse(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = " ".join(str(x) for x in (getattr(exc, "context", None), getattr(exc, "problem", None)) if x)
+        raise ValueError(f"config file {str(path)!r}{where}: not valid YAML: {problem or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"config file {str(path)!r}, line {exc.lineno}, column {exc.colno}: not valid JSON: {exc.msg}"
+        ) from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(path)!r} must hold a mapping at the top level, got {type(data).__name__}")
     return data
@@ -137,10 +193,14 @@ def _load_mapping(path: Path, parse: Any) -> dict[str, Any]:
 
 def _drop_secrets(value: Any) -> Any:
     if isinstance(value, dict):
-        return {k: _drop_secrets(v) for k, v in value.items() if not isinstance(v, _SECRET_TYPES)}
+        return {
+            k: MASK if isinstance(v, str) and v and is_secret_name(str(k)) else _drop_secrets(v)
+            for k, v in value.items()
+            if not isinstance(v, _SECRET_TYPES)
+        }
     if isinstance(value, (list, tuple)):
         return type(value)(_drop_secrets(v) for v in value if not isinstance(v, _SECRET_TYPES))
     return value
 
 
-__all__ = ["BaseConfig"]
+__all__ = ["BaseConfig", "load_mapping"]

@@ -1,4 +1,4 @@
-"""``scaling-run CONFIG [dotted.key=value ...] [--dry-run]``.
+"""``scaling-run CONFIG [dotted.key=value ...] [--dry-run]`` (options anywhere on the line).
 
 The config file (YAML or JSON) holds the whole application config; its ``runner``
 section is validated as :class:`RunnerConfig` and the whole merged mapping, overrides
@@ -8,14 +8,11 @@ applied, is the payload every process receives.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
-import yaml
 from pydantic import ValidationError
 
-from scaling.config import apply_overrides
+from scaling.config import apply_overrides, load_mapping
 from scaling.runner._config import RunnerConfig
 from scaling.runner._main import runner_main
 
@@ -34,14 +31,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``scaling-run``; returns the process exit code."""
-    args = _parser().parse_args(argv)
-    path = Path(args.config)
-    if not path.is_file():
-        print(f"scaling-run: config file {args.config!r} does not exist", file=sys.stderr)
+    # Intermixed: options may come after the config file and between overrides.
+    args = _parser().parse_intermixed_args(argv)
+    try:
+        data = load_mapping(args.config)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"scaling-run: {exc}", file=sys.stderr)
         return 2
-    text = path.read_text()
-    data = yaml.safe_load(text) if path.suffix in (".yml", ".yaml") else json.loads(text)
-    if not isinstance(data, dict) or not isinstance(data.get("runner"), dict):
+    if not isinstance(data.get("runner"), dict):
         print(f"scaling-run: {args.config!r} needs a top-level 'runner' mapping (see RunnerConfig)", file=sys.stderr)
         return 2
     try:

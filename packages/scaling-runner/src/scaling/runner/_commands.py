@@ -55,13 +55,13 @@ class Launch:
 
 def torchrun_argv(python: str, config: RunnerConfig, nnodes: int, nproc: int, endpoint: str, run_id: str) -> list[str]:
     """``python -m torch.distributed.run`` with c10d rendezvous at ``endpoint``."""
-    assert config.script is not None  # guaranteed by RunnerConfig validation
+    script = config.require_script()
     return [
         python, "-m", "torch.distributed.run",
         "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
         "--max-restarts", str(config.max_restarts),
-        config.script, *config.script_args,
+        script, *config.script_args,
     ]  # fmt: skip
 
 

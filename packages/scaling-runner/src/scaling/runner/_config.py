@@ -107,7 +107,10 @@ class RunnerConfig(BaseConfig):
         description="'local': torchrun on this machine; 'pdsh': torchrun on every host through pdsh; "
         "'pdsh_docker': the same inside 'docker run' (on this machine if hosts is None); 'slurm': sbatch/srun.",
     )
-    script: str | None = Field(None, description="Training script every process runs (a path on the nodes). Required.")
+    script: str | None = Field(
+        None,
+        description="Training script every process runs (a path on the nodes); None: none yet (launching needs one).",
+    )
     script_args: list[str] = Field(default_factory=list, description="Arguments passed to the script after its path.")
     hosts: list[str] | None = Field(
         None, description="Hosts as 'name slots=N' (slots defaults to nproc_per_node); None: see hostsfile."
@@ -185,11 +188,11 @@ class RunnerConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _check_combination(self) -> RunnerConfig:
-        if self.script is None or not self.script.strip():
-            raise ValueError(
-                f"script is missing (got {self.script!r}); set runner.script to the training script each process runs"
-            )
-        if self.script.startswith("-"):
+        # script=None is allowed here (RunnerConfig() as a default in a config class); launching
+        # without one fails in require_script, before anything starts.
+        if self.script is not None and not self.script.strip():
+            raise ValueError(f"script={self.script!r} is empty; set runner.script to the training script to run")
+        if self.script is not None and self.script.startswith("-"):
             raise ValueError(
                 f"script={self.script!r} starts with '-' and would be read as a torchrun option; use ./{self.script}"
             )
@@ -206,12 +209,26 @@ class RunnerConfig(BaseConfig):
             )
         if self.runner_type == "pdsh_docker" and self.docker_config is None:
             raise ValueError("runner_type='pdsh_docker' needs docker_config (at least docker_config.image)")
-        if self.runner_type == "local" and not Path(self.workdir or ".", self.script).is_file():
+        if (
+            self.runner_type == "local"
+            and self.script is not None
+            and not Path(self.workdir or ".", self.script).is_file()
+        ):
             raise ValueError(
                 f"script={self.script!r} does not exist on this machine; give the path of the training script"
             )
         self.host_specs()  # parse now so that a bad host or hostsfile fails before any launch
         return self
+
+    def require_script(self) -> str:
+        """The script to launch.
+
+        Raises:
+            ValueError: when none is set (the launch stops before starting anything).
+        """
+        if self.script is None:
+            raise ValueError("script is missing (got None); set runner.script to the training script each process runs")
+        return self.script
 
     def host_specs(self) -> list[HostSpec]:
         """The parsed hosts (from ``hosts`` or ``hostsfile``); empty when the run stays on this machine.

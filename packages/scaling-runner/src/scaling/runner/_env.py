@@ -12,7 +12,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-SECRET_PATTERNS: tuple[str, ...] = ("WANDB_API_KEY", "*_TOKEN", "*_PASSWORD", "*_SECRET", "*_API_KEY")
+# A bare name counts too: a payload key ``api_key`` is as secret as ``wandb_api_key``.
+SECRET_PATTERNS: tuple[str, ...] = (
+    "WANDB_API_KEY", "API_KEY", "*_API_KEY", "TOKEN", "*_TOKEN", "PASSWORD", "*_PASSWORD", "SECRET", "*_SECRET",
+)  # fmt: skip
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MASK = "***"
 

@@ -59,7 +59,8 @@ def runner_main(config: RunnerConfig, payload: Mapping[str, Any] | None = None, 
         returns ``128 + signal`` (143 for SIGTERM, 130 for SIGINT).
 
     Raises:
-        ValueError: for a payload that holds secrets or is too large to pass inline.
+        ValueError: for a config without ``script``, or a payload that holds secrets or is
+            too large to pass inline.
 
     Example::
 
@@ -97,6 +98,7 @@ def runner_main(config: RunnerConfig, payload: Mapping[str, Any] | None = None, 
 
 
 def _prepare(config: RunnerConfig, payload: Mapping[str, Any] | None) -> tuple[list[Launch], Path | None]:
+    config.require_script()  # before any file is written or process started
     text = dump_payload(payload if payload is not None else {})
     run_id = config.run_id or f"scaling-{uuid.uuid4().hex[:12]}"
     remote = bool(config.host_specs()) or config.runner_type == "slurm"

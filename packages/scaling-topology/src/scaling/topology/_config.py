@@ -22,8 +22,9 @@ class TopologyConfig(BaseConfig):
 
     Sizes: give any three of ``world_size``, ``model_parallel_size``,
     ``pipe_parallel_size`` and ``data_parallel_size`` and the fourth is derived. When
-    fewer than three are given, a missing ``model_parallel_size`` or
-    ``pipe_parallel_size`` is taken as 1 first. All four must satisfy
+    fewer than three are given, a missing ``model_parallel_size``, ``pipe_parallel_size``
+    and then ``data_parallel_size`` is taken as 1 (``TopologyConfig()`` is one process,
+    ``TopologyConfig(model_parallel_size=2)`` two). All four must satisfy
     ``world_size == model_parallel_size * pipe_parallel_size * data_parallel_size``.
 
     Batches: give any two of ``global_batch_size``, ``micro_batch_size`` and
@@ -44,7 +45,7 @@ class TopologyConfig(BaseConfig):
         None, ge=1, description="Number of pipeline stages (PP); None = derived, or 1."
     )
     data_parallel_size: int | None = Field(
-        None, ge=1, description="Data-parallel degree (DP); None = derived from world_size."
+        None, ge=1, description="Data-parallel degree (DP); None = derived from world_size, or 1 without it."
     )
     global_batch_size: int | None = Field(
         None, ge=1, description="Samples per optimizer step over all DP ranks; None = derived."
@@ -87,15 +88,12 @@ class TopologyConfig(BaseConfig):
 
     def _derive_sizes(self) -> None:
         missing = [n for n in ("world_size", *_SIZE_FIELDS) if getattr(self, n) is None]
-        for name in ("model_parallel_size", "pipe_parallel_size"):
+        # Unset sizes default to 1 (TP and PP first, then DP) while two or more are unset, so
+        # TopologyConfig() is one process, as a default written into a config class expects.
+        for name in ("model_parallel_size", "pipe_parallel_size", "data_parallel_size"):
             if len(missing) > 1 and name in missing:
                 self._set(name, 1)
                 missing.remove(name)
-        if len(missing) > 1:
-            raise ValueError(
-                "topology: give data_parallel_size or world_size (got neither); "
-                "e.g. world_size=8 with model_parallel_size=2, pipe_parallel_size=2"
-            )
         mp, pp, dp, ws = self.model_parallel_size, self.pipe_parallel_size, self.data_parallel_size, self.world_size
         if missing == ["world_size"]:
             self._set("world_size", mp * pp * dp)  # type: ignore[operator]

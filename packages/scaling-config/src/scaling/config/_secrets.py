@@ -1,0 +1,111 @@
+"""Which config values are secrets, and how an error about a config keeps them out of sight.
+
+A value is a secret when its field is typed ``SecretStr``/``SecretBytes`` or its key looks
+like one: one of its words (split at ``_``, ``-`` and ``.``, any case) is ``token``,
+``secret``, ``password``, ``passwd`` or ``apikey``, or it contains ``api_key``
+(``HF_TOKEN``, ``client_secret``, ``wandb_api_key``; not ``tokenizer_path`` or
+``max_tokens``, which a ``*token*`` glob would hide from every error). pydantic puts
+the offending input into every error (``input_value=...``; for a model-level check, the
+whole mapping), so a config error is rebuilt with every secret value masked, in the inputs
+and in the messages alike, before anyone sees it.
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from typing import Any
+
+from pydantic import BaseModel, SecretBytes, SecretStr, ValidationError
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+MASK = "**********"
+_SECRET_NAME = re.compile(r"(^|[_.-])(token|secret|password|passwd|apikey)($|[_.-])|api_key", re.IGNORECASE)
+_SECRET_TYPES = (SecretStr, SecretBytes)
+
+
+def is_secret_name(name: str) -> bool:
+    """True when a key called ``name`` holds a secret by its name (see the module docstring)."""
+    return _SECRET_NAME.search(name) is not None
+
+
+def _secret_field(model: type[BaseModel] | None, name: str) -> bool:
+    if model is None or name not in model.model_fields:
+        return False
+    annotation = model.model_fields[name].annotation
+    return any(t in _SECRET_TYPES for t in (annotation, *typing.get_args(annotation)))
+
+
+def _submodel(model: type[BaseModel] | None, name: str) -> type[BaseModel] | None:
+    if model is None or name not in model.model_fields:
+        return None
+    annotation = model.model_fields[name].annotation
+    for t in (annotation, *typing.get_args(annotation)):
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            return t
+    return None
+
+
+def secret_values(data: Any, model: type[BaseModel] | None = None) -> set[str]:
+    """Every secret string in ``data`` (a config mapping as given, validated against ``model``)."""
+    found: set[str] = set()
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if isinstance(key, str) and (is_secret_name(key) or _secret_field(model, key)):
+                found.update(_strings(value))
+            else:
+                found |= secret_values(value, _submodel(model, key) if isinstance(key, str) else None)
+    elif isinstance(data, (list, tuple)):
+        for value in data:
+            found |= secret_values(value)
+    return found
+
+
+def _strings(value: Any) -> set[str]:
+    if isinstance(value, (SecretStr, SecretBytes)):
+        value = value.get_secret_value()
+    if isinstance(value, bytes):
+        value = value.decode(errors="replace")
+    if isinstance(value, str):
+        return {value} if len(value) >= 4 else set()  # shorter ones would mask ordinary text
+    if isinstance(value, dict):
+        return {s for v in value.values() for s in _strings(v)}
+    if isinstance(value, (list, tuple)):
+        return {s for v in value for s in _strings(v)}
+    return set()
+
+
+def mask_text(text: str, secrets: set[str]) -> str:
+    for secret in sorted(secrets, key=len, reverse=True):
+        text = text.replace(secret, MASK)
+    return text
+
+
+def _mask_value(value: Any, secrets: set[str]) -> Any:
+    if isinstance(value, str):
+        return mask_text(value, secrets)
+    if isinstance(value, dict):
+        return {
+            k: MASK if isinstance(k, str) and is_secret_name(k) else _mask_value(v, secrets) for k, v in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return type(value)(_mask_value(v, secrets) for v in value)
+    return value
+
+
+def masked_error(exc: ValidationError, data: Any, model: type[BaseModel]) -> ValidationError:
+    """``exc`` with every secret of ``data`` masked in its inputs and messages (unchanged if none)."""
+    secrets = secret_values(data, model)
+    errors = exc.errors(include_url=False)
+    leaked = any(isinstance(k, str) and is_secret_name(k) for e in errors for k in e["loc"])
+    if not secrets and not leaked:
+        return exc
+    details: list[InitErrorDetails] = []
+    for error in errors:
+        secret_loc = any(isinstance(k, str) and is_secret_name(k) for k in error["loc"])
+        value = MASK if secret_loc else _mask_value(error["input"], secrets)
+        # Rebuilt as custom errors: pydantic formats the message from (type, message) and we
+        # keep its type name, so the text reads as before, secrets masked.
+        message = mask_text(error["msg"], secrets).replace("{", "{{").replace("}", "}}")
+        details.append({"type": PydanticCustomError(error["type"], message), "loc": error["loc"], "input": value})
+    return ValidationError.from_exception_data(exc.title, details)
