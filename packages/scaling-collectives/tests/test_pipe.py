@@ -260,6 +260,13 @@ def test_bad_arguments_are_named():
         PipeTransport(None, 1, torch.device("cpu")).send_forward({"bad": {1, 2}})
 
 
+class PlainIO:
+    """The original library's LayerIO style: a plain class; its instance attributes travel."""
+
+    def __init__(self, activations, extra=None):
+        self.activations, self.extra = activations, extra
+
+
 @pytest.mark.parametrize(
     ("obj", "message"),
     [
@@ -267,11 +274,24 @@ def test_bad_arguments_are_named():
         (Pair(torch.ones(1), [None, object()]), r"forward pytree\.b\[1\]: a object cannot be sent"),
         ((torch.ones(1), {"k": (1, {2})}), r"forward pytree\[1\]\['k'\]\[1\]: a set cannot be sent"),
         ({(1, 2): torch.ones(1)}, r"forward pytree: dict key \(1, 2\) of type tuple is not supported"),
+        (PlainIO(torch.ones(1), {3}), r"forward pytree\.extra: a set cannot be sent"),
+        (torch.nn.Linear(1, 1), r"forward pytree: a Linear cannot be sent"),
     ],
 )
 def test_unsendable_leaf_is_named_by_its_path(obj, message):
     with pytest.raises(TypeError, match=message):
         PipeTransport(None, 1, torch.device("cpu")).send_forward(obj)
+
+
+def test_plain_class_objects_flatten_by_their_attributes():
+    from scaling.collectives import _pytree
+
+    obj = PlainIO(torch.arange(3.0), {"step": 2, "mask": torch.ones(2, dtype=torch.bool)})
+    spec, tensors = _pytree.flatten(obj)
+    back = _pytree.unflatten(spec, [t.clone() for t in tensors])
+    assert type(back) is PlainIO and back.extra["step"] == 2
+    assert torch.equal(back.activations, obj.activations) and torch.equal(back.extra["mask"], obj.extra["mask"])
+    assert [t.data_ptr() for t in _pytree.tensor_leaves(obj)] == [t.data_ptr() for t in tensors]
 
 
 def _static_shapes_exchange():

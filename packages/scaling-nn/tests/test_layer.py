@@ -100,3 +100,25 @@ def test_named_parameters_with_meta_requires_meta():
 def test_base_layer_is_abstract():
     with pytest.raises(TypeError, match=r"abstract"):
         BaseLayer()
+
+
+def test_base_layer_takes_the_original_librarys_three_type_parameters():
+    from scaling.nn import LayerInputError
+
+    @dataclass
+    class IO:
+        activations: torch.Tensor
+
+    class Last(BaseLayer[IO, IO, IO]):  # input, output, last-layer output
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = ColumnParallelLinear(4, 2)
+
+        def forward(self, x: IO) -> IO:
+            return IO(self.linear(x.activations))
+
+    assert Last()(IO(torch.ones(3, 4))).activations.shape == (3, 2)
+    with pytest.raises(TypeError, match="Too many arguments"):
+        BaseLayer[IO, IO, IO, IO]
+    with pytest.raises(LayerInputError, match=r"ColumnParallelLinear\(4 -> 2\) got an input of shape \[3, 5\]"):
+        Last()(IO(torch.ones(3, 5)))

@@ -5,6 +5,7 @@ EXPECTED = [
     "BottleneckAdapter",
     "ColumnParallelLinear",
     "KVCache",
+    "LayerInputError",
     "LayerNorm",
     "LayerSpec",
     "LoRAConfig",

@@ -30,6 +30,26 @@ def test_layers_seeded_by_index_and_outer_stream_untouched() -> None:
     assert torch.equal(module.layers["2"].linear.weight, reference.linear.weight)
 
 
+def test_initialisation_follows_the_runs_seed() -> None:
+    # As in the walkthrough: BaseContext.initialize(seed=TrainerConfig.seed) seeds the
+    # topology (seed_all), and a ParallelModule built without a seed takes it up.
+    from scaling.topology import seed_all
+
+    def first_weight(topo: Topology, **seed: int) -> torch.Tensor:
+        return ParallelModule(specs(2), topo, **seed).layers["0"].linear.weight.detach()
+
+    unseeded = topology()
+    assert unseeded.seed is None and torch.equal(first_weight(unseeded), first_weight(unseeded, seed=42))
+    runs = {}
+    for run_seed in (7, 42):
+        topo = topology()
+        seed_all(run_seed, topo)
+        assert topo.seed == run_seed
+        runs[run_seed] = first_weight(topo)
+        assert torch.equal(runs[run_seed], first_weight(topology(), seed=run_seed))
+    assert not torch.equal(runs[7], runs[42])
+
+
 def test_names_and_metas_are_layout_independent() -> None:
     module = ParallelModule(specs(2), topology())
     rows = list(module.named_parameters_with_meta())

@@ -448,7 +448,11 @@ def _describe(spec: Any, metas: tuple[_pytree.TensorMeta, ...]) -> str:
     tensors = ", ".join(
         f"{tuple(m.shape)} {str(m.dtype).replace('torch.', '')}{' grad' if m.requires_grad else ''}" for m in metas
     )
-    kind = spec[1].__name__ if spec[0] in ("dc", "namedtuple") else {"t": "tensor", "v": "value"}.get(spec[0], spec[0])
+    kind = (
+        spec[1].__name__
+        if spec[0] in ("dc", "obj", "namedtuple")
+        else {"t": "tensor", "v": "value"}.get(spec[0], spec[0])
+    )
     return f"{kind} of [{tensors}]"
 
 

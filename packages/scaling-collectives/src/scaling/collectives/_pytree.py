@@ -1,7 +1,8 @@
 """Flatten a pytree of tensors into a picklable spec plus tensors, and pack them into bytes.
 
-Supported nodes: dataclasses (all fields, frozen ones too), tuples, namedtuples, lists
-and dicts; supported leaves: tensors, ``None``, ``bool``, ``int``, ``float``, ``str``,
+Supported nodes: dataclasses (all fields, frozen ones too), instances of plain classes
+(their instance attributes: the original library's LayerIO style), tuples, namedtuples,
+lists and dicts; supported leaves: tensors, ``None``, ``bool``, ``int``, ``float``, ``str``,
 ``bytes``, ``torch.dtype`` and ``torch.device``. Non-tensor leaves travel inside the spec. The spec and the tensor
 metadata are plain data, so comparing two of them tells whether a cached handshake
 still holds.
@@ -38,7 +39,8 @@ class TensorMeta(NamedTuple):
 
 
 # Spec nodes are tuples: ("t", index) | ("v", value) | ("list"|"tuple", children)
-# | ("namedtuple", cls, children) | ("dict", keys, children) | ("dc", cls, names, children).
+# | ("namedtuple", cls, children) | ("dict", keys, children) | ("dc", cls, names, children)
+# | ("obj", cls, names, children) (a plain class's instance attributes).
 Spec = tuple[Any, ...]
 
 
@@ -51,6 +53,17 @@ def _field_names(cls: type) -> tuple[str, ...] | None:
     if names == ():
         names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else None
     return names
+
+
+def _plain_names(obj: Any) -> tuple[str, ...] | None:
+    """The instance attributes of a plain user class's object (None for anything else).
+
+    Classes, modules, functions and builtins' objects are not plain: they stay unsupported.
+    """
+    attrs = getattr(obj, "__dict__", None)
+    if attrs is None or isinstance(obj, (type, torch.nn.Module)) or callable(obj):
+        return None
+    return None if type(obj).__module__ == "builtins" else tuple(attrs)
 
 
 def flatten(obj: Any, path: str = "obj") -> tuple[Spec, list[torch.Tensor]]:
@@ -91,6 +104,9 @@ def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Spec:
         if not all(isinstance(k, _SCALARS) for k in keys):
             raise _Unsupported
         return ("dict", keys, tuple(_flatten(obj[k], tensors) for k in keys))
+    names = _plain_names(obj)
+    if names is not None:
+        return ("obj", type(obj), names, tuple(_flatten(getattr(obj, n), tensors) for n in names))
     raise _Unsupported
 
 
@@ -115,10 +131,13 @@ def _check(obj: Any, path: str) -> None:
                     f"{path}: dict key {k!r} of type {type(k).__name__} is not supported; use str or int keys"
                 )
             _check(v, f"{path}[{k!r}]")
+    elif (plain := _plain_names(obj)) is not None:
+        for n in plain:
+            _check(getattr(obj, n), f"{path}.{n}")
     else:
         raise TypeError(
             f"{path}: a {type(obj).__name__} cannot be sent; supported are tensors, None, bool, int, float, str, "
-            "bytes and dataclasses, tuples, namedtuples, lists and dicts of them"
+            "bytes and dataclasses, plain objects, tuples, namedtuples, lists and dicts of them"
         )
 
 
@@ -139,7 +158,7 @@ def tensor_leaves(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch
         for item in obj.values():
             tensor_leaves(item, out)
     elif not isinstance(obj, _SCALARS):
-        for name in _field_names(type(obj)) or ():
+        for name in _field_names(type(obj)) or _plain_names(obj) or ():
             tensor_leaves(getattr(obj, name), out)
     return out
 
@@ -159,7 +178,7 @@ def unflatten(spec: Spec, tensors: list[Any]) -> Any:
         return spec[1](*(unflatten(c, tensors) for c in spec[2]))
     if kind == "dict":
         return {k: unflatten(c, tensors) for k, c in zip(spec[1], spec[2])}
-    if kind == "dc":
+    if kind in ("dc", "obj"):
         # Set fields directly: no __init__/__post_init__ re-runs, frozen classes work.
         obj = spec[1].__new__(spec[1])
         for name, child in zip(spec[2], spec[3]):

@@ -4,6 +4,7 @@ from scaling.nn._adapters import BottleneckAdapter, apply_bottleneck_adapters, m
 from scaling.nn._attention import ParallelSelfAttention, valid_model_parallel_sizes
 from scaling.nn._checkpoint import checkpoint_layer, checkpoint_sequential_layers, tracker_checkpoint_context
 from scaling.nn._embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy, vocab_range
+from scaling.nn._init import LayerInputError
 from scaling.nn._layer import (
     BaseLayer,
     LayerSpec,
@@ -33,6 +34,7 @@ __all__ = [
     "BottleneckAdapter",
     "ColumnParallelLinear",
     "KVCache",
+    "LayerInputError",
     "LayerNorm",
     "LayerSpec",
     "LoRAConfig",

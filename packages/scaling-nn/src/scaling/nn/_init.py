@@ -43,6 +43,11 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+class LayerInputError(ValueError):
+    """A layer got an input of the wrong shape; the message names the expected and received
+    shapes and the fix (``ParallelModule`` adds which layer of the model it was)."""
+
+
 def check_divisible(name: str, value: int, model_parallel_size: int, owner: str) -> None:
     """Raise a ValueError naming the valid TP sizes when ``model_parallel_size`` does not divide ``value``."""
     if value % model_parallel_size != 0:

@@ -23,7 +23,9 @@ Output = TypeVar("Output")
 class BaseLayer(torch.nn.Module, Generic[Input, Output], abc.ABC):
     """A layer of a Scaling model: one LayerIO dataclass in, one out.
 
-    Subclasses implement :meth:`forward`. Inputs and outputs are dataclasses of tensors
+    ``BaseLayer[Input, Output]``; the original library's ``BaseLayer[Input, Output,
+    LastLayerOutput]`` is accepted too (the third parameter is ignored). Subclasses
+    implement :meth:`forward`. Inputs and outputs are dataclasses of tensors
     ("LayerIO"); the first layer receives ``batch.only_inputs()``, each later layer the
     previous layer's output, and the loss function the last layer's output.
 
@@ -41,6 +43,13 @@ class BaseLayer(torch.nn.Module, Generic[Input, Output], abc.ABC):
             def forward(self, x: MLPLayerIO) -> MLPLayerIO:
                 return MLPLayerIO(activations=torch.relu(self.linear(x.activations)))
     """
+
+    def __class_getitem__(cls, params: Any) -> Any:
+        # The original library wrote BaseLayer[Input, Output, LastLayerOutput]; the third
+        # parameter (what the last layer returns) is accepted and carries no meaning here.
+        if isinstance(params, tuple) and len(params) == 3:
+            params = params[:2]
+        return super().__class_getitem__(params)  # type: ignore[misc]
 
     @abc.abstractmethod
     def forward(self, x: Input) -> Output:

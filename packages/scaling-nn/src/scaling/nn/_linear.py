@@ -21,6 +21,7 @@ from scaling.collectives import (
 )
 from scaling.nn._init import (
     InitMethod,
+    LayerInputError,
     check_divisible,
     check_dtype,
     default_bias_init,
@@ -87,6 +88,13 @@ class ColumnParallelLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., in]`` (``[b, s/tp, in]`` under sequence parallelism)."""
         group = self._tp.group
+        if x.shape[-1] != self.in_features:
+            raise LayerInputError(
+                f"ColumnParallelLinear({self.in_features} -> {self.out_features}) got an input of shape "
+                f"{list(x.shape)}; it takes the whole input, [..., {self.in_features}] (a split input, "
+                f"[..., {self.in_features // self._tp.size}] at model_parallel_size={self._tp.size}, goes to a "
+                "RowParallelLinear with parallel_input=True)"
+            )
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, group)
         else:
@@ -165,6 +173,9 @@ class RowParallelLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., in/tp]`` (or ``[..., in]`` with ``parallel_input=False``)."""
         group = self._tp.group
+        expected = self.in_features if not self.parallel_input else self.in_features // self._tp.size
+        if x.shape[-1] != expected:
+            raise LayerInputError(self._input_error(x))
         if not self.parallel_input:
             x = scatter_to_model_parallel_region(x, group)
         y = F.linear(x, self.weight)
@@ -175,6 +186,18 @@ class RowParallelLinear(torch.nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+    def _input_error(self, x: torch.Tensor) -> str:
+        tp, part = self._tp.size, self.in_features // self._tp.size
+        head = f"RowParallelLinear({self.in_features} -> {self.out_features}) got an input of shape {list(x.shape)}"
+        if self.parallel_input and x.shape[-1] == self.in_features:
+            return (
+                f"{head}, the whole input; with parallel_input=True it takes this rank's split, [..., {part}] at "
+                f"model_parallel_size={tp}: pass parallel_input=False to split a whole input here, or feed it "
+                "a ColumnParallelLinear with parallel_output=True"
+            )
+        want = f"[..., {self.in_features}]" if not self.parallel_input else f"[..., {part}] (split over TP)"
+        return f"{head}; expected {want} (in_features={self.in_features}, model_parallel_size={tp})"
 
     def extra_repr(self) -> str:
         return (

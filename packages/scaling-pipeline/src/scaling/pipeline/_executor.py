@@ -18,6 +18,7 @@ four transfers. With virtual stages the transport is a ring (last stage -> first
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -86,6 +87,10 @@ def _detach_for_next_chunk(obj: Any) -> Any:
         return dataclasses.replace(
             obj, **{f.name: _detach_for_next_chunk(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
         )
+    if hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):  # a plain LayerIO class
+        copied = copy.copy(obj)
+        copied.__dict__.update({k: _detach_for_next_chunk(v) for k, v in vars(obj).items()})
+        return copied
     if isinstance(obj, (list, tuple)):
         return type(obj)(_detach_for_next_chunk(x) for x in obj)
     if isinstance(obj, dict):

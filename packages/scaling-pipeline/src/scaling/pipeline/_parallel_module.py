@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from scaling.collectives import all_reduce, broadcast
-from scaling.nn import ParameterMeta, get_parameter_meta, set_layer_index
+from scaling.nn import ColumnParallelLinear, LayerInputError, ParameterMeta, get_parameter_meta, set_layer_index
 from scaling.pipeline._executor import (
     InstructionTimings,
     LossBackward,
@@ -24,6 +24,7 @@ from scaling.pipeline.schedules import SCHEDULES, forward_only_schedule
 from scaling.topology import Topology
 
 logger = logging.getLogger(__name__)
+DEFAULT_SEED = 42  # the per-layer seeds' base when neither the caller nor seed_all gave one
 
 
 class ParallelModule(torch.nn.Module):
@@ -46,7 +47,9 @@ class ParallelModule(torch.nn.Module):
         layer_costs: per-layer cost estimates for ``"cost"`` (FLOPs or a measured profile).
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"zb_h1"``.
         num_virtual_stages: model chunks per stage (``> 1`` only with ``"interleaved_1f1b"``).
-        seed: base seed of the per-layer initialisation.
+        seed: base seed of the per-layer initialisation; default: the run's seed
+            (``topology.seed``, set by ``seed_all`` / ``BaseContext.initialize`` from
+            ``TrainerConfig.seed``), or 42 when nothing seeded the topology.
         static_shapes: every micro-batch's activations have the same structure, shapes and
             dtypes (the default of torch's pipeline schedules and of Megatron-LM without
             ``--variable-seq-lengths``): after the first hand-off on each channel (the
@@ -74,7 +77,7 @@ class ParallelModule(torch.nn.Module):
         layer_costs: Sequence[float] | None = None,
         schedule: str = "1f1b",
         num_virtual_stages: int = 1,
-        seed: int = 42,
+        seed: int | None = None,
         static_shapes: bool = False,
     ) -> None:
         super().__init__()
@@ -109,10 +112,13 @@ class ParallelModule(torch.nn.Module):
             logger.info("pipeline partition (virtual stage -> layers): %s", self.describe_partition())
         self.chunks: list[range] = [self.partition[c * self.num_stages + self.stage] for c in range(num_virtual_stages)]
         self.layers = torch.nn.ModuleDict()
+        if seed is None:
+            seed = topology.seed if topology.seed is not None else DEFAULT_SEED
         for r in self.chunks:
             for i in r:
                 self.layers[str(i)] = self._build_layer(i, seed)
         self._tie_local_copies()
+        self._loss_hint = self._split_output_hint()
         self._tied_groups = self._make_tied_groups()
         self._sync_tied_initialisation()
 
@@ -210,10 +216,54 @@ class ParallelModule(torch.nn.Module):
 
     # ------------------------------------------------------------ forward
     def forward_chunk(self, chunk: int, x: Any) -> Any:
-        """Run the layers of local ``chunk`` on ``x`` (a LayerIO)."""
+        """Run the layers of local ``chunk`` on ``x`` (a LayerIO).
+
+        Raises:
+            LayerInputError: a layer got an input of the wrong shape (its index and class named).
+        """
         for i in self.chunks[chunk]:
-            x = self.layers[str(i)](x)
+            layer = self.layers[str(i)]
+            try:
+                x = layer(x)
+            except LayerInputError as exc:
+                raise LayerInputError(f"layer {i} ({type(layer).__name__}): {exc}") from exc
         return x
+
+    def _split_output_hint(self) -> str | None:
+        """What to tell a user whose loss fails on a last layer that returns TP-split features, if it does."""
+        last = str(len(self.layer_specs) - 1)
+        tp = self.topology.model_parallel_size
+        if last not in self.layers or tp == 1:
+            return None
+        split = [
+            (name, m)
+            for name, m in self.layers[last].named_modules()
+            if isinstance(m, ColumnParallelLinear) and m.parallel_output
+        ]
+        if not split:
+            return None
+        name, linear = split[-1]
+        return (
+            f"the loss function failed on the output of the last layer (layer {last}, "
+            f"{type(self.layers[last]).__name__}), which is split over tensor parallelism: its ColumnParallelLinear "
+            f"{name!r} has parallel_output=True at model_parallel_size={tp}, so each rank's output holds "
+            f"{linear.out_features // tp} of its {linear.out_features} features. Set parallel_output=False on "
+            "that layer, or compute the loss with scaling.nn.vocab_parallel_cross_entropy (it takes split logits)"
+        )
+
+    def _explained(self, loss_function: LossFunction) -> LossFunction:
+        """``loss_function``, whose failure on a last layer's split output says so."""
+        hint = self._loss_hint
+        if hint is None:
+            return loss_function
+
+        def checked(output: Any, targets: Any) -> Any:
+            try:
+                return loss_function(output, targets)
+            except (IndexError, RuntimeError, ValueError) as exc:
+                raise ValueError(f"{hint}; the error was: {type(exc).__name__}: {exc}") from exc
+
+        return checked
 
     def forward(self, batch: Any) -> Any:
         """Whole-model forward in one process (``pipe_parallel_size == 1`` only).
@@ -267,6 +317,7 @@ class ParallelModule(torch.nn.Module):
             :class:`StageOutputs`: losses and metrics per micro-batch on the last stage.
         """
         n = len(micro_batches)
+        loss_function = self._explained(loss_function)
         if forward_only:
             with torch.no_grad():
                 instructions = forward_only_schedule(self.num_stages, n, self.stage, self.num_virtual_stages)

@@ -83,7 +83,12 @@ class RNGTracker:
 
 
 def seed_all(seed: int, topology: Topology) -> RNGTracker:
-    """Seed every generator of this rank and return its tracker (see module docstring)."""
+    """Seed every generator of this rank and return its tracker (see module docstring).
+
+    ``topology.seed`` records ``seed``: layers built afterwards without a seed of their own
+    (``ParallelModule``) initialise from it.
+    """
+    topology.seed = seed
     base = seed + 100 * topology.pipe_parallel_rank
     random.seed(base)
     np.random.seed(base % 2**32)

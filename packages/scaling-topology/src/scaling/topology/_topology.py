@@ -83,6 +83,9 @@ class Topology:
         self._groups: dict[str, ProcessGroup] = {}
         self._mesh: DeviceMesh | None = None
         self._owns_default_group = False
+        #: The run's seed, as given to :func:`seed_all` (None before): what model
+        #: initialisation derives its per-layer seeds from when not given one.
+        self.seed: int | None = None
 
     # ----------------------------------------------------------- construction
     @classmethod
