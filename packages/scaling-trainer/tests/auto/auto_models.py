@@ -97,8 +97,6 @@ def train_worker(name: str, constraints: dict) -> list[float]:
         loss.backward()
         optimizer.step()
         scheduler.step()
-        losses.append(loss.detach())
-    # the loss each DP rank prints is its own shard's; the global loss is their mean
-    stacked = torch.stack(losses)
-    torch.distributed.all_reduce(stacked, group=model.topology.data_parallel_group)
-    return (stacked / model.topology.data_parallel_size).tolist()
+        # model(batch) is this DP rank's loss (as with DDP); global_loss is what one device logs
+        losses.append(model.global_loss(loss))
+    return losses

@@ -166,3 +166,20 @@ def test_save_names_objects_not_from_parallelize(tmp_path) -> None:
         TypeError, match=r"state\['optimizer'\] must be the optimizer parallelize\(\) returned, got SGD"
     ):
         save(tmp_path, {"model": model, "optimizer": sgd})
+
+
+def step0_worker(path: str) -> tuple[list[float], list[float]]:
+    """Save before the first optimizer.step(), load into fresh objects: the same next steps."""
+    uninterrupted = _build("gpt2", {})
+    save(path, _state(uninterrupted), step=0)
+    batches = [TokenDataset()[2 * i : 2 * i + 2] for i in range(2)]
+    expected = [_step(*uninterrupted[1:4], b) for b in batches]
+    resumed = _build("gpt2", {})
+    load(path, _state(resumed))
+    assert not resumed[2].optimizer.state  # still fresh: torch builds it at the first step
+    return expected, [_step(*resumed[1:4], b) for b in batches]
+
+
+def test_a_checkpoint_saved_before_the_first_step_loads(tmp_path) -> None:
+    ((expected, resumed),) = run_distributed(step0_worker, 1, str(tmp_path / "step0"), timeout_seconds=180)
+    assert resumed == expected

@@ -118,5 +118,8 @@ def test_impossible_requests_name_the_module() -> None:
         generate_plan(model, {"pipeline_parallel.size": 2, "pipeline_parallel.split_method": "fast"})
     with pytest.raises(ValueError, match=r"pipeline_parallel.static_shapes='yes' must be true or false"):
         generate_plan(model, {"pipeline_parallel.size": 2, "pipeline_parallel.static_shapes": "yes"})
-    with pytest.raises(TypeError, match="swapped"):
-        generate_plan({"tensor_parallel.size": 2}, model)  # type: ignore[arg-type]
+    # The RFC's order (constraints first) gives the same plan.
+    rfc = generate_plan({"tensor_parallel.size": 2}, model)  # type: ignore[arg-type]
+    assert rfc.to_dict() == generate_plan(model, {"tensor_parallel.size": 2}).to_dict()
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got dict"):
+        generate_plan({"tensor_parallel.size": 2}, {"tp": 1})  # type: ignore[arg-type]

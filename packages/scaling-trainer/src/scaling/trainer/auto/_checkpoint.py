@@ -190,8 +190,11 @@ def load(path: str | Path, state: dict[str, Any], step: int | None = None) -> Pl
         _ensure_state(optimizer)
     tree = _tree(state)
     model: ParallelModel = state["model"]
+    # A checkpoint saved before the first optimizer.step() has no state for the user's
+    # optimizer (torch builds it lazily): those keys may be missing, and stay fresh.
+    fresh_ok = [rf"{_TORCH_FORM}\.state\..*"] if optimizer is not None and optimizer.engine is None else []
     try:
-        loaded = load_checkpoint(path, tree, model.topology, step=step)
+        loaded = load_checkpoint(path, tree, model.topology, step=step, allowed_missing=fresh_ok)
     except CheckpointError as e:
         _raise_if_other_form(tree, e)
         raise
@@ -202,7 +205,7 @@ def load(path: str | Path, state: dict[str, Any], step: int | None = None) -> Pl
             if src.data_ptr() != local.data_ptr():
                 local.copy_(src)
     if optimizer is not None and optimizer.engine is None:
-        _load_torch(model, optimizer, loaded.state[_TORCH_FORM])
+        _load_torch(model, optimizer, loaded.state[_TORCH_FORM], set(loaded.missing_keys))
     elif optimizer is not None:
         _load_engine(model, optimizer, loaded.state[_ENGINE_FORM])
     if state.get("lr_scheduler") is not None:
@@ -222,9 +225,15 @@ def _raise_if_other_form(tree: dict[str, Any], error: CheckpointError) -> None:
             ) from error
 
 
-def _load_torch(model: ParallelModel, optimizer: ParallelOptimizer, loaded: Any) -> None:
+def _load_torch(model: ParallelModel, optimizer: ParallelOptimizer, loaded: Any, missing: set[str]) -> None:
     inner = optimizer.optimizer
     for _name, param, meta in model.named_parameters_with_meta():
+        slots = {f"{_TORCH_FORM}.state.{meta.key}.{slot}" for slot in inner.state.get(param, {})}
+        if slots and slots <= missing:
+            inner.state.pop(param)  # saved before the first step: the state starts fresh, as it was
+            continue
+        if slots & missing:
+            raise CheckpointError(f"the checkpoint's optimizer state of {meta.key!r} lacks {sorted(slots & missing)}")
         for slot, value in loaded["state"].get(meta.key, {}).items():
             target = inner.state[param][slot]
             src = value.to_local() if isinstance(value, DTensor) else value

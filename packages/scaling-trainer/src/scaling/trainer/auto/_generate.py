@@ -123,7 +123,9 @@ def _placement(dim: int | None) -> str:
 def generate_plan(model: torch.nn.Module, constraints: Mapping[str, Any] | None = None) -> Plan:
     """Propose an nD-parallel :class:`Plan` for ``model`` under ``constraints``.
 
-    Works on a model from :func:`deferred_init` (meta device) without allocating it.
+    Works on a model from :func:`deferred_init` (meta device) without allocating it. The
+    high-level API RFC's order, ``generate_plan(constraints, model)``, is accepted too (the
+    argument types tell them apart).
 
     Args:
         model: the (unmodified) model.
@@ -146,16 +148,17 @@ def generate_plan(model: torch.nn.Module, constraints: Mapping[str, Any] | None 
         The plan (plain data; ``print(plan)``, ``plan.save(path)``).
 
     Raises:
-        TypeError: the arguments are swapped or not a module and a mapping.
+        TypeError: the arguments are not a module and a mapping.
         ValueError: an unknown constraint, a TP size not dividing a sharded dim (the module
             is named), more stages than blocks, or split points the constraints forbid.
 
     Example::
 
         >>> plan = generate_plan(model, {"tensor_parallel.size": 2, "data_parallel_size": 2})
+        >>> plan = generate_plan({"tensor_parallel.size": 2}, model)  # the RFC's order
     """
     if isinstance(model, Mapping) and isinstance(constraints, torch.nn.Module):
-        raise TypeError("generate_plan(model, constraints): the arguments are swapped; pass the model first")
+        model, constraints = constraints, model  # the RFC's order: generate_plan(constraints, model)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"generate_plan: model must be a torch.nn.Module, got {type(model).__name__}")
     constraints = dict(constraints or {})

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from scaling.collectives import all_reduce
 from scaling.nn import ParameterMeta, get_parameter_meta
 from scaling.topology import Topology, TopologyConfig
 from scaling.trainer.auto._deferred import is_deferred, materialize
@@ -31,6 +32,9 @@ class ParallelModel(torch.nn.Module):
     ``schedule.step`` do), and returns the mean micro-batch loss on every stage as a leaf
     tensor: ``loss.backward()`` is then a no-op, so the plain loop runs unchanged. Gradients
     accumulate over calls until ``optimizer.step()``.
+
+    Under data parallelism ``model(batch)`` returns this rank's loss (as DDP does);
+    :meth:`global_loss` gives the mean over the DP ranks for logging, on demand.
     """
 
     def __init__(
@@ -49,6 +53,17 @@ class ParallelModel(torch.nn.Module):
         out = self.module(**batch) if isinstance(batch, Mapping) else self.module(batch)
         loss = getattr(out, "loss", out)
         return self.scale_loss(loss) if self.scale_loss is not None else loss
+
+    def global_loss(self, loss: torch.Tensor) -> float:
+        """The mean of ``loss`` over the data-parallel ranks: the loss one device would log.
+
+        ``model(batch)`` returns this rank's loss, as DDP does (its gradient is what the
+        optimizer averages). Call this where you log, not every step: it is one all-reduce
+        over the DP group (collective: every DP rank must call it).
+        """
+        value = loss.detach().float().reshape(1).clone()
+        all_reduce(value, self.topology.data_parallel_group)
+        return float(value) / self.topology.data_parallel_size
 
     def named_parameters_with_meta(self) -> list[tuple[str, torch.nn.Parameter, ParameterMeta]]:
         """``(path, param, meta)`` for each unique local parameter, paths as in the unmodified model."""
