@@ -2,7 +2,7 @@
 
 import pytest
 import yaml
-from mlp_testlib import write_mnist
+from mlp_testlib import small_config, write_mnist
 
 from scaling.mlp.__main__ import DEFAULT_CONFIG, main
 from scaling.mlp.config import MLPConfig
@@ -70,3 +70,21 @@ def test_default_config_is_3d_parallel():
 def test_more_stages_than_layers(capsys, bad):
     code, err = _run(capsys, *bad.split())
     assert code == 2 and "topology.pipe_parallel_size=8 exceeds the model's 4 layers" in err
+
+
+@pytest.mark.slow
+def test_a_tampered_checkpoint_is_named_in_the_runners_summary(tmp_path, capfd):
+    cfg = small_config(steps=2)
+    cfg["trainer"].update(save_dir=str(tmp_path / "ckpt"), save_interval=2)
+    (tmp_path / "c.yml").write_text(yaml.safe_dump(cfg))
+    assert main([str(tmp_path / "c.yml")]) == 0
+    shard = next((tmp_path / "ckpt").glob("step_*/*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    capfd.readouterr()
+    assert main([str(tmp_path / "c.yml"), f"trainer.load_dir={tmp_path / 'ckpt'}", "trainer.train_iterations=4"]) == 1
+    summary = [line for line in capfd.readouterr().err.splitlines() if line.startswith("scaling-run: rank 0")]
+    assert len(summary) == 1, summary
+    assert "exited with code 1: " in summary[0] and "CheckpointError: checkpoint " in summary[0]
+    assert f"{shard}: sha256 differs from commit.json" in summary[0]

@@ -116,3 +116,19 @@ def test_peft_export_needs_a_lora_checkpoint(tmp_path):
     import_hf(tmp_path / "hf", tmp_path / "ours")
     with pytest.raises(ValueError, match="finetuning.method='none' in the checkpoint's config; a PEFT adapter needs"):
         export_peft(tmp_path / "ours" / CHECKPOINT_SUBDIR, tmp_path / "adapter")
+
+
+def test_export_of_a_tampered_checkpoint_is_one_line_naming_the_file(tmp_path, capsys):
+    _tiny_llama(tmp_path)
+    import_hf(tmp_path / "hf", tmp_path / "ours")
+    step = next((tmp_path / "ours" / CHECKPOINT_SUBDIR).glob("step_*"))
+    shard = next(step.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["export-hf", str(tmp_path / "ours" / CHECKPOINT_SUBDIR), str(tmp_path / "back")]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("scaling-transformer export-hf: CheckpointError: ")
+    assert f"{shard}: sha256 differs from commit.json" in err

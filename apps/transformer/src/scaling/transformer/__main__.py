@@ -161,12 +161,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from scaling.trainer import CheckpointError
+
     args = _parser().parse_args(argv)
     try:
         return int(args.fn(args))
     except (ValueError, FileNotFoundError) as exc:
         print(f"scaling-transformer {args.command}: {exc}", file=sys.stderr)
         return 2
+    except CheckpointError as exc:  # a corrupt or tampered checkpoint: one line, not a traceback
+        print(f"scaling-transformer {args.command}: CheckpointError: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

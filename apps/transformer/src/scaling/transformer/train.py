@@ -151,4 +151,7 @@ def main(payload: dict[str, Any] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    main()
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    # torchrun then reports this rank's exception, and scaling-run names it in its summary.
+    record(main)()

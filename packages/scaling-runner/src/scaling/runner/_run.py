@@ -67,8 +67,9 @@ def run_launches(launches: list[Launch], teardown_timeout_s: float) -> tuple[lis
             forwarder.catch_up()  # a signal that arrived while this launch was being started
             prefix = f"[{launch.label.split(':')[0]}] " if len(launches) > 1 else ""
             assert proc.stdout is not None and proc.stderr is not None
-            for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                pump = threading.Thread(target=_pump, args=(stream, sink, prefix, parser), daemon=True)
+            # torchrun's failure report is on stderr; a rank's prints on stdout never mix into it.
+            for stream, sink, reader in ((proc.stdout, sys.stdout, None), (proc.stderr, sys.stderr, parser)):
+                pump = threading.Thread(target=_pump, args=(stream, sink, prefix, reader), daemon=True)
                 pump.start()
                 pumps.append(pump)
         _wait(procs, teardown_timeout_s, forwarder)
@@ -138,12 +139,15 @@ class _Forwarder:
                     pass
 
 
-def _pump(stream: IO[bytes], sink: IO[str], prefix: str, parser: FailureParser) -> None:
+def _pump(stream: IO[bytes], sink: IO[str], prefix: str, parser: FailureParser | None) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace")
-        parser.feed(line)
+        if parser is not None:
+            parser.feed(line)
         sink.write(prefix + line)
         sink.flush()
+    if parser is not None:
+        parser.close()
     stream.close()
 
 
