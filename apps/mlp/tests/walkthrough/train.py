@@ -26,7 +26,7 @@ class MLPLayerIO:
     activations: torch.Tensor
 
 
-class MLPBaseLayer(BaseLayer):
+class MLPBaseLayer(BaseLayer[MLPLayerIO, MLPLayerIO, MLPLayerIO]):  # input, output, last-layer output
     pass
 
 
