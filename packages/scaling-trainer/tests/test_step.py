@@ -197,3 +197,13 @@ def test_train_step_switches_an_eval_module_to_training_and_keeps_a_submodule_in
 def test_the_step_is_one_short_function() -> None:
     lines = inspect.getsource(train_step).splitlines()
     assert len(lines) < 80, f"train_step is {len(lines)} lines; the step stays one function under 80"
+
+
+def test_a_batch_that_cannot_move_is_refused_with_what_to_add() -> None:
+    from scaling.trainer._placement import to_device
+
+    assert to_device(None, torch.device("cpu")) is None  # a rank that reads no data
+    batch = pairs(1)[0]
+    assert to_device(batch, torch.device("cpu")).x is batch.x  # already there: no copy
+    with pytest.raises(TypeError, match=r"a batch of type list cannot be moved to cpu: it has no to\(device"):
+        to_device([torch.ones(1)], torch.device("cpu"))
