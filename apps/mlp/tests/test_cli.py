@@ -2,10 +2,11 @@
 
 import pytest
 import yaml
-from mlp_testlib import small_config, write_mnist
+from mlp_testlib import small_config, train_worker, write_mnist
 
 from scaling.mlp.__main__ import DEFAULT_CONFIG, main
 from scaling.mlp.config import MLPConfig
+from scaling.testing import run_distributed
 
 
 def _run(capsys, *args):
@@ -77,7 +78,7 @@ def test_a_tampered_checkpoint_is_named_in_the_runners_summary(tmp_path, capfd):
     cfg = small_config(steps=2)
     cfg["trainer"].update(save_dir=str(tmp_path / "ckpt"), save_interval=2)
     (tmp_path / "c.yml").write_text(yaml.safe_dump(cfg))
-    assert main([str(tmp_path / "c.yml")]) == 0
+    run_distributed(train_worker, 1, cfg)  # the checkpoint, on a pooled rank (no launch)
     shard = next((tmp_path / "ckpt").glob("step_*/*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
