@@ -9,15 +9,13 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, SecretBytes, SecretStr, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 from pydantic_core import to_jsonable_python
 
 from scaling.config._overrides import Overrides, apply_overrides
-from scaling.config._secrets import MASK, is_secret_name, masked_error
+from scaling.config._secrets import MASK, SECRET_TYPES, is_secret_name, masked_error
 
 C = TypeVar("C", bound="BaseConfig")
-
-_SECRET_TYPES = (SecretStr, SecretBytes)
 
 
 class BaseConfig(BaseModel):
@@ -196,10 +194,10 @@ def _drop_secrets(value: Any) -> Any:
         return {
             k: MASK if isinstance(v, str) and v and is_secret_name(str(k)) else _drop_secrets(v)
             for k, v in value.items()
-            if not isinstance(v, _SECRET_TYPES)
+            if not isinstance(v, SECRET_TYPES)
         }
     if isinstance(value, (list, tuple)):
-        return type(value)(_drop_secrets(v) for v in value if not isinstance(v, _SECRET_TYPES))
+        return type(value)(_drop_secrets(v) for v in value if not isinstance(v, SECRET_TYPES))
     return value
 
 

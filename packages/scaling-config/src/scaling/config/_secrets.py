@@ -21,7 +21,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 MASK = "**********"
 _SECRET_NAME = re.compile(r"(^|[_.-])(token|secret|password|passwd|apikey)($|[_.-])|api_key", re.IGNORECASE)
-_SECRET_TYPES = (SecretStr, SecretBytes)
+SECRET_TYPES = (SecretStr, SecretBytes)  # secret by type (BaseConfig.as_dict drops them)
 
 
 def is_secret_name(name: str) -> bool:
@@ -33,7 +33,7 @@ def _secret_field(model: type[BaseModel] | None, name: str) -> bool:
     if model is None or name not in model.model_fields:
         return False
     annotation = model.model_fields[name].annotation
-    return any(t in _SECRET_TYPES for t in (annotation, *typing.get_args(annotation)))
+    return any(t in SECRET_TYPES for t in (annotation, *typing.get_args(annotation)))
 
 
 def _submodel(model: type[BaseModel] | None, name: str) -> type[BaseModel] | None:

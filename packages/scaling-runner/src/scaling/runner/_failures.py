@@ -115,14 +115,14 @@ class FailureParser:
 
     def _end_traceback(self) -> None:
         lines, self._traceback = self._traceback or [], None
-        starts = [i for i, text in enumerate(lines) if _EXCEPTION.search(text)]
+        starts = [i for i, line in enumerate(lines) if _EXCEPTION.search(line)]
         if self._last is None or not starts:
             return
         first = _EXCEPTION.search(lines[starts[-1]])
         assert first is not None
-        text = first.group(2).strip()
-        parts = [f"{first.group(1)}: {text}" if text else first.group(1)]
-        parts += [text.strip() for text in lines[starts[-1] + 1 :]]
+        message = first.group(2).strip()
+        parts = [f"{first.group(1)}: {message}" if message else first.group(1)]
+        parts += [line.strip() for line in lines[starts[-1] + 1 :]]
         failure = self.failures.get(self._last)
         if failure is not None:
             self.failures[self._last] = replace(failure, message=" ".join(p for p in parts if p))
