@@ -27,8 +27,10 @@ from scaling.testing import make_topology, run_distributed
 THEORY = {0: 16.0, 1: 12.0, 2: 10.0, 3: 8.0}
 
 
-def _bytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.untyped_storage().nbytes()
+def _bytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    return sum(storages.values())
 
 
 def measure(zero: int, hidden: int, layers: int) -> dict[str, float]:
@@ -53,9 +55,9 @@ def measure(zero: int, hidden: int, layers: int) -> dict[str, float]:
     # ZeRO 1/2 reduce-scatter buckets overlapped with backward: wait until every owned
     # gradient shard has arrived (in-flight buckets are transient communication buffers).
     opt.finish_gradient_reduction()
-    params = sum(_bytes(p) for p in model.parameters()) + sum(_bytes(s.param_shard) for s in opt.slots)
-    grads = sum(_bytes(p.grad) for p in model.parameters()) + sum(_bytes(s.grad_shard) for s in opt.slots)
-    state = sum(_bytes(t) for s in opt.slots for t in [*s.state.values(), s.master])
+    params = sum(_bytes(p) for p in model.parameters()) + _bytes(*(s.param_shard for s in opt.slots))
+    grads = _bytes(*(p.grad for p in model.parameters()), *(s.grad_shard for s in opt.slots))
+    state = _bytes(*(t for s in opt.slots for t in [*s.state.values(), s.master]))
     opt.step()
     return {"psi": psi, "params": params / psi, "grads": grads / psi, "state": state / psi}
 

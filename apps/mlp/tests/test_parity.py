@@ -37,3 +37,20 @@ def test_pp2_static_shapes_matches_one_process(reference_losses):
     for rank, history in enumerate(run_distributed(train_worker, 2, cfg, timeout_seconds=300)):
         assert_parity(losses(history), reference_losses, rtol=1e-5, name=f"rank {rank} losses, static shapes")
         assert sum("evaluation/accuracy" in m for m in history) == 2  # steps 10 and 20
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("tp", "pp", "dp", "optimizer"),
+    [
+        (1, 1, 2, {"zero_stage": 3}),
+        (1, 2, 2, {"zero_stage": 3, "zero3_reshard_after_forward": False}),
+        pytest.param(2, 2, 2, {"zero_stage": 3}, marks=pytest.mark.slow),
+    ],
+    ids=["dp2", "dp2-pp2-kept-whole", "dp2-pp2-tp2"],
+)
+def test_zero3_matches_one_process(reference_losses, tp, pp, dp, optimizer):
+    # One config switch: BaseTrainer hands the ParallelModule's layers to the optimizer.
+    cfg = small_config(tp, pp, dp, steps=STEPS, optimizer=optimizer)
+    for rank, history in enumerate(run_distributed(train_worker, tp * pp * dp, cfg, timeout_seconds=300)):
+        assert_parity(losses(history), reference_losses, rtol=1e-5, name=f"rank {rank} ZeRO-3 losses at {optimizer}")

@@ -90,6 +90,35 @@ def test_dp2_pp2_tied_embeddings(tiny_corpus, reference_losses):
     _check(run_distributed(train_worker, 4, cfg, timeout_seconds=240), reference_losses, "dp2 pp2 tied")
 
 
+ZERO3 = {"zero_stage": 3}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("layout", "training", "arch", "optimizer"),
+    [
+        # tied embeddings summed over the stages from ZeRO-3's kept gradients; the zero-bubble weight pass
+        ({"dp": 2, "pp": 2}, {"schedule": "zb_h1"}, {}, ZERO3),
+        # two chunks per stage, each layer kept whole from its first micro-batch to the step
+        (
+            {"dp": 2, "pp": 2},
+            {"schedule": "interleaved_1f1b", "num_virtual_stages": 2},
+            {},
+            {**ZERO3, "zero3_reshard_after_forward": False},
+        ),
+        # TP with sequence parallelism, the recomputation of activation checkpointing
+        ({"dp": 2, "tp": 2}, {}, {"sequence_parallel": True, "activation_checkpointing": "every_layer"}, ZERO3),
+        pytest.param({"dp": 2, "tp": 2, "pp": 2}, {}, {}, ZERO3, marks=pytest.mark.slow),
+    ],
+    ids=["dp2-pp2-zb", "dp2-pp2-interleaved-kept-whole", "dp2-tp2-sp-checkpointing", "dp2-tp2-pp2"],
+)
+def test_zero3(tiny_corpus, reference_losses, layout, training, arch, optimizer):
+    cfg = tiny_config(tiny_corpus, steps=STEPS, optimizer=optimizer, training=training, **layout)
+    cfg["transformer_architecture"].update(arch)
+    world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
+    _check(run_distributed(train_worker, world, cfg, timeout_seconds=300), reference_losses, f"ZeRO-3 {layout}")
+
+
 # Reduced precision tracks fp32: bf16 (8 bits of precision) and fp16 with dynamic loss scaling
 # (11 bits), fp32 master weights, at dp2·tp2 and pp2. A tolerance, not parity: measured on
 # 2026-11-26, the largest gap to the fp32 losses over the 10 steps was 4e-4 (bf16, dp2·tp2),
@@ -103,10 +132,12 @@ PRECISIONS = {
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("precision", sorted(PRECISIONS))
-@pytest.mark.parametrize(("layout", "world"), [({"dp": 2, "tp": 2}, 4), ({"pp": 2}, 2)])
-def test_reduced_precision_tracks_fp32(tiny_corpus, reference_losses, precision, layout, world):
+@pytest.mark.parametrize(
+    ("layout", "world", "zero"), [({"dp": 2, "tp": 2}, 4, 0), ({"pp": 2}, 2, 0), ({"dp": 2, "pp": 2}, 4, 3)]
+)
+def test_reduced_precision_tracks_fp32(tiny_corpus, reference_losses, precision, layout, world, zero):
     arch, optimizer, tolerance = PRECISIONS[precision]
-    cfg = tiny_config(tiny_corpus, steps=STEPS, optimizer=optimizer, **layout)
+    cfg = tiny_config(tiny_corpus, steps=STEPS, optimizer={**optimizer, "zero_stage": zero}, **layout)
     cfg["transformer_architecture"].update(arch)
     for rank, history in enumerate(run_distributed(train_worker, world, cfg, timeout_seconds=300)):
         got = losses(history)

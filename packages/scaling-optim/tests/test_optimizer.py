@@ -233,12 +233,13 @@ def _errors():
         ValueError, match=r"optimizer state 'layers.0.w' has no 'exp_avg' \(has \['master', 'momentum_buffer'\]\)"
     ):
         opt.load_state_dict(state)
-    with pytest.raises(ValueError, match=r"overlap_param_gather=True needs the model: pass Optimizer\(\.\.\., model="):
-        Optimizer(
-            config=OptimizerConfig(zero_stage=1, overlap_param_gather=True),
-            parameter_groups=[group(w, b)],
-            topology=topo,
-        )
+    opt = Optimizer(
+        config=OptimizerConfig(zero_stage=1, overlap_param_gather=True), parameter_groups=[group(w, b)], topology=topo
+    )
+    with pytest.raises(
+        RuntimeError, match=r"overlap_param_gather=True hooks into the model, and no model was attached"
+    ):
+        opt.step()  # before any gather is launched
     return True
 
 
@@ -327,3 +328,35 @@ def test_optimizer_and_parameters_are_freed_once_dropped(zero, overlap):
     # to the garbage collector, so a cycle through one is never freed.
     for alive in run_distributed(_released_when_dropped, 2, zero, overlap, timeout_seconds=60):
         assert alive == [False, False, False], "optimizer, model, parameter still alive"
+
+
+def _sync_from_parameters():
+    topo = make_topology()
+    w, b = make_params(torch.bfloat16)
+    opt = Optimizer(config=OptimizerConfig(zero_stage=1), parameter_groups=[group(w, b)], topology=topo)
+    with torch.no_grad():
+        w.fill_(0.75)  # as a checkpoint load writes the parameters
+    opt.sync_from_parameters()
+    slot = opt.slots[0]
+    master_ok = torch.equal(slot.master, torch.full((slot.length,), 0.75))
+    layer = torch.nn.Linear(3, 2)
+    ParameterMeta("weight", (2, 3), layer_index=0).attach(layer.weight)
+    ParameterMeta("bias", (2,), layer_index=0).attach(layer.bias)
+    z3 = Optimizer(
+        config=OptimizerConfig(zero_stage=3), parameter_groups=[group(layer.weight, layer.bias)], topology=topo
+    )
+    z3.attach_model([layer])
+    with pytest.raises(RuntimeError, match=r"parameter 'layers.0.weight' is freed \(zero_stage=3\); call it inside"):
+        z3.sync_from_parameters()
+    with z3.full_parameters():
+        with torch.no_grad():
+            layer.weight.fill_(2.0)
+        z3.sync_from_parameters()
+    with z3.full_parameters():
+        whole_ok = torch.equal(layer.weight, torch.full((2, 3), 2.0))
+    return master_ok, whole_ok
+
+
+@pytest.mark.distributed
+def test_sync_from_parameters_refreshes_masters_and_zero3_shards():
+    assert run_distributed(_sync_from_parameters, 2, timeout_seconds=60) == [(True, True)] * 2

@@ -68,15 +68,13 @@ def test_parameters_freed_between_uses_and_next_layer_prefetched():
 
 
 def _refusals():
-    topo = make_topology(pipe_parallel_size=2)
+    topo = make_topology()
     layers, groups = model()
-    with pytest.raises(ValueError, match=r"zero_stage=3 with pipe_parallel_size=2 is not supported"):
-        Optimizer(
-            config=OptimizerConfig(zero_stage=3), parameter_groups=groups, topology=topo, zero3_modules=list(layers)
-        )
-    topo = make_topology(pipe_parallel_size=1)
-    with pytest.raises(ValueError, match=r"zero_stage=3 needs zero3_modules=\[layer, ...\]"):
-        Optimizer(config=OptimizerConfig(zero_stage=3), parameter_groups=groups, topology=topo)
+    opt = Optimizer(config=OptimizerConfig(zero_stage=3), parameter_groups=groups, topology=topo)
+    with pytest.raises(RuntimeError, match=r"zero_stage=3 hooks into the model, and no model was attached"):
+        opt.step()
+    with pytest.raises(ValueError, match=r"Sequential does not name them \(it has no layer_modules\(\)\); pass zero3_"):
+        opt.attach_model(layers)
     with pytest.raises(ValueError, match=r"parameters \['layers.2.weight', 'layers.2.bias'\] belong to none"):
         Optimizer(
             config=OptimizerConfig(zero_stage=3), parameter_groups=groups, topology=topo, zero3_modules=[layers[0]]
@@ -85,6 +83,8 @@ def _refusals():
         Optimizer(
             config=OptimizerConfig(zero_stage=1), parameter_groups=groups, topology=topo, zero3_modules=list(layers)
         )
+    with pytest.raises(ValueError, match=r"zero3_reshard_after_forward=False applies to zero_stage=3"):
+        OptimizerConfig(zero_stage=2, zero3_reshard_after_forward=False)
     return True
 
 

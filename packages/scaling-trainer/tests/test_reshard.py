@@ -1,8 +1,8 @@
 """BaseTrainer checkpoints across layouts: state bitwise equal, logits within 1e-6 (fp32).
 
-A trainer trains a few steps at one (dp, tp, pp) layout and saves; trainers at other
-layouts load that checkpoint (BaseTrainer(load_dir=...)) and save it again, and the
-first layout loads it back. At every stop the gathered (full) model and optimizer state
+A trainer trains a few steps at one (dp, tp, pp, zero) layout and saves; trainers at
+other layouts load that checkpoint (BaseTrainer(load_dir=...)) and save it again, and
+the first layout loads it back. At every stop the gathered (full) model and optimizer state
 must equal the saved one bit for bit, and the logits of the parallel model on a fixed
 batch must match the original layout's within 1e-6.
 """
@@ -33,10 +33,11 @@ def _full(value: Any) -> torch.Tensor:
 def _gathered_state(trainer: BaseTrainer[Any]) -> dict[str, Any]:
     """This stage's full (TP- and ZeRO-gathered) model and optimizer state (collective)."""
     module, topology = trainer.parallel_module, trainer.context.topology
-    model = model_state_dict(list(module.named_parameters_with_meta()), topology)
+    with trainer.whole_parameters():  # ZeRO-3 gathers them
+        model = {k: _full(v) for k, v in model_state_dict(list(module.named_parameters_with_meta()), topology).items()}
     opt = trainer.optimizer.state_dict()
     return {
-        "model": {k: _full(v) for k, v in model.items()},
+        "model": model,
         "optimizer": {f"{k}.{name}": _full(v) for k, entry in opt["params"].items() for name, v in entry.items()},
         "optimizer_scalars": {"step": opt["step"], "loss_scaler": opt["loss_scaler"], "groups": opt["groups"]},
         "iterations": trainer.context.iterations,
@@ -65,13 +66,13 @@ def _logits(trainer: BaseTrainer[Any]) -> list[torch.Tensor] | None:
     return [t for t in gathered if t is not None]
 
 
-def reshard_worker(tp: int, pp: int, load_dir: str | None, save_dir: str) -> dict[str, Any]:
+def reshard_worker(tp: int, pp: int, zero: int, load_dir: str | None, save_dir: str) -> dict[str, Any]:
     """Train ``STEPS`` steps and save (no ``load_dir``), or load and save again; return state and logits."""
     if load_dir is None:
-        trainer = build_trainer(tp, pp, {"train_iterations": STEPS, "save_dir": save_dir})
+        trainer = build_trainer(tp, pp, {"train_iterations": STEPS, "save_dir": save_dir}, zero_stage=zero)
         trainer.run_training()
     else:
-        trainer = build_trainer(tp, pp, {"train_iterations": STEPS, "load_dir": load_dir})
+        trainer = build_trainer(tp, pp, {"train_iterations": STEPS, "load_dir": load_dir}, zero_stage=zero)
         trainer.checkpointer.save(Path(save_dir))
         trainer.checkpointer.wait()
     return {"state": _gathered_state(trainer), "logits": _logits(trainer)}
@@ -107,10 +108,14 @@ def _assert_logits(reference: torch.Tensor, results: list[dict[str, Any]], where
         torch.testing.assert_close(t, reference, atol=1e-6, rtol=0, msg=lambda m: f"{where}: {m}")
 
 
-def _round_trip(tmp_path: Path, a: tuple[int, int, int], b: tuple[int, int, int]) -> None:
-    """Save at layout ``a`` = (world, tp, pp), load at ``b`` and save, load back at ``a``."""
-    dirs = [str(tmp_path / name) for name in ("a", "b", "a2")]
-    first = run_distributed(reshard_worker, a[0], a[1], a[2], None, dirs[0], timeout_seconds=TIMEOUT)
+Layout = tuple[int, int, int, int]  # (world, tp, pp, zero stage)
+
+
+def _round_trip(tmp_path: Path, a: Layout, *others: Layout) -> None:
+    """Save at layout ``a``, load and save at each of ``others`` in turn, load back at ``a``."""
+    chain = [*others, a]
+    dirs = [str(tmp_path / f"step{i}") for i in range(len(chain) + 1)]
+    first = run_distributed(reshard_worker, a[0], *a[1:], None, dirs[0], timeout_seconds=TIMEOUT)
     assert committed_steps(dirs[0]) == [STEPS]
     reference_state = _merge(first)
     # The model has two layers of which each pipeline stage holds one: every key is here.
@@ -118,23 +123,53 @@ def _round_trip(tmp_path: Path, a: tuple[int, int, int], b: tuple[int, int, int]
     reference_logits = first[0]["logits"][0]
     assert reference_logits.shape == (8, 4)
     _assert_logits(reference_logits, first, "saving layout")
-    second = run_distributed(reshard_worker, b[0], b[1], b[2], dirs[0], dirs[1], timeout_seconds=TIMEOUT)
-    _assert_same(reference_state, _merge(second), f"{a} -> {b}")
-    _assert_logits(reference_logits, second, f"{a} -> {b}")
-    back = run_distributed(reshard_worker, a[0], a[1], a[2], dirs[1], dirs[2], timeout_seconds=TIMEOUT)
-    _assert_same(reference_state, _merge(back), f"{a} -> {b} -> {a}")
-    _assert_logits(reference_logits, back, f"{a} -> {b} -> {a}")
+    where = f"{a}"
+    for i, layout in enumerate(chain):
+        where += f" -> {layout}"
+        results = run_distributed(reshard_worker, layout[0], *layout[1:], dirs[i], dirs[i + 1], timeout_seconds=TIMEOUT)
+        _assert_same(reference_state, _merge(results), where)
+        _assert_logits(reference_logits, results, where)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_dp2_tp2_to_pp2_and_back(tmp_path):
     # (dp2, tp2, pp1) on 4 ranks -> (dp1, tp1, pp2) on 2 ranks -> (dp2, tp2, pp1).
-    _round_trip(tmp_path, (4, 2, 1), (2, 1, 2))
+    _round_trip(tmp_path, (4, 2, 1, 1), (2, 1, 2, 1))
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_dp4_to_tp2_pp2_and_back(tmp_path):
     # (dp4, tp1, pp1) -> (dp1, tp2, pp2) -> (dp4, tp1, pp1), all on 4 ranks.
-    _round_trip(tmp_path, (4, 1, 1), (4, 2, 2))
+    _round_trip(tmp_path, (4, 1, 1, 1), (4, 2, 2, 1))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_zero3_pp2_to_zero1_dp2_to_one_process_and_back(tmp_path):
+    # (dp2, pp2, ZeRO-3) on 4 ranks -> (dp2, ZeRO-1) on 2 -> one process -> (dp2, pp2, ZeRO-3).
+    _round_trip(tmp_path, (4, 1, 2, 3), (2, 1, 1, 1), (1, 1, 1, 0))
+
+
+def weights_only_worker(zero: int, load_dir: str | None, save_dir: str | None) -> dict[str, torch.Tensor]:
+    """Train and save, or load the model weights only (``load_optimizer_states=False``); the gathered model."""
+    if load_dir is None:
+        trainer = build_trainer(2, 1, {"train_iterations": STEPS, "save_dir": save_dir}, zero_stage=zero)
+        trainer.run_training()
+    else:
+        settings = {"train_iterations": STEPS, "load_dir": load_dir, "load_optimizer_states": False}
+        trainer = build_trainer(2, 1, settings, zero_stage=zero)
+    return _gathered_state(trainer)["model"]
+
+
+@pytest.mark.distributed
+def test_weights_only_load_reaches_the_zero3_shards(tmp_path):
+    # Under ZeRO-3 the optimizer's parameter shards are the only lasting copy of the weights:
+    # a load that skips the optimizer state must still put the loaded weights there.
+    saved = run_distributed(weights_only_worker, 4, 3, None, str(tmp_path), timeout_seconds=TIMEOUT)
+    loaded = run_distributed(weights_only_worker, 4, 3, str(tmp_path), None, timeout_seconds=TIMEOUT)
+    for before, after in zip(saved, loaded):
+        assert set(after) == set(before)
+        for key, value in before.items():
+            assert torch.equal(after[key], value), key

@@ -33,6 +33,28 @@ def test_dp2_zero1_matches_one_process_and_bf16_trains() -> None:
         assert bf16[-1] < bf16[0]
 
 
+def zero3_worker(name: str, layout: dict) -> list[float]:
+    return train_worker(name, {**layout, "zero_stage": 3})
+
+
+@pytest.mark.parametrize(
+    ("name", "layout"),
+    [
+        ("gpt2", {"data_parallel_size": 2}),  # the LM head tied to the embedding, one unit (the root)
+        ("gpt2", {"data_parallel_size": 2, "pipeline_parallel.size": 2}),  # tied across the two stages
+        ("llama", {"data_parallel_size": 2, "tensor_parallel.size": 2}),
+    ],
+    ids=["gpt2-dp2", "gpt2-dp2-pp2-tied", "llama-dp2-tp2"],
+)
+def test_zero3_matches_one_process(name: str, layout: dict) -> None:
+    expected = reference_losses(name)
+    world = (
+        layout["data_parallel_size"] * layout.get("pipeline_parallel.size", 1) * layout.get("tensor_parallel.size", 1)
+    )
+    for losses in run_distributed(zero3_worker, world, name, layout, timeout_seconds=420):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0.0)
+
+
 def test_optimizer_wrapper_errors() -> None:
     params = [torch.nn.Parameter(torch.zeros(2))]
     with pytest.raises(ValueError, match=r"implements AdamW, Adam and SGD; optimizer_fn returned Adagrad"):
@@ -52,8 +74,8 @@ def test_plan_optimizer_and_pipeline_constraints() -> None:
     plan = generate_plan(model, {"zero_stage": 1, "precision": "bfloat16", "data_parallel_size": 2})
     assert (plan.zero_stage, plan.precision) == (1, "bfloat16")
     assert "zero_stage=1, precision=bfloat16" in str(plan)
-    with pytest.raises(ValueError, match=r"zero_stage=3 is invalid; choose 0, 1 or 2"):
-        generate_plan(model, {"zero_stage": 3})
+    with pytest.raises(ValueError, match=r"zero_stage=4 is invalid; choose 0, 1, 2 or 3"):
+        generate_plan(model, {"zero_stage": 4})
     with pytest.raises(ValueError, match=r"precision='fp8' is invalid; choose one of"):
         generate_plan(model, {"precision": "fp8"})
     with pytest.raises(ValueError, match=r"pipeline_parallel.schedule='zb' is invalid"):

@@ -97,7 +97,9 @@ def sharded_parameter(
             pad_shape[parallel_dim] = padded_size - full.shape[parallel_dim]
             full = torch.cat([full, full.new_zeros(pad_shape)], dim=parallel_dim)
         full = full.chunk(tp.size, dim=parallel_dim)[tp.rank]
-    param = torch.nn.Parameter(full.to(dtype=dtype, device=tp.device).contiguous())
+    # A storage of its own: a row shard is a view of ``full``, which would otherwise stay alive
+    # (tp times the memory) and share its storage (which ZeRO-3 frees between uses).
+    param = torch.nn.Parameter(full.to(dtype=dtype, device=tp.device).clone(memory_format=torch.contiguous_format))
     ParameterMeta(
         local_name=local_name,
         logical_shape=tuple(int(s) for s in logical_shape),

@@ -153,8 +153,15 @@ class OptimizerConfig(BaseConfig):
     overlap_param_gather: bool = Field(
         False,
         description="ZeRO 1/2: step() starts the all-gather of the updated shards and returns; each module waits "
-        "for its own parameters just before its forward (Megatron-LM's --overlap-param-gather). Needs the model "
-        "passed as Optimizer(..., model=...).",
+        "for its own parameters just before its forward (Megatron-LM's --overlap-param-gather). Hooks into the "
+        "model: BaseTrainer attaches it, otherwise pass Optimizer(..., model=...).",
+    )
+    zero3_reshard_after_forward: bool = Field(
+        True,
+        description="ZeRO-3: free each layer's parameters after its forward and gather them again for its "
+        "backward (least memory). False keeps a layer whole from its first use until the optimizer step: one "
+        "all-gather per layer per step instead of two per micro-batch, for the memory of the stage's whole "
+        "parameters (FSDP2's reshard_after_forward=False, what torchtitan uses for pipeline stages).",
     )
 
     @model_validator(mode="after")
@@ -163,6 +170,11 @@ class OptimizerConfig(BaseConfig):
             raise ValueError(
                 f"overlap_param_gather=True applies to zero_stage 1 or 2 (the stages that gather updated shards), "
                 f"got zero_stage={self.zero_stage}; set zero_stage=1 or 2, or overlap_param_gather=False"
+            )
+        if not self.zero3_reshard_after_forward and self.zero_stage != 3:
+            raise ValueError(
+                f"zero3_reshard_after_forward=False applies to zero_stage=3 (the stage that frees parameters), got "
+                f"zero_stage={self.zero_stage}; set zero_stage=3, or leave zero3_reshard_after_forward at True"
             )
         return self
 

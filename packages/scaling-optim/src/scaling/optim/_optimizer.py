@@ -22,7 +22,14 @@ from scaling.optim._slots import ParamSlot
 from scaling.optim._state import load_optimizer_state, optimizer_state
 from scaling.optim._update import UpdateItem, apply_updates, state_names
 from scaling.optim._weak import weak_hook
-from scaling.optim._zero3 import ParameterGatherer, check_own_storage, check_zero3, free_storage
+from scaling.optim._zero3 import (
+    GradientScatter,
+    ParameterGatherer,
+    check_own_storage,
+    check_zero3,
+    free_storage,
+    zero3_units,
+)
 from scaling.topology import Topology
 
 
@@ -64,17 +71,18 @@ class Optimizer:
             averaged over its ``data_parallel_group``, ``reduce_over_tp`` gradients summed
             over its ``model_parallel_group``, and the norm reduced over
             ``model_pipe_parallel_group`` and the DP group.
-        zero3_modules: with ``zero_stage=3`` only: the layers in forward order. Their
+        zero3_modules: with ``zero_stage=3`` only: the layers in forward order, for a
+            model that does not name them (default: ``model.layer_modules()``). Their
             trained parameters are freed at once and gathered around each layer's forward
             and backward; use :meth:`full_parameters` to read them outside a forward.
-        model: the module (or modules) holding the parameters; needed with
-            ``config.overlap_param_gather`` only. Every submodule that owns a trained
-            parameter gets a forward pre-hook that waits for that parameter's gather.
+        model: the module (or modules) holding the parameters, the same as a later
+            :meth:`attach_model` (which ``BaseTrainer`` calls): ZeRO-3 and
+            ``config.overlap_param_gather`` hook into it.
 
     Raises:
-        ValueError: duplicate group names, a parameter in two groups, ``zero_stage=3`` without
-            ``zero3_modules`` or with pipeline parallelism, a ZeRO-3 parameter sharing storage,
-            or ``overlap_param_gather`` without ``model``.
+        ValueError: duplicate group names, a parameter in two groups, ``zero3_modules``
+            without ``zero_stage=3``, a ZeRO-3 parameter sharing storage, or a ``model``
+            that does not name its layers under ZeRO-3 (see :meth:`attach_model`).
 
     Example::
 
@@ -92,12 +100,7 @@ class Optimizer:
         zero3_modules: Sequence[torch.nn.Module] | None = None,
         model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
     ) -> None:
-        check_zero3(config.zero_stage, topology.pipe_parallel_size, zero3_modules)
-        if config.overlap_param_gather and model is None:
-            raise ValueError(
-                "overlap_param_gather=True needs the model: pass Optimizer(..., model=module) so that each layer "
-                "can wait for its parameters before its forward, or set overlap_param_gather=False"
-            )
+        check_zero3(config.zero_stage, zero3_modules)
         names = [g.name for g in parameter_groups]
         if len(set(names)) != len(names):
             raise ValueError(f"parameter group names must be unique, got {names}")
@@ -132,19 +135,14 @@ class Optimizer:
                 self.slots.append(slot)
         mark_norm_owners(self.slots, topology)
         self._loss_non_finite = torch.zeros((), device=topology.device)
-        # Hooks last: a constructor that raises leaves no hook behind on the parameters.
-        self.gatherer: ParameterGatherer | None = None
         if config.zero_stage == 3:
-            assert zero3_modules is not None
             for slot in self.slots:
                 check_own_storage(slot)
                 slot.param_shard = slot.flat_param()[slot.start : slot.end].clone()
-            self.gatherer = ParameterGatherer(zero3_modules, self.slots, topology.data_parallel_group)
+        self.gatherer: ParameterGatherer | None = None
+        self._grad_scatter: GradientScatter | None = None
         self._hooks: list[Any] = []
-        if self.gatherer is not None:
-            for index, slot in enumerate(self.slots):
-                self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(index)))
-            self.gatherer.free_all()
+        self._model_attached = False
         self.reducer: GradientReducer | None = None
         self._dp_reduced = False
         if config.zero_stage < 3 and dp > 1:
@@ -152,11 +150,49 @@ class Optimizer:
             mode = ("all_reduce", "shard", "shard_free")[config.zero_stage]
             self.reducer = GradientReducer(self.slots, topology.data_parallel_group, config.allreduce_bucket_size, mode)
         self._shard_gather: ShardGather | None = None
-        if self.gatherer is None and self._shard_world > 1:
+        if config.zero_stage in (1, 2) and self._shard_world > 1:
             self._shard_gather = ShardGather(self.slots, topology.data_parallel_group, config.allreduce_bucket_size)
-            if config.overlap_param_gather:
-                assert model is not None
-                self._hooks += self._shard_gather_hooks(self._shard_gather, model)
+        # Hooks last: a constructor that raises leaves no hook behind on the parameters.
+        if zero3_modules is not None:
+            self.attach_model(zero3_modules)
+        elif model is not None:
+            self.attach_model(model)
+
+    @property
+    def needs_model(self) -> bool:
+        """Whether this optimizer hooks into the model (ZeRO-3, ``overlap_param_gather``)."""
+        return self.config.zero_stage == 3 or (self._shard_gather is not None and self.config.overlap_param_gather)
+
+    def attach_model(self, model: torch.nn.Module | Sequence[torch.nn.Module]) -> None:
+        """Hook into the model whose parameters this optimizer updates (once; later calls do nothing).
+
+        ZeRO-3 gathers and frees each layer's parameters around its forward and backward
+        (the layers: ``model.layer_modules()``, as a ``ParallelModule`` names them, or a
+        sequence of modules in forward order) and frees them now; ``overlap_param_gather``
+        makes each module wait for its parameters' gather before its forward. Otherwise
+        a no-op. ``BaseTrainer`` calls it, so walkthrough code needs no change.
+
+        Raises:
+            ValueError: ZeRO-3 with a module that does not name its layers, or with layers
+                that leave a trained parameter out.
+        """
+        if self._model_attached or not self.needs_model:
+            return
+        if self.config.zero_stage == 3:
+            gatherer = ParameterGatherer(
+                zero3_units(model),
+                self.slots,
+                self.topology.data_parallel_group,
+                reshard_after_forward=self.config.zero3_reshard_after_forward,
+            )
+            self.gatherer = gatherer
+            self._grad_scatter = GradientScatter(gatherer.layers, self.topology.data_parallel_group)
+            for index, slot in enumerate(self.slots):
+                self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(index)))
+            gatherer.free_all()
+        elif self._shard_gather is not None:
+            self._hooks += self._shard_gather_hooks(self._shard_gather, model)
+        self._model_attached = True
 
     def _shard_gather_hooks(self, gather: ShardGather, model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[Any]:
         """A forward pre-hook on each module owning a trained parameter: wait for its gathers."""
@@ -182,6 +218,8 @@ class Optimizer:
         """Drop the gradients (``param.grad = None``) and any ZeRO-2 gradient shards."""
         if self.reducer is not None:
             self.reducer.discard()
+        if self._grad_scatter is not None:
+            self._grad_scatter.discard()
         self._dp_reduced = False
         for slot in self.slots:
             slot.param.grad = None
@@ -203,33 +241,54 @@ class Optimizer:
         # The hook holds the optimizer weakly (see weak_hook) and finds its slot by index: the
         # slot holds the parameter, so capturing it would make the same cycle.
         def hook(optimizer: Optimizer, param: torch.Tensor) -> None:
-            # ZeRO-3: reduce-scatter each gradient as soon as it is accumulated, keep only
-            # the owned shard and free the full gradient and the parameter.
+            # ZeRO-3: once the layer's gradients have all accumulated they are reduce-scattered
+            # together (GradientScatter) and only the owned shards are kept; the parameter is
+            # freed. A tied weight keeps its .grad for the sum over pipeline stages; the step
+            # reduces it.
             slot = optimizer.slots[index]
-            assert param.grad is not None
-            shard = reduce_scatter_mean(slot.padded_flat(param.grad), optimizer.topology.data_parallel_group)
-            shard = shard[: slot.length].to(slot.compute_dtype)
-            slot.grad_shard = shard if slot.grad_shard is None else slot.grad_shard.add_(shard)
-            param.grad = None
-            free_storage(slot)
+            assert optimizer._grad_scatter is not None
+            optimizer._grad_scatter.grad_ready(slot)
+            if optimizer.config.zero3_reshard_after_forward:
+                free_storage(slot)
 
         return weak_hook(self, hook)
 
+    def _reduce_scatter_grad(self, slot: ParamSlot) -> None:
+        """ZeRO-3: move ``.grad``'s DP average of the owned elements into ``grad_shard``."""
+        assert slot.param.grad is not None
+        shard = reduce_scatter_mean(slot.padded_flat(slot.param.grad), self.topology.data_parallel_group)
+        shard = shard[: slot.length].to(slot.compute_dtype)
+        slot.grad_shard = shard if slot.grad_shard is None else slot.grad_shard.add_(shard)
+        slot.param.grad = None
+
     # --------------------------------------------------------------------- step
     def finish_gradient_reduction(self) -> None:
-        """Wait for the DP gradient averaging overlapped with backward (ZeRO 0/1/2).
+        """Wait for the DP gradient averaging overlapped with backward.
 
         Afterwards ``.grad`` holds the DP average (ZeRO 0); with ZeRO 1 only the
-        elements this rank owns do and the rest of ``.grad`` is zero; with ZeRO 2 the
-        owned average is in the optimizer and ``.grad`` is None (pipeline-tied
-        parameters: as ZeRO 1). Call it before changing gradients across ranks outside
+        elements this rank owns do and the rest of ``.grad`` is zero; with ZeRO 2 and 3
+        the owned average is in the optimizer and ``.grad`` is None (pipeline-tied
+        parameters: as ZeRO 1 under ZeRO 2; under ZeRO 3 they keep their whole ``.grad``,
+        which :meth:`step` reduces). Call it before changing gradients across ranks outside
         the optimizer (e.g. summing tied weights over pipeline stages, which keeps the
         same DP ownership on every stage); :meth:`step` calls it otherwise. Runs once
         per step.
         """
-        if self.reducer is not None and not self._dp_reduced:
-            self.reducer.finish()  # DP averages, mostly overlapped with backward already
+        if not self._dp_reduced:  # DP averages, mostly overlapped with backward already
+            if self.reducer is not None:
+                self.reducer.finish()
+            if self._grad_scatter is not None:
+                self._grad_scatter.finish()
         self._dp_reduced = True
+
+    def _check_attached(self) -> None:
+        if self.needs_model and not self._model_attached:
+            what = "zero_stage=3" if self.config.zero_stage == 3 else "overlap_param_gather=True"
+            raise RuntimeError(
+                f"{what} hooks into the model, and no model was attached to this Optimizer: BaseTrainer does it; "
+                "otherwise pass Optimizer(..., model=module) or call optimizer.attach_model(module) before the "
+                "first forward"
+            )
 
     def _reduced_grads(self) -> list[torch.Tensor]:
         topo, bucket = self.topology, self.config.allreduce_bucket_size
@@ -241,6 +300,10 @@ class Optimizer:
             tp_grads = [s.param.grad for s in self.slots if s.meta.reduce_over_tp and s.param.grad is not None]
             all_reduce_(tp_grads, topo.model_parallel_group, bucket, average=False)
             return [s.owned_grad() for s in self.slots]
+        if self._grad_scatter is not None:
+            for slot in self.slots:  # tied weights (and parameters whose hook did not run)
+                if slot.param.grad is not None:
+                    self._reduce_scatter_grad(slot)
         grads = [s.owned_grad() for s in self.slots]
         # Summing over TP commutes with the DP reduce-scatter, so it runs on the shards.
         tp_grads = [g for s, g in zip(self.slots, grads) if s.meta.reduce_over_tp]
@@ -258,6 +321,7 @@ class Optimizer:
             FloatingPointError: on every rank, when a loss or gradient is non-finite,
                 the loss scaler is off and ``non_finite_policy='fail'``.
         """
+        self._check_attached()
         if self.gatherer is not None:
             self.gatherer.discard_pending()
         self.finish_parameter_gather()  # a module unused in forward may still be gathering
@@ -347,6 +411,8 @@ class Optimizer:
         for slot in self.slots:
             slot.grad_shard = None
         self._loss_non_finite.zero_()
+        if self.gatherer is not None:
+            self.gatherer.free_all()  # layers kept whole (zero3_reshard_after_forward=False) or unused
 
     def _output(
         self, norm: float | None, clipped: float | None, lrs: dict[str, float], overflow: bool
@@ -377,6 +443,32 @@ class Optimizer:
         """Restore a state from :meth:`state_dict` (same layout)."""
         self.finish_parameter_gather()
         load_optimizer_state(self, state)
+
+    @torch.no_grad()
+    def sync_from_parameters(self) -> None:
+        """Take the parameters' current values as the optimizer's own copy of them.
+
+        The fp32 master weights and (ZeRO-3) the owned shards are what the next update
+        starts from, so after writing into the parameters outside the optimizer (loading
+        a model checkpoint without its optimizer state) call this, with the parameters
+        whole (inside :meth:`full_parameters` under ZeRO-3).
+
+        Raises:
+            RuntimeError: under ZeRO-3, a parameter is not whole.
+        """
+        for slot in self.slots:
+            if slot.param_shard is None and slot.master is None:
+                continue  # the parameter is its own master
+            if slot.param.untyped_storage().nbytes() < slot.numel * slot.param.element_size():
+                raise RuntimeError(
+                    f"sync_from_parameters: parameter {slot.name!r} is freed (zero_stage=3); call it inside "
+                    "optimizer.full_parameters()"
+                )
+            owned = slot.flat_param()[slot.start : slot.end]
+            if slot.param_shard is not None:
+                slot.param_shard.copy_(owned)
+            if slot.master is not None:
+                slot.master.copy_(owned)
 
     def full_parameters(self) -> AbstractContextManager[None]:
         """Context in which every parameter is whole (ZeRO-3 gathers them; otherwise a no-op)."""

@@ -7,14 +7,26 @@ param groups already hold, and needs the TP layers to be DTensor-aware. Here the
 parameter objects stay; only their storage is freed (``untyped_storage().resize_(0)``)
 and refilled, as FSDP1 does, so the rest of Scaling sees ordinary parameters.
 
-Lifecycle per layer (``modules`` in forward order):
+Lifecycle per layer (``modules`` in forward order; a parameter belongs to the innermost
+module that holds it, and a weight tied between two layers to both):
 
-- forward pre-hook: wait for / run the all-gather of the layer, start the async
-  all-gather of the next layer (prefetch);
-- forward post-hook: free the layer; when grad is enabled, hook the outputs so the first
-  gradient reaching them re-gathers the layer (and prefetches the previous one);
-- post-accumulate-grad hook (in the optimizer): reduce-scatter the gradient into the
-  owned shard and free the parameter again.
+- forward pre-hook: make the layer whole (waiting for its prefetch if one runs), start
+  the async all-gather of the next layer (prefetch);
+- forward post-hook: free the layer (``reshard_after_forward``; otherwise it stays whole
+  until the optimizer step, which spares the re-gathers of later micro-batches and of
+  the backward, as FSDP2's ``reshard_after_forward=False`` does for pipeline stages);
+  when grad is enabled, hook the outputs so that each gradient reaching them makes the
+  layer whole again (and the first one prefetches the previous layer). A forward run
+  inside a backward (activation checkpointing's recomputation) frees nothing: its
+  backward is about to read the parameters;
+- post-accumulate-grad hook (in the optimizer): free the parameter again; once every
+  gradient of a layer has accumulated in this backward, reduce-scatter them all in one
+  asynchronous collective (:class:`GradientScatter`, at most two in flight) into the
+  owned shards (pipeline-tied weights keep their ``.grad`` until the tied sum over
+  stages; the step reduces it).
+
+This works under every pipeline schedule: micro-batches only change how often a layer
+is gathered, and the zero-bubble weight pass accumulates through the same hooks.
 
 Refilling goes through ``param.data`` so autograd's version counter is untouched: the
 tensors saved for backward see the same values they were computed with.
@@ -25,12 +37,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from scaling.collectives import PendingCollective, reduce_scatter_async
 from scaling.optim._comm import group_size
-from scaling.optim._compat import all_gather_single
+from scaling.optim._compat import all_gather_single, in_backward
 from scaling.optim._slots import ParamSlot
 from scaling.optim._weak import weak_hook
 
@@ -38,8 +51,28 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 
+class LayeredModule(Protocol):
+    """A model that names its layers in forward order (``ParallelModule`` does): the ZeRO-3 units."""
+
+    def layer_modules(self) -> Sequence[torch.nn.Module]: ...
+
+
 def free_storage(slot: ParamSlot) -> None:
     slot.param.untyped_storage().resize_(0)
+
+
+def _is_whole(slot: ParamSlot) -> bool:
+    return bool(slot.param.untyped_storage().nbytes() == slot.numel * slot.param.element_size())
+
+
+def _own_parameters(modules: Sequence[torch.nn.Module]) -> list[list[torch.nn.Parameter]]:
+    """Each module's parameters less those of the other modules nested inside it."""
+    ids = {id(m) for m in modules}
+    out = []
+    for module in modules:
+        nested = {id(p) for sub in module.modules() if sub is not module and id(sub) in ids for p in sub.parameters()}
+        out.append([p for p in module.parameters() if id(p) not in nested])
+    return out
 
 
 def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -67,11 +100,18 @@ class ParameterGatherer:
         group: the data-parallel group the shards are spread over.
     """
 
-    def __init__(self, modules: Sequence[torch.nn.Module], slots: Sequence[ParamSlot], group: ProcessGroup) -> None:
+    def __init__(
+        self,
+        modules: Sequence[torch.nn.Module],
+        slots: Sequence[ParamSlot],
+        group: ProcessGroup,
+        reshard_after_forward: bool = True,
+    ) -> None:
         by_param = {id(s.param): s for s in slots}
         self.group = group
+        self.reshard_after_forward = reshard_after_forward
         self.layers: list[list[ParamSlot]] = [
-            [by_param[id(p)] for p in m.parameters() if id(p) in by_param] for m in modules
+            [by_param[id(p)] for p in params if id(p) in by_param] for params in _own_parameters(modules)
         ]
         covered = {id(s) for layer in self.layers for s in layer}
         missing = [s.name for s in slots if id(s) not in covered]
@@ -84,12 +124,16 @@ class ParameterGatherer:
         self.handles: list[Any] = []
         for index, module in enumerate(modules):
             self.handles.append(module.register_forward_pre_hook(self._pre_forward(index)))
-            self.handles.append(module.register_forward_hook(self._post_forward(index)))
+            # Before the module's other forward hooks: one may raise to end a pipeline stage
+            # there (the auto API's), and the outputs must be hooked for the backward anyway.
+            self.handles.append(module.register_forward_hook(self._post_forward(index), prepend=True))
 
     # ------------------------------------------------------------- gathering
     def _start(self, index: int) -> None:
         if index in self._pending or not 0 <= index < len(self.layers) or not self.layers[index]:
             return
+        if not self.reshard_after_forward and all(_is_whole(s) for s in self.layers[index]):
+            return  # kept whole since its first use in this step
         slots = self.layers[index]
         send = torch.cat([s.padded_chunk(s.param_shard) for s in slots])  # type: ignore[arg-type]
         world = group_size(self.group)
@@ -99,6 +143,8 @@ class ParameterGatherer:
 
     def gather(self, index: int) -> None:
         """Make layer ``index``'s parameters whole (waiting for a prefetch if one is running)."""
+        if index not in self._pending and all(_is_whole(s) for s in self.layers[index]):
+            return
         self._start(index)
         if index not in self._pending:
             return
@@ -147,27 +193,31 @@ class ParameterGatherer:
     def _pre_forward(self, index: int) -> Any:
         def hook(gatherer: ParameterGatherer, module: torch.nn.Module, args: Any) -> None:
             gatherer.gather(index)
-            gatherer._start(index + 1)  # prefetch: overlaps the next layer's gather with this layer
+            if not in_backward():  # a recomputation goes on backwards
+                gatherer._start(index + 1)  # prefetch: overlaps the next layer's gather with this layer
 
         return weak_hook(self, hook)
 
     def _post_forward(self, index: int) -> Any:
         def hook(gatherer: ParameterGatherer, module: torch.nn.Module, args: Any, output: Any) -> None:
-            gatherer.free(index)
+            if in_backward():  # a checkpointed recomputation: the backward reads these parameters next
+                return
+            if gatherer.reshard_after_forward:
+                gatherer.free(index)
             if not torch.is_grad_enabled():
                 return
-            fired = [False]
+            prefetched = [False]
 
             def regather(gatherer: ParameterGatherer, grad: torch.Tensor) -> None:
-                if not fired[0]:
-                    fired[0] = True
-                    gatherer.gather(index)
+                gatherer.gather(index)  # a no-op when whole: several outputs, or the weight pass
+                if not prefetched[0]:
+                    prefetched[0] = True
                     gatherer._start(index - 1)  # backward runs layers in reverse
 
-            once = weak_hook(gatherer, regather)
+            hook_once = weak_hook(gatherer, regather)
             for tensor in _iter_tensors(output):
                 if tensor.requires_grad:
-                    tensor.register_hook(once)
+                    tensor.register_hook(hook_once)
 
         return weak_hook(self, hook)
 
@@ -177,27 +227,111 @@ class ParameterGatherer:
         self.handles.clear()
 
 
-def check_zero3(zero_stage: int, pipe_parallel_size: int, modules: Sequence[torch.nn.Module] | None) -> None:
-    """Refuse ZeRO-3 layouts and arguments that do not work."""
-    if zero_stage != 3:
-        if modules is not None:
-            raise ValueError(f"zero3_modules is only used with zero_stage=3, got zero_stage={zero_stage}")
-        return
-    if pipe_parallel_size > 1:
-        raise ValueError(
-            f"zero_stage=3 with pipe_parallel_size={pipe_parallel_size} is not supported: per-layer "
-            "gathering is not validated against interleaved pipeline micro-batches; use zero_stage 1 or 2 with "
-            "pipeline parallelism, or pipe_parallel_size=1 with zero_stage 3"
-        )
-    if not modules:
-        raise ValueError(
-            "zero_stage=3 needs zero3_modules=[layer, ...] (the layers in forward order) so that parameters can "
-            "be gathered per layer around forward and backward"
-        )
+class GradientScatter:
+    """ZeRO-3: a layer's gradients reduce-scattered together, asynchronously, once all have accumulated.
+
+    Each parameter is reduced with the first layer holding it; pipeline-tied parameters
+    (``meta.tied_key``) are left out (their ``.grad`` is summed over stages first). As
+    in FSDP, one collective per layer and backward moves the layer's gradients laid out
+    rank-major (chunk ``r`` of every parameter, then chunk ``r + 1``, ...), so each rank
+    receives exactly its owned chunks. At most two collectives are in flight: the full
+    gradients they send are the only ones alive, as in FSDP's reduce-scatter stream.
+
+    Args:
+        layers: the slots of each layer (the gatherer's ``layers``).
+        group: the data-parallel group.
+    """
+
+    MAX_IN_FLIGHT = 2
+
+    def __init__(self, layers: Sequence[Sequence[ParamSlot]], group: ProcessGroup) -> None:
+        self.group, self.world = group, group_size(group)
+        seen: set[int] = set()
+        self.units: list[list[ParamSlot]] = []
+        for layer in layers:
+            self.units.append([s for s in layer if id(s) not in seen and s.meta.tied_key is None])
+            seen |= {id(s) for s in layer}
+        self.unit_of = {id(s): i for i, unit in enumerate(self.units) for s in unit}
+        self.ready: list[int] = [0] * len(self.units)
+        self.pending: list[tuple[PendingCollective, torch.Tensor, list[ParamSlot]]] = []
+
+    def grad_ready(self, slot: ParamSlot) -> bool:
+        """Note that ``slot``'s gradient has accumulated; False for a slot this class does not reduce."""
+        index = self.unit_of.get(id(slot))
+        if index is None:
+            return False
+        self.ready[index] += 1
+        if self.ready[index] == len(self.units[index]):
+            self._launch(index)
+        return True
+
+    def _launch(self, index: int) -> None:
+        self.ready[index] = 0
+        slots = [s for s in self.units[index] if s.param.grad is not None]
+        if not slots:
+            return
+        grads = [s.padded_flat(s.param.grad).view(self.world, s.chunk) for s in slots]  # type: ignore[arg-type]
+        send = torch.cat(grads, dim=1).reshape(-1) if len(grads) > 1 else grads[0].reshape(-1).clone()
+        out = torch.empty(send.numel() // self.world, dtype=send.dtype, device=send.device)
+        work = reduce_scatter_async(out, send, self.group)
+        for slot in slots:
+            slot.param.grad = None
+        self.pending.append((work, out, slots))
+        while len(self.pending) > self.MAX_IN_FLIGHT:
+            self._complete(self.pending.pop(0))
+
+    def _complete(self, entry: tuple[PendingCollective, torch.Tensor, list[ParamSlot]]) -> None:
+        work, out, slots = entry
+        work.wait()
+        out.div_(self.world)
+        offset = 0
+        for slot in slots:
+            shard = out[offset : offset + slot.length].to(slot.compute_dtype)
+            slot.grad_shard = shard if slot.grad_shard is None else slot.grad_shard.add_(shard)
+            offset += slot.chunk
+
+    def finish(self) -> None:
+        """Reduce layers left incomplete (a parameter without a gradient) and wait for every collective."""
+        for index, count in enumerate(self.ready):
+            if count:  # the same on every rank: every rank ran the same backward
+                self._launch(index)
+        while self.pending:
+            self._complete(self.pending.pop(0))
+
+    def discard(self) -> None:
+        """Wait for and drop collectives in flight and readiness (``zero_grad``)."""
+        for work, _, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+        self.ready = [0] * len(self.units)
+
+
+def check_zero3(zero_stage: int, modules: Sequence[torch.nn.Module] | None) -> None:
+    """Refuse ZeRO-3 arguments that do not work."""
+    if zero_stage != 3 and modules is not None:
+        raise ValueError(f"zero3_modules is only used with zero_stage=3, got zero_stage={zero_stage}")
+
+
+def zero3_units(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The modules ZeRO-3 gathers one at a time: ``model.layer_modules()`` (a ``ParallelModule``'s
+    layers) or the given sequence of modules.
+
+    Raises:
+        ValueError: ``model`` is a module that does not name its layers.
+    """
+    if isinstance(model, torch.nn.Module):
+        layer_modules = getattr(model, "layer_modules", None)
+        if layer_modules is None:
+            raise ValueError(
+                f"zero_stage=3 needs the layers in forward order, and {type(model).__name__} does not name them "
+                "(it has no layer_modules()); pass zero3_modules=[layer, ...] to Optimizer, or use a ParallelModule"
+            )
+        return list(layer_modules())
+    return list(model)
 
 
 def check_own_storage(slot: ParamSlot) -> None:
-    if slot.param.untyped_storage().nbytes() != slot.numel * slot.param.element_size():
+    if not _is_whole(slot):
         raise ValueError(
             f"zero_stage=3: parameter {slot.name!r} shares its storage with other tensors; ZeRO-3 frees each "
             "parameter's storage between uses, so every parameter needs its own (clone it)"

@@ -280,11 +280,11 @@ class StageExecutor:
         key = (ins.micro_batch, ins.chunk)
         roots, grads = self.inputs.pop(key)
         self.outputs.pop(key)
+        # Accumulated into .grad as backward() does, so post-accumulate-grad hooks (gradient
+        # reduction overlapped with backward, ZeRO-3) run as under the other schedules.
         params = self.stage.chunk_parameters(ins.chunk)
-        got = torch.autograd.grad(roots, params, grads, allow_unused=True)
-        for param, g in zip(params, got):
-            if g is not None:
-                param.grad = g if param.grad is None else param.grad + g
+        if params:
+            torch.autograd.backward(roots, grads, inputs=params)
 
     # ---------------------------------------------------------------- messages
     def _SendActivation(self, ins: SendActivation) -> None:

@@ -210,6 +210,10 @@ class ParallelModule(torch.nn.Module):
         for name, param in self.named_parameters():
             yield name, param, get_parameter_meta(param)
 
+    def layer_modules(self) -> list[torch.nn.Module]:
+        """This stage's layers in forward order (chunk by chunk): the units ZeRO-3 gathers one at a time."""
+        return [self.layers[str(i)] for r in self.chunks for i in r]
+
     def chunk_parameters(self, chunk: int) -> list[torch.nn.Parameter]:
         """The trainable parameters of local ``chunk``'s layers (the weight-gradient pass's)."""
         return [p for i in self.chunks[chunk] for p in self.layers[str(i)].parameters() if p.requires_grad]

@@ -8,6 +8,7 @@ restored only when the world size is unchanged (another layout has other streams
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -34,6 +35,10 @@ class CheckpointedTrainer(Protocol):
     metrics_logger: MetricsLogger
 
     def wait_for_parameters(self) -> None: ...
+
+    def whole_parameters(self) -> AbstractContextManager[None]: ...
+
+    def parameters_loaded(self) -> None: ...
 
 
 class TrainerCheckpointer:
@@ -75,18 +80,21 @@ class TrainerCheckpointer:
                 self._group = ckpt.new_checkpoint_group()
             if self._staging is None:
                 self._staging = ckpt.StagingBuffers()
-        self._pending = ckpt.save_checkpoint(
-            save_dir,
-            t.context.iterations,
-            self._state(),
-            t.context.topology,
-            extra=self._extra(),
-            rank_state=t.context.rng_state(),
-            keep_last=t.config.keep_last_n_checkpoints,
-            async_save=t.config.async_save,
-            process_group=self._group,
-            staging=self._staging,
-        )
+        # ZeRO-3 parameters are whole while the save reads them (an asynchronous save has
+        # copied them into its staging buffers when save_checkpoint returns).
+        with t.whole_parameters():
+            self._pending = ckpt.save_checkpoint(
+                save_dir,
+                t.context.iterations,
+                self._state(),
+                t.context.topology,
+                extra=self._extra(),
+                rank_state=t.context.rng_state(),
+                keep_last=t.config.keep_last_n_checkpoints,
+                async_save=t.config.async_save,
+                process_group=self._group,
+                staging=self._staging,
+            )
         self.last_saved_step = t.context.iterations
         if not t.config.async_save:
             self.wait()
@@ -100,20 +108,24 @@ class TrainerCheckpointer:
         """Restore the latest committed checkpoint in ``load_dir`` (layout may differ)."""
         t = self.trainer
         cfg = t.config
-        template = self._state()
-        if not cfg.load_optimizer_states:
-            template.pop("optimizer")
-        loaded = ckpt.load_checkpoint(
-            load_dir,
-            template,
-            t.context.topology,
-            fallback_to_previous=cfg.fallback_to_previous_checkpoint,
-            allowed_missing=cfg.allowed_missing_keys_in_checkpoint,
-            allowed_unexpected=cfg.allowed_unexpected_keys_in_checkpoint,
-            # Without optimizer states the checkpoint's optimizer keys are simply not read.
-            ignored=[*cfg.ignore_keys_in_checkpoint, *([] if cfg.load_optimizer_states else [r"optimizer\..*"])],
-        )
-        ckpt.load_model_state_dict(list(t.parallel_module.named_parameters_with_meta()), loaded.state["model"])
+        with t.whole_parameters():  # ZeRO-3: DCP loads into the gathered parameters
+            template = self._state()
+            if not cfg.load_optimizer_states:
+                template.pop("optimizer")
+            loaded = ckpt.load_checkpoint(
+                load_dir,
+                template,
+                t.context.topology,
+                fallback_to_previous=cfg.fallback_to_previous_checkpoint,
+                allowed_missing=cfg.allowed_missing_keys_in_checkpoint,
+                allowed_unexpected=cfg.allowed_unexpected_keys_in_checkpoint,
+                # Without optimizer states the checkpoint's optimizer keys are simply not read.
+                ignored=[*cfg.ignore_keys_in_checkpoint, *([] if cfg.load_optimizer_states else [r"optimizer\..*"])],
+            )
+            ckpt.load_model_state_dict(list(t.parallel_module.named_parameters_with_meta()), loaded.state["model"])
+            # The optimizer's master weights / ZeRO-3 shards start from the loaded parameters
+            # (its own state, loaded next, overrides them where it has them).
+            t.parameters_loaded()
         if "optimizer" in template:
             t.optimizer.load_state_dict(loaded.state["optimizer"])
         extra = loaded.extra

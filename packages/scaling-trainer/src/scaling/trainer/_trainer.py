@@ -11,6 +11,7 @@ import gc
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -90,6 +91,9 @@ class BaseTrainer(Generic[ContextT]):
         self.sync_batch_to_model_parallel = sync_batch_to_model_parallel
         self.metrics_aggregation_fn = metrics_aggregation_fn
         self.loss_function = loss_function
+        attach_model = getattr(optimizer, "attach_model", None)
+        if attach_model is not None:  # ZeRO-3 and overlap_param_gather hook into the model
+            attach_model(parallel_module)
         topology = context.topology
         if metrics_logger is None:
             # The app config's `logger` section (as in the walkthrough's configs), if any.
@@ -309,6 +313,17 @@ class BaseTrainer(Generic[ContextT]):
         finish = getattr(self.optimizer, "finish_parameter_gather", None)
         if finish is not None:
             finish()
+
+    def whole_parameters(self) -> AbstractContextManager[None]:
+        """A context in which every parameter is whole (ZeRO-3 gathers them); a no-op otherwise."""
+        full = getattr(self.optimizer, "full_parameters", None)
+        return full() if full is not None else nullcontext()
+
+    def parameters_loaded(self) -> None:
+        """Tell the optimizer that the parameters were written (a checkpoint load), if it keeps a copy."""
+        sync = getattr(self.optimizer, "sync_from_parameters", None)
+        if sync is not None:
+            sync()
 
     def _stop_on_signal(self, signum: int) -> None:
         step = self.context.iterations

@@ -20,6 +20,7 @@ A checkpoint loads into a plan whose optimizer state has the same form.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,16 @@ def _tree(state: dict[str, Any]) -> dict[str, Any]:
     return tree
 
 
+def _whole_parameters(state: dict[str, Any]) -> AbstractContextManager[None]:
+    """Every parameter whole (ZeRO-3 gathers them through the optimizer); a no-op otherwise."""
+    optimizer, model = state.get("optimizer"), state.get("model")
+    if isinstance(optimizer, ParallelOptimizer) and optimizer.engine is not None:
+        return optimizer.engine.full_parameters()
+    if isinstance(model, ParallelModel) and model.plan is not None and model.plan.zero_stage == 3:
+        raise ValueError("a zero_stage=3 model's parameters are sharded: pass its optimizer in the state too")
+    return nullcontext()
+
+
 def save(path: str | Path, state: dict[str, Any], step: int = 0) -> Path:
     """Save ``{"plan", "model", "optimizer", "lr_scheduler"}`` (collective, every rank).
 
@@ -163,10 +174,10 @@ def save(path: str | Path, state: dict[str, Any], step: int = 0) -> Path:
         TypeError: ``state["model"]`` or ``state["optimizer"]`` is not what
             :func:`parallelize` returned.
     """
-    tree = _tree(state)
-    plan: Plan = state.get("plan") or state["model"].plan
-    model = state["model"]
-    return save_checkpoint(path, step, tree, model.topology, extra={"plan": plan.to_dict()}).wait()
+    with _whole_parameters(state):
+        tree = _tree(state)
+        plan: Plan = state.get("plan") or state["model"].plan
+        return save_checkpoint(path, step, tree, state["model"].topology, extra={"plan": plan.to_dict()}).wait()
 
 
 def load(path: str | Path, state: dict[str, Any], step: int | None = None) -> Plan:
@@ -188,22 +199,24 @@ def load(path: str | Path, state: dict[str, Any], step: int | None = None) -> Pl
     optimizer = state.get("optimizer")
     if optimizer is not None:
         _ensure_state(optimizer)
-    tree = _tree(state)
     model: ParallelModel = state["model"]
     # A checkpoint saved before the first optimizer.step() has no state for the user's
     # optimizer (torch builds it lazily): those keys may be missing, and stay fresh.
     fresh_ok = [rf"{_TORCH_FORM}\.state\..*"] if optimizer is not None and optimizer.engine is None else []
-    try:
-        loaded = load_checkpoint(path, tree, model.topology, step=step, allowed_missing=fresh_ok)
-    except CheckpointError as e:
-        _raise_if_other_form(tree, e)
-        raise
-    with torch.no_grad():
+    with _whole_parameters(state), torch.no_grad():  # ZeRO-3: loaded into the gathered parameters
+        tree = _tree(state)
+        try:
+            loaded = load_checkpoint(path, tree, model.topology, step=step, allowed_missing=fresh_ok)
+        except CheckpointError as e:
+            _raise_if_other_form(tree, e)
+            raise
         for _, local, meta in _entries(model):
             value = loaded.state["model"][meta.key]
             src = value.to_local() if isinstance(value, DTensor) else value
             if src.data_ptr() != local.data_ptr():
                 local.copy_(src)
+        if optimizer is not None and optimizer.engine is not None:
+            optimizer.engine.sync_from_parameters()  # master weights / ZeRO-3 shards from the loaded values
     if optimizer is not None and optimizer.engine is None:
         _load_torch(model, optimizer, loaded.state[_TORCH_FORM], set(loaded.missing_keys))
     elif optimizer is not None:

@@ -61,11 +61,8 @@ def _pipeline_and_optimizer(constraints: Mapping[str, Any], plan: Plan) -> None:
         raise ValueError(f"constraint pipeline_parallel.static_shapes={static!r} must be true or false")
     plan.static_shapes = static
     stage = constraints.get("zero_stage", 0)
-    if stage not in (0, 1, 2):
-        raise ValueError(
-            f"constraint zero_stage={stage!r} is invalid; choose 0, 1 or 2 (ZeRO-3 needs the explicit way in: "
-            "scaling.optim.Optimizer with zero3_modules)"
-        )
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ValueError(f"constraint zero_stage={stage!r} is invalid; choose 0, 1, 2 or 3")
     plan.zero_stage = stage
     plan.precision = _choice(constraints, "precision", PRECISIONS)
 
@@ -141,7 +138,7 @@ def generate_plan(model: torch.nn.Module, constraints: Mapping[str, Any] | None 
             ``global_batch_size / data_parallel_size``; default its gcd with the pipeline size),
             ``pipeline_parallel.static_shapes`` (``True``: every micro-batch has the same
             shapes, so stage hand-offs carry no header; default ``False``),
-            ``zero_stage`` (0, 1 or 2), ``precision`` (``float32``, ``bfloat16``, ``float16``),
+            ``zero_stage`` (0, 1, 2 or 3), ``precision`` (``float32``, ``bfloat16``, ``float16``),
             ``global_batch_size`` (default ``data_parallel_size``) and ``seed`` (default 42).
 
     Returns:

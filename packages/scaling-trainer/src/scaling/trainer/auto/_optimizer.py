@@ -35,6 +35,8 @@ class PlannedModel(Protocol):
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
 
+    def layer_modules(self) -> list[torch.nn.Module]: ...
+
 
 _PRECISION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -107,7 +109,8 @@ def build_engine(optimizer: torch.optim.Optimizer, model: PlannedModel) -> Optim
         group = OptimizerParamGroup(triples, group_config)
         group.scheduler = _TorchGroupLR(torch_group)  # type: ignore[assignment]
         groups.append(group)
-    return Optimizer(config, groups, model.topology)
+    units = model.layer_modules() if plan.zero_stage == 3 else None
+    return Optimizer(config, groups, model.topology, zero3_modules=units)
 
 
 class _ScaleGrad(torch.autograd.Function):

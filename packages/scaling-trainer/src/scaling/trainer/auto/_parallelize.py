@@ -17,6 +17,7 @@ from scaling.trainer.auto._optimizer import ParallelOptimizer, precision_dtype
 from scaling.trainer.auto._pipeline import PipelineStage
 from scaling.trainer.auto._plan import Plan
 from scaling.trainer.auto._policy import shard_dim
+from scaling.trainer.auto._split import find_blocks
 from scaling.trainer.auto._tp import make_shard_fn
 
 
@@ -65,6 +66,17 @@ class ParallelModel(torch.nn.Module):
         all_reduce(value, self.topology.data_parallel_group)
         return float(value) / self.topology.data_parallel_size
 
+    def layer_modules(self) -> list[torch.nn.Module]:
+        """The units ZeRO-3 gathers one at a time, in forward order: the model itself (for what
+        lies outside its blocks: embeddings, final norm, head) and each block of this stage."""
+        path = self.plan.blocks_path
+        if not path:
+            try:
+                path = find_blocks(self.module)[0]
+            except ValueError:  # no ModuleList: the whole model is one unit
+                return [self.module]
+        return [self.module, *self.module.get_submodule(path).children()]
+
     def named_parameters_with_meta(self) -> list[tuple[str, torch.nn.Parameter, ParameterMeta]]:
         """``(path, param, meta)`` for each unique local parameter, paths as in the unmodified model."""
         return [(n, p, get_parameter_meta(p)) for n, p in self.module.named_parameters()]
@@ -94,8 +106,14 @@ def _topology(plan: Plan, topology: Topology | None) -> Topology:
     return topology
 
 
-def attach_metas(module: torch.nn.Module, plan: Plan) -> None:
-    """Attach a :class:`ParameterMeta` keyed by the parameter path to every parameter."""
+def attach_metas(module: torch.nn.Module, plan: Plan, pipeline: PipelineStage | None = None) -> None:
+    """Attach a :class:`ParameterMeta` keyed by the parameter path to every parameter.
+
+    A parameter held by several pipeline stages (a tied LM head) gets its path as
+    ``tied_key``: the gradient norm counts it once and ZeRO keeps its gradient for the
+    sum over stages.
+    """
+    tied = {} if pipeline is None else {id(module.get_parameter(path)): path for path, _ in pipeline.tied}
     for path, sub in module.named_modules():
         sharding = plan.module_sharding.get(path)
         for name, p in sub.named_parameters(recurse=False):
@@ -107,7 +125,7 @@ def attach_metas(module: torch.nn.Module, plan: Plan) -> None:
             shape = list(p.shape)
             if dim is not None:
                 shape[dim] *= tp
-            ParameterMeta(full, tuple(shape), dim, tp).attach(p)
+            ParameterMeta(full, tuple(shape), dim, tp, tied_key=tied.get(id(p))).attach(p)
 
 
 def parallelize(
@@ -173,7 +191,7 @@ def parallelize(
             setattr(model.get_submodule(parent), name, replacement)
     if plan.precision != "float32":
         model.to(precision_dtype(plan.precision))
-    attach_metas(model, plan)
+    attach_metas(model, plan, pipeline)
     wrapped = ParallelModel(model, plan, topology, pipeline)
     optimizer = ParallelOptimizer(optimizer_fn(model), wrapped)
     scheduler = lr_scheduler_fn(optimizer.optimizer) if lr_scheduler_fn is not None else None

@@ -52,7 +52,8 @@ class Plan:
         num_micro_batches: micro-batches per DP rank and step (pipelined plans).
         static_shapes: the stages' messages keep their shapes (pipelined plans; see
             ``scaling.pipeline.ParallelModule(static_shapes=...)``).
-        zero_stage: ZeRO stage over DP (0: plain DP; 1, 2: through ``scaling.optim``).
+        zero_stage: ZeRO stage over DP (0: plain DP; 1, 2, 3: through ``scaling.optim``;
+            3 gathers the model itself and each of its blocks one at a time).
         precision: parameter dtype, ``float32``, ``bfloat16`` or ``float16`` (the last two
             keep fp32 master weights in ``scaling.optim``; ``float16`` scales the loss).
         sharding_policy: ``megatron``.
