@@ -12,6 +12,9 @@ gradient reduction (gradients present, before ``step``) each rank sums the stora
 and prints them in units of Ψ (the parameter count) next to the theory for fp32 AdamW
 at DP = 2: 4+4+8 = 16Ψ replicated, 4+4+4 = 12Ψ ZeRO-1, 4+2+4 = 10Ψ ZeRO-2, 2+2+4 = 8Ψ
 ZeRO-3. Transient communication buffers (bounded by the bucket size) are not counted.
+
+A last row runs ZeRO-3 as HSDP on 4 ranks (``data_parallel_shard_size=2``: shard over 2,
+replicate twice): every model-state byte is split over the shard group only, 16Ψ / 2 = 8Ψ.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ def _bytes(*tensors: torch.Tensor | None) -> int:
     return sum(storages.values())
 
 
-def measure(zero: int, hidden: int, layers: int) -> dict[str, float]:
-    topo = make_topology()
+def measure(zero: int, hidden: int, layers: int, shard: int | None = None) -> dict[str, float]:
+    topo = make_topology(data_parallel_shard_size=shard)
     torch.manual_seed(0)
     blocks = [torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.GELU()) for _ in range(layers)]
     model = torch.nn.Sequential(*blocks)
@@ -68,16 +71,18 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
     print("fp32 AdamW, DP=2, bytes per rank in units of Ψ (parameter count)")
-    print(f"{'ZeRO':>4} {'rank':>4} {'params':>8} {'grads':>8} {'state':>8} {'total':>8} {'theory':>7} {'error':>8}")
+    print(f"{'ZeRO':>10} {'rank':>4} {'params':>8} {'grads':>8} {'state':>8} {'total':>8} {'theory':>7} {'error':>8}")
     worst = 0.0
-    for zero in range(4):
-        for rank, r in enumerate(run_distributed(measure, 2, zero, args.hidden, args.layers, timeout_seconds=300)):
+    runs = [(zero, 2, None, str(zero), THEORY[zero]) for zero in range(4)] + [(3, 4, 2, "3 HSDP 2×2", 8.0)]
+    for zero, world, shard, label, theory in runs:
+        results = run_distributed(measure, world, zero, args.hidden, args.layers, shard, timeout_seconds=300)
+        for rank, r in enumerate(results):
             total = r["params"] + r["grads"] + r["state"]
-            err = total / THEORY[zero] - 1
+            err = total / theory - 1
             worst = max(worst, abs(err))
             print(
-                f"{zero:>4} {rank:>4} {r['params']:>7.3f}Ψ {r['grads']:>7.3f}Ψ {r['state']:>7.3f}Ψ "
-                f"{total:>7.3f}Ψ {THEORY[zero]:>6.0f}Ψ {err:>+8.4%}"
+                f"{label:>10} {rank:>4} {r['params']:>7.3f}Ψ {r['grads']:>7.3f}Ψ {r['state']:>7.3f}Ψ "
+                f"{total:>7.3f}Ψ {theory:>6.0f}Ψ {err:>+8.4%}"
             )
     print(f"Ψ = {int(r['psi']):,}; worst deviation from theory {worst:.4%} (goal: within 1%)")
 

@@ -1,6 +1,6 @@
 """ZeRO-3 training step: scaling.optim against FSDP2 (``fully_shard`` + ``torch.optim.AdamW``), gloo ranks.
 
-Run: python bench/zero3_step.py [--hidden 512] [--blocks 4] [--batch 32] [--steps 10] [--worlds 2 4]
+Run: python bench/zero3_step.py [--hidden 512] [--blocks 4] [--batch 32] [--steps 10] [--worlds 2 4] [--no-hsdp]
 
 Every rank builds the same MLP (``blocks`` × [Linear(h, 4h), GELU, Linear(4h, h)]) from
 one seed and trains it on the same batches two ways in one process, alternating in
@@ -12,6 +12,9 @@ rounds so both see the same machine load:
 - reference: ``fully_shard`` on each block and on the root (FSDP2's defaults:
   ``reshard_after_forward=True``, prefetch of the next block), ``torch.optim.AdamW``
   (``foreach=True``).
+
+A last row runs both as HSDP on 4 ranks (shard over 2, replicate twice): ours with
+``data_parallel_shard_size=2``, FSDP2 on a 2-D ``("replicate", "shard")`` mesh.
 
 It prints the median step time of each and the ratio ours / FSDP2 (target: <= 1.00), and
 the largest relative difference of the losses (both start from the same weights, so the
@@ -47,7 +50,7 @@ def _model(hidden: int, blocks: int) -> torch.nn.Sequential:
     )
 
 
-def _ours(model: torch.nn.Sequential) -> Optimizer:
+def _ours(model: torch.nn.Sequential, shard: int | None) -> Optimizer:
     triples = []
     for index, block in enumerate(model):
         for name, p in block.named_parameters():
@@ -60,24 +63,30 @@ def _ours(model: torch.nn.Sequential) -> Optimizer:
             name="all", weight_decay=WD, learning_rate_scheduler={"learning_rate": LR, "learning_rate_minimum": 0.0}
         ),
     )
-    return Optimizer(config, [group], make_topology(), zero3_modules=list(model))
+    return Optimizer(config, [group], make_topology(data_parallel_shard_size=shard), zero3_modules=list(model))
 
 
-def _fsdp2(model: torch.nn.Sequential) -> torch.optim.Optimizer:
+def _fsdp2(model: torch.nn.Sequential, shard: int | None) -> torch.optim.Optimizer:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if shard is None:
+        mesh = init_device_mesh("cpu", (world,))
+    else:  # HSDP: replicate across the first dim, shard along the second
+        mesh = init_device_mesh("cpu", (world // shard, shard), mesh_dim_names=("replicate", "shard"))
     for block in model:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=True)
 
 
-def measure(hidden: int, blocks: int, batch: int, steps: int, rounds: int) -> dict[str, list[float]]:
+def measure(
+    hidden: int, blocks: int, batch: int, steps: int, rounds: int, shard: int | None = None
+) -> dict[str, list[float]]:
     ours_model = _model(hidden, blocks)
     ref_model = copy.deepcopy(ours_model)
-    ours, ref = _ours(ours_model), _fsdp2(ref_model)
+    ours, ref = _ours(ours_model, shard), _fsdp2(ref_model, shard)
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
     data = [torch.randn(batch, hidden, generator=gen) for _ in range(steps)]
 
@@ -117,18 +126,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--no-hsdp", action="store_true", help="skip the HSDP (2 x 2) row")
     args = parser.parse_args()
     params = args.blocks * (8 * args.hidden * args.hidden + 5 * args.hidden)
     print(f"fp32 AdamW, {params / 1e6:.1f}M parameters in {args.blocks} blocks, batch {args.batch} per rank")
-    print(f"{'ranks':>5} {'ours ms':>9} {'FSDP2 ms':>9} {'ratio':>7} {'loss diff':>10}")
-    for world in args.worlds:
-        results = run_distributed(
-            measure, world, args.hidden, args.blocks, args.batch, args.steps, args.rounds, timeout_seconds=900
-        )
-        r = results[0]
+    print(f"{'ranks':>9} {'ours ms':>9} {'FSDP2 ms':>9} {'ratio':>7} {'loss diff':>10}")
+    runs = [(world, None, str(world)) for world in args.worlds] + ([] if args.no_hsdp else [(4, 2, "4 (2x2)")])
+    for world, shard, label in runs:
+        sizes = (args.hidden, args.blocks, args.batch, args.steps, args.rounds, shard)
+        r = run_distributed(measure, world, *sizes, timeout_seconds=900)[0]
         ours, ref = statistics.median(r["ours"]), statistics.median(r["fsdp2"])
         diff = max(abs(a - b) / abs(b) for a, b in zip(r["loss_ours"], r["loss_fsdp2"]))
-        print(f"{world:>5} {ours * 1e3:>9.2f} {ref * 1e3:>9.2f} {ours / ref:>7.3f} {diff:>10.1e}")
+        print(f"{label:>9} {ours * 1e3:>9.2f} {ref * 1e3:>9.2f} {ours / ref:>7.3f} {diff:>10.1e}")
 
 
 if __name__ == "__main__":

@@ -189,3 +189,32 @@ def test_loader_pins_batches_and_the_trainer_moves_them_to_cuda():
     assert moved.input_token_ids.device.type == "cuda" and torch.equal(
         moved.target_token_ids.cpu(), batch.target_token_ids
     )
+
+
+def _offload_worker(cfg):
+    from scaling.topology import Topology
+    from scaling.transformer import train
+    from scaling.transformer.config import TransformerConfig
+
+    config = TransformerConfig.from_dict(cfg)
+    topology = Topology.from_env(config.topology)
+    trainer = train.build_trainer(config, topology)
+    history = trainer.run_training(return_metrics=True)
+    held = {
+        (t.device.type, t.is_pinned())
+        for s in trainer.optimizer.slots
+        for t in [*s.state.values(), *([s.master] if s.master is not None else [])]
+    }
+    topology.destroy()
+    return held, losses(history)
+
+
+def test_zero3_with_cpu_offload_keeps_no_optimizer_state_on_the_device(gpu_corpus):
+    runs = {}
+    for offload in (False, True):
+        cfg = _transformer(gpu_corpus, 4, optimizer={"zero_stage": 3, "cpu_offload": offload})
+        runs[offload] = run_distributed(_offload_worker, 1, cfg, backend="nccl", timeout_seconds=300)[0]
+    assert runs[False][0] == {("cuda", False)}
+    assert runs[True][0] == {("cpu", True)}  # pinned host memory: master copies and moments
+    # The same fp32 update, run by the CPU's fused AdamW instead of the GPU's: equal to rounding.
+    torch.testing.assert_close(runs[True][1], runs[False][1], rtol=1e-5, atol=0)

@@ -8,6 +8,7 @@ import sys
 CASES: list[tuple[str, dict]] = [
     ("scaling.topology:TopologyConfig", {"world_size": 6, "model_parallel_size": 4}),
     ("scaling.topology:TopologyConfig", {"world_size": 2, "global_batch_size": 9, "micro_batch_size": 2}),
+    ("scaling.topology:TopologyConfig", {"world_size": 4, "data_parallel_shard_size": 3}),
     ("scaling.optim:OptimizerConfig", {"zero_stage": 7}),
     ("scaling.optim:OptimizerConfig", {"method": "lion"}),
     ("scaling.optim:LearningRateSchedulerConfig", {"learning_rate": 0.1, "learning_rate_minimum": 0.2}),
@@ -17,6 +18,10 @@ CASES: list[tuple[str, dict]] = [
     ("scaling.runner:RunnerConfig", {"env": {"HF_TOKEN": "abcd1234"}}),
     ("scaling.mlp.config:MLPConfig", {"topology": {"model_parallel_size": 3}, "architecture": {"hidden_size": 256}}),
     ("scaling.mlp.config:MLPConfig", {"topology": {"pipe_parallel_size": 8}, "architecture": {"num_blocks": 1}}),
+    (
+        "scaling.mlp.config:MLPConfig",
+        {"topology": {"data_parallel_size": 4, "data_parallel_shard_size": 2}, "optimizer": {"zero_stage": 1}},
+    ),
     (
         "scaling.transformer.config:TransformerConfig",
         {"topology": {"model_parallel_size": 3}, "transformer_architecture": {"num_attention_heads": 8}},

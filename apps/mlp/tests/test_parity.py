@@ -41,16 +41,19 @@ def test_pp2_static_shapes_matches_one_process(reference_losses):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("tp", "pp", "dp", "optimizer"),
+    ("tp", "pp", "dp", "optimizer", "shard"),
     [
-        (1, 1, 2, {"zero_stage": 3}),
-        (1, 2, 2, {"zero_stage": 3, "zero3_reshard_after_forward": False}),
-        pytest.param(2, 2, 2, {"zero_stage": 3}, marks=pytest.mark.slow),
+        (1, 1, 2, {"zero_stage": 3}, None),
+        (1, 2, 2, {"zero_stage": 3, "zero3_reshard_after_forward": False}, None),
+        (1, 1, 4, {"zero_stage": 3}, 2),  # HSDP: shard over 2, replicate twice
+        pytest.param(2, 2, 2, {"zero_stage": 3}, None, marks=pytest.mark.slow),
+        pytest.param(1, 2, 4, {"zero_stage": 3}, 2, marks=pytest.mark.slow),
     ],
-    ids=["dp2", "dp2-pp2-kept-whole", "dp2-pp2-tp2"],
+    ids=["dp2", "dp2-pp2-kept-whole", "hsdp-2x2", "dp2-pp2-tp2", "hsdp-2x2-pp2"],
 )
-def test_zero3_matches_one_process(reference_losses, tp, pp, dp, optimizer):
+def test_zero3_matches_one_process(reference_losses, tp, pp, dp, optimizer, shard):
     # One config switch: BaseTrainer hands the ParallelModule's layers to the optimizer.
     cfg = small_config(tp, pp, dp, steps=STEPS, optimizer=optimizer)
+    cfg["topology"]["data_parallel_shard_size"] = shard
     for rank, history in enumerate(run_distributed(train_worker, tp * pp * dp, cfg, timeout_seconds=300)):
         assert_parity(losses(history), reference_losses, rtol=1e-5, name=f"rank {rank} ZeRO-3 losses at {optimizer}")

@@ -109,14 +109,33 @@ ZERO3 = {"zero_stage": 3}
         # TP with sequence parallelism, the recomputation of activation checkpointing
         ({"dp": 2, "tp": 2}, {}, {"sequence_parallel": True, "activation_checkpointing": "every_layer"}, ZERO3),
         pytest.param({"dp": 2, "tp": 2, "pp": 2}, {}, {}, ZERO3, marks=pytest.mark.slow),
+        # HSDP: shard over 2 DP ranks, replicate twice; tied embeddings across the stages
+        pytest.param({"dp": 4, "pp": 2, "shard": 2}, {}, {}, ZERO3, marks=pytest.mark.slow),
     ],
-    ids=["dp2-pp2-zb", "dp2-pp2-interleaved-kept-whole", "dp2-tp2-sp-checkpointing", "dp2-tp2-pp2"],
+    ids=["dp2-pp2-zb", "dp2-pp2-interleaved-kept-whole", "dp2-tp2-sp-checkpointing", "dp2-tp2-pp2", "hsdp-2x2-pp2"],
 )
 def test_zero3(tiny_corpus, reference_losses, layout, training, arch, optimizer):
+    layout = dict(layout)
+    shard = layout.pop("shard", None)
     cfg = tiny_config(tiny_corpus, steps=STEPS, optimizer=optimizer, training=training, **layout)
+    cfg["topology"]["data_parallel_shard_size"] = shard
     cfg["transformer_architecture"].update(arch)
     world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
     _check(run_distributed(train_worker, world, cfg, timeout_seconds=300), reference_losses, f"ZeRO-3 {layout}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("zero", [1, 3])
+def test_cpu_offload_matches_the_run_without(tiny_corpus, zero):
+    # bf16 parameters, fp32 master weights and moments in host memory, the update run there.
+    runs = {}
+    for offload in (False, True):
+        optimizer = {"zero_stage": zero, "master_weights": True, "cpu_offload": offload}
+        cfg = tiny_config(tiny_corpus, dp=2, pp=2, steps=STEPS, optimizer=optimizer)
+        cfg["transformer_architecture"]["precision"] = "bf16"
+        runs[offload] = [losses(h) for h in run_distributed(train_worker, 4, cfg, timeout_seconds=300)]
+    for rank, (plain, offloaded) in enumerate(zip(runs[False], runs[True])):
+        assert_parity(offloaded, plain, rtol=1e-6, name=f"rank {rank} losses with cpu_offload, ZeRO-{zero}")
 
 
 # Reduced precision tracks fp32: bf16 (8 bits of precision) and fp16 with dynamic loss scaling

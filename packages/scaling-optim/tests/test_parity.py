@@ -142,6 +142,7 @@ def _train(
     load_from=None,
     micro=1,
     overlap=False,
+    offload=False,
 ):
     topo = make_topology(model_parallel_size=tp)
     tp_rank, dp_rank, dp = topo.model_parallel_rank, topo.data_parallel_rank, topo.data_parallel_size
@@ -163,7 +164,12 @@ def _train(
         for k in ("decay", "no_decay")
     ]
     config = OptimizerConfig(
-        method=method, zero_stage=zero, gradient_clipping=clip, allreduce_bucket_size=64, overlap_param_gather=overlap
+        method=method,
+        zero_stage=zero,
+        gradient_clipping=clip,
+        allreduce_bucket_size=64,
+        overlap_param_gather=overlap,
+        cpu_offload=offload,
     )
     tp_group = topo.model_parallel_group if tp > 1 else None
     layers = [Layer(params, 0, layer0, tp_group), Layer(params, 1, layer1, tp_group)]
@@ -221,6 +227,16 @@ def test_overlap_param_gather_parity(zero):
     """With the gathers left to the next forward's pre-hooks, 5 steps still match one process (1e-6)."""
     expected = reference("adamw", 0.5)
     results = run_distributed(_train, 2, 1, zero, "adamw", 0.5, overlap=True, timeout_seconds=60)
+    _check(results, expected, 1, rtol=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_cpu_offload_parity(zero):
+    """With the state and an fp32 master copy in host memory (made for fp32 parameters too), 5 steps
+    match one process (1e-6): the write-back of each ZeRO stage takes the master copy."""
+    expected = reference("adamw", 0.5)
+    results = run_distributed(_train, 2, 1, zero, "adamw", 0.5, offload=True, timeout_seconds=60)
     _check(results, expected, 1, rtol=1e-6)
 
 

@@ -16,6 +16,7 @@ def test_public_api():
         "OptimizerParamGroupConfig",
         "OptimizerStepOutput",
         "build_parameter_groups",
+        "check_sharding",
     ]
 
 
@@ -40,6 +41,8 @@ def test_call_shapes_others_code_against():
         "full_parameters",
         "finish_gradient_reduction",
         "finish_parameter_gather",
+        "attach_model",
+        "sync_from_parameters",
     ):
         assert callable(getattr(Optimizer, method))
     assert [f for f in OptimizerStepOutput.__dataclass_fields__] == [

@@ -91,3 +91,43 @@ def _refusals():
 @pytest.mark.distributed
 def test_refusals():
     assert run_distributed(_refusals, 2, timeout_seconds=60) == [True, True]
+
+
+def _hsdp_shards():
+    topo = make_topology(data_parallel_shard_size=2)
+    layers, groups = model()
+    opt = Optimizer(config=OptimizerConfig(zero_stage=3), parameter_groups=groups, topology=topo, model=None)
+    opt.attach_model([layers[0], layers[2]])
+    opt.zero_grad()
+    opt.backward(layers(torch.randn(4, 6, generator=torch.Generator().manual_seed(topo.data_parallel_rank))).sum())
+    opt.step()
+    owned = [(s.start, s.end) for s in opt.slots]
+    shards = [s.param_shard.clone() for s in opt.slots]
+    return topo.data_parallel_shard_rank, topo.data_parallel_replicate_rank, owned, shards
+
+
+@pytest.mark.distributed
+def test_hsdp_shards_over_the_shard_group_and_replicas_agree():
+    results = run_distributed(_hsdp_shards, 4, timeout_seconds=60)
+    assert [(r[0], r[1]) for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    numels = [30, 5, 15, 3]  # Linear(6, 5) and Linear(5, 3): each rank owns half of each tensor
+    for shard_rank, _, owned, _ in results:
+        assert owned == [(min(shard_rank * -(-n // 2), n), min((shard_rank + 1) * -(-n // 2), n)) for n in numels]
+    for a, b in ((0, 2), (1, 3)):  # the replicas of one shard hold the same values after the update
+        for x, y in zip(results[a][3], results[b][3]):
+            assert torch.equal(x, y)
+
+
+def test_hsdp_refusals():
+    from scaling.optim import check_sharding
+    from scaling.topology import TopologyConfig
+
+    four = dict(world_size=4, data_parallel_size=4)
+    with pytest.raises(ValueError, match=r"data_parallel_shard_size=3 does not divide data_parallel_size=4; choose"):
+        TopologyConfig(**four, data_parallel_shard_size=3)
+    with pytest.raises(ValueError, match=r"data_parallel_shard_size=2 \(HSDP: .*\) needs optimizer.zero_stage=3, got"):
+        check_sharding(OptimizerConfig(zero_stage=1), TopologyConfig(**four, data_parallel_shard_size=2))
+    with pytest.raises(ValueError, match=r"data_parallel_shard_size=1 shards nothing"):
+        check_sharding(OptimizerConfig(zero_stage=3), TopologyConfig(**four, data_parallel_shard_size=1))
+    check_sharding(OptimizerConfig(zero_stage=3), TopologyConfig(**four, data_parallel_shard_size=2))
+    check_sharding(OptimizerConfig(zero_stage=1), TopologyConfig(**four, data_parallel_shard_size=4))

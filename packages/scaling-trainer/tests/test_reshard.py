@@ -66,13 +66,16 @@ def _logits(trainer: BaseTrainer[Any]) -> list[torch.Tensor] | None:
     return [t for t in gathered if t is not None]
 
 
-def reshard_worker(tp: int, pp: int, zero: int, load_dir: str | None, save_dir: str) -> dict[str, Any]:
+def reshard_worker(
+    tp: int, pp: int, zero: int, shard: int | None, load_dir: str | None, save_dir: str
+) -> dict[str, Any]:
     """Train ``STEPS`` steps and save (no ``load_dir``), or load and save again; return state and logits."""
     if load_dir is None:
-        trainer = build_trainer(tp, pp, {"train_iterations": STEPS, "save_dir": save_dir}, zero_stage=zero)
+        trainer = build_trainer(tp, pp, {"train_iterations": STEPS, "save_dir": save_dir}, zero_stage=zero, shard=shard)
         trainer.run_training()
     else:
-        trainer = build_trainer(tp, pp, {"train_iterations": STEPS, "load_dir": load_dir}, zero_stage=zero)
+        settings = {"train_iterations": STEPS, "load_dir": load_dir}
+        trainer = build_trainer(tp, pp, settings, zero_stage=zero, shard=shard)
         trainer.checkpointer.save(Path(save_dir))
         trainer.checkpointer.wait()
     return {"state": _gathered_state(trainer), "logits": _logits(trainer)}
@@ -108,7 +111,7 @@ def _assert_logits(reference: torch.Tensor, results: list[dict[str, Any]], where
         torch.testing.assert_close(t, reference, atol=1e-6, rtol=0, msg=lambda m: f"{where}: {m}")
 
 
-Layout = tuple[int, int, int, int]  # (world, tp, pp, zero stage)
+Layout = tuple[int, int, int, int, int | None]  # (world, tp, pp, zero stage, HSDP shard size)
 
 
 def _round_trip(tmp_path: Path, a: Layout, *others: Layout) -> None:
@@ -135,21 +138,28 @@ def _round_trip(tmp_path: Path, a: Layout, *others: Layout) -> None:
 @pytest.mark.slow
 def test_dp2_tp2_to_pp2_and_back(tmp_path):
     # (dp2, tp2, pp1) on 4 ranks -> (dp1, tp1, pp2) on 2 ranks -> (dp2, tp2, pp1).
-    _round_trip(tmp_path, (4, 2, 1, 1), (2, 1, 2, 1))
+    _round_trip(tmp_path, (4, 2, 1, 1, None), (2, 1, 2, 1, None))
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_dp4_to_tp2_pp2_and_back(tmp_path):
     # (dp4, tp1, pp1) -> (dp1, tp2, pp2) -> (dp4, tp1, pp1), all on 4 ranks.
-    _round_trip(tmp_path, (4, 1, 1, 1), (4, 2, 2, 1))
+    _round_trip(tmp_path, (4, 1, 1, 1, None), (4, 2, 2, 1, None))
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_zero3_pp2_to_zero1_dp2_to_one_process_and_back(tmp_path):
     # (dp2, pp2, ZeRO-3) on 4 ranks -> (dp2, ZeRO-1) on 2 -> one process -> (dp2, pp2, ZeRO-3).
-    _round_trip(tmp_path, (4, 1, 2, 3), (2, 1, 1, 1), (1, 1, 1, 0))
+    _round_trip(tmp_path, (4, 1, 2, 3, None), (2, 1, 1, 1, None), (1, 1, 1, 0, None))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_hsdp_to_plain_dp_and_back(tmp_path):
+    # (dp4 as shard 2 × replicate 2, ZeRO-3) -> (dp4, ZeRO-0) -> (dp2, tp2, ZeRO-3) -> HSDP.
+    _round_trip(tmp_path, (4, 1, 1, 3, 2), (4, 1, 1, 0, None), (4, 2, 1, 3, None))
 
 
 def weights_only_worker(zero: int, load_dir: str | None, save_dir: str | None) -> dict[str, torch.Tensor]:

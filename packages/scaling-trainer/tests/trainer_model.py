@@ -104,14 +104,22 @@ def param_hash(module: ParallelModule) -> str:
 
 
 def build_trainer(
-    tp: int, pp: int, trainer: dict[str, Any], zero_stage: int = 1, loss: Any = loss_function
+    tp: int, pp: int, trainer: dict[str, Any], zero_stage: int = 1, loss: Any = loss_function, shard: int | None = None
 ) -> BaseTrainer[Any]:
     """The classifier at (tp, pp) with ZeRO ``zero_stage``, ready to train under ``trainer`` settings.
+
+    ``shard``: HSDP's ``data_parallel_shard_size`` (with ``zero_stage=3``).
 
     With pipeline parallelism the optimizer overlaps its parameter gather with the next
     forward (``overlap_param_gather``), so resume tests cover that path too.
     """
-    topology = make_topology(model_parallel_size=tp, pipe_parallel_size=pp, global_batch_size=16, micro_batch_size=4)
+    topology = make_topology(
+        model_parallel_size=tp,
+        pipe_parallel_size=pp,
+        global_batch_size=16,
+        micro_batch_size=4,
+        data_parallel_shard_size=shard,
+    )
     config = AppConfig(trainer=TrainerConfig(**trainer))
     context = BaseContext(config=config, topology=topology)
     context.initialize(seed=config.trainer.seed)

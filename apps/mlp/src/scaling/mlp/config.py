@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from scaling.config import BaseConfig
-from scaling.optim import LearningRateSchedulerConfig, OptimizerConfig
+from scaling.optim import LearningRateSchedulerConfig, OptimizerConfig, check_sharding
 from scaling.runner import RunnerConfig
 from scaling.topology import TopologyConfig
 from scaling.trainer import TrainerConfig
@@ -70,6 +70,7 @@ class MLPConfig(BaseConfig):
     @model_validator(mode="after")
     def _check_layout(self) -> MLPConfig:
         tp, pp = self.topology.model_parallel_size, self.topology.pipe_parallel_size
+        check_sharding(self.optimizer, self.topology)
         arch = self.architecture
         if arch.hidden_size % tp:  # type: ignore[operator]
             choices = [d for d in range(1, arch.hidden_size + 1) if arch.hidden_size % d == 0 and d <= 64]

@@ -10,7 +10,7 @@ import torch
 from pydantic import Field, model_validator
 
 from scaling.config import BaseConfig
-from scaling.optim import LearningRateSchedulerConfig, OptimizerConfig
+from scaling.optim import LearningRateSchedulerConfig, OptimizerConfig, check_sharding
 from scaling.runner import RunnerConfig
 from scaling.topology import TopologyConfig
 from scaling.trainer import TrainerConfig
@@ -290,6 +290,7 @@ class TransformerConfig(BaseConfig):
         # TopologyConfig's own validator has already derived every size it left as None.
         assert tp is not None and pp is not None
         check_layout(self.transformer_architecture, tp, pp)
+        check_sharding(self.optimizer, self.topology)
         arch = self.transformer_architecture
         if self.data.sequence_length > arch.max_sequence_length:
             raise ValueError(

@@ -156,6 +156,13 @@ class OptimizerConfig(BaseConfig):
         "for its own parameters just before its forward (Megatron-LM's --overlap-param-gather). Hooks into the "
         "model: BaseTrainer attaches it, otherwise pass Optimizer(..., model=...).",
     )
+    cpu_offload: bool = Field(
+        False,
+        description="Keep the optimizer state and an fp32 master copy of each owned shard in host memory (pinned "
+        "on CUDA) and run the update there (ZeRO-Offload, FSDP2's CPUOffloadPolicy for the optimizer): the "
+        "device holds no optimizer state; gradients go to the host and updated shards come back each step. "
+        "On a CPU device host and device memory are the same and nothing moves.",
+    )
     zero3_reshard_after_forward: bool = Field(
         True,
         description="ZeRO-3: free each layer's parameters after its forward and gather them again for its "

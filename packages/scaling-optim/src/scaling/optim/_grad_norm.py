@@ -77,7 +77,9 @@ def global_norm_squared(
     if group_size(topology.model_pipe_parallel_group) > 1:
         all_reduce(vec, topology.model_pipe_parallel_group)
     if group_size(topology.data_parallel_group) > 1:
-        if not sharded and topology.data_parallel_rank != 0:
+        # Count each gradient piece once: DP replicas hold the same gradient (no ZeRO), and
+        # under HSDP the shard groups hold the same shards.
+        if (not sharded and topology.data_parallel_rank != 0) or (sharded and topology.data_parallel_replicate_rank):
             vec[0] = 0.0
         all_reduce(vec, topology.data_parallel_group)
     norm_sq, flag = vec.tolist()

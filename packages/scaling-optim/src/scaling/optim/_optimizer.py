@@ -26,6 +26,7 @@ from scaling.optim._zero3 import (
     GradientScatter,
     ParameterGatherer,
     check_own_storage,
+    check_sharding,
     check_zero3,
     free_storage,
     zero3_units,
@@ -109,10 +110,13 @@ class Optimizer:
         self.topology = topology
         self.loss_scaler = LossScaler(config.loss_scaler)
         self.step_count = 0
+        check_sharding(config, topology.config)
         dp = group_size(topology.data_parallel_group)
-        self._shard_world = dp if config.zero_stage >= 1 else 1
+        # ZeRO shards over the DP group, or over its shard groups under HSDP.
+        self._shard_group = topology.data_parallel_shard_group
+        self._shard_world = group_size(self._shard_group) if config.zero_stage >= 1 else 1
         # Without ZeRO every DP rank owns the whole parameter.
-        self._dp_rank = topology.data_parallel_rank if self._shard_world > 1 else 0
+        self._dp_rank = topology.data_parallel_shard_rank if self._shard_world > 1 else 0
         self.slots: list[ParamSlot] = []
         owner: dict[int, str] = {}
         for gi, group in enumerate(self.parameter_groups):
@@ -131,6 +135,7 @@ class Optimizer:
                     self._dp_rank,
                     config.master_weights,
                     state_names(config),
+                    offload=config.cpu_offload,
                 )
                 self.slots.append(slot)
         mark_norm_owners(self.slots, topology)
@@ -182,11 +187,13 @@ class Optimizer:
             gatherer = ParameterGatherer(
                 zero3_units(model),
                 self.slots,
-                self.topology.data_parallel_group,
+                self._shard_group,
                 reshard_after_forward=self.config.zero3_reshard_after_forward,
             )
             self.gatherer = gatherer
-            self._grad_scatter = GradientScatter(gatherer.layers, self.topology.data_parallel_group)
+            self._grad_scatter = GradientScatter(
+                gatherer.layers, self._shard_group, self.topology.data_parallel_replicate_group
+            )
             for index, slot in enumerate(self.slots):
                 self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(index)))
             gatherer.free_all()
@@ -256,7 +263,10 @@ class Optimizer:
     def _reduce_scatter_grad(self, slot: ParamSlot) -> None:
         """ZeRO-3: move ``.grad``'s DP average of the owned elements into ``grad_shard``."""
         assert slot.param.grad is not None
-        shard = reduce_scatter_mean(slot.padded_flat(slot.param.grad), self.topology.data_parallel_group)
+        shard = reduce_scatter_mean(slot.padded_flat(slot.param.grad), self._shard_group)
+        replicas = self.topology.data_parallel_replicate_group
+        if replicas is not None:  # HSDP: the shard groups' averages, averaged over the replicas
+            all_reduce_([shard], replicas, self.config.allreduce_bucket_size, average=True)
         shard = shard[: slot.length].to(slot.compute_dtype)
         slot.grad_shard = shard if slot.grad_shard is None else slot.grad_shard.add_(shard)
         slot.param.grad = None
@@ -354,10 +364,11 @@ class Optimizer:
         items = []
         for slot, grad in zip(self.slots, grads):
             group = self.parameter_groups[slot.group_index]
+            work = slot.work_param()
             items.append(
                 UpdateItem(
-                    slot.work_param(),
-                    grad,
+                    work,
+                    grad.to(work.device),  # host memory under cpu_offload
                     slot.state,
                     lrs[group.name],
                     group.config.weight_decay,
@@ -437,7 +448,7 @@ class Optimizer:
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state keyed by ``meta.key`` (see :func:`optimizer_state`)."""
         self.finish_parameter_gather()
-        return optimizer_state(self, self.topology.data_parallel_group if self._shard_world > 1 else None)
+        return optimizer_state(self, self._shard_group if self._shard_world > 1 else None)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict` (same layout)."""

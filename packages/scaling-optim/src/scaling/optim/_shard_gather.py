@@ -102,7 +102,7 @@ class ShardGather:
             slot = self.slots[indices[0]]
             out = slot.flat_param()
             # In place: the owned slice of the parameter is this rank's part of the output.
-            send = out[slot.start : slot.end] if slot.master is None else slot.master.to(slot.param.dtype)
+            send = out[slot.start : slot.end] if slot.master is None else slot.master.to(out.device, out.dtype)
             self._pending[entry] = (all_gather_async(out, send, self.group), None)
             return
         chunks = [self.slots[i].padded_chunk(self.slots[i].work_param()) for i in indices]

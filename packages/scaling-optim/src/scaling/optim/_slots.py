@@ -28,6 +28,8 @@ class ParamSlot:
         shard_rank: this rank's DP coordinate.
         master_weights: keep an fp32 master copy when the parameter is not fp32.
         state_names: names of the update rule's state tensors.
+        offload: keep the master copy (then always made, fp32 parameters included) and
+            the state in host memory, pinned when the parameter is on CUDA.
     """
 
     def __init__(
@@ -40,6 +42,7 @@ class ParamSlot:
         shard_rank: int,
         master_weights: bool,
         state_names: tuple[str, ...],
+        offload: bool = False,
     ) -> None:
         if not param.is_contiguous():
             raise ValueError(f"parameter {name!r} is not contiguous; the optimizer updates flat views of parameters")
@@ -49,11 +52,19 @@ class ParamSlot:
         self.start = min(shard_rank * self.chunk, self.numel)
         self.end = min(self.start + self.chunk, self.numel)
         self.shard_world = shard_world
-        has_master = master_weights and param.dtype != torch.float32
-        self.compute_dtype = torch.float32 if master_weights else param.dtype
+        has_master = offload or (master_weights and param.dtype != torch.float32)
+        self.compute_dtype = torch.float32 if master_weights or offload else param.dtype
+        # Where the master copy and the state live: host memory under offload.
+        device = torch.device("cpu") if offload else param.device
+        pin = offload and param.device.type == "cuda"
         flat = param.detach().view(-1)
-        self.master: torch.Tensor | None = flat[self.start : self.end].float().clone() if has_master else None
-        self.state = {n: torch.zeros(self.length, dtype=self.compute_dtype, device=param.device) for n in state_names}
+        self.master: torch.Tensor | None = None
+        if has_master:
+            self.master = torch.empty(self.length, dtype=torch.float32, device=device, pin_memory=pin)
+            self.master.copy_(flat[self.start : self.end])
+        self.state = {
+            n: torch.zeros(self.length, dtype=self.compute_dtype, device=device, pin_memory=pin) for n in state_names
+        }
         # ZeRO-2/3: the DP-reduced gradient shard, accumulated over micro-batches.
         self.grad_shard: torch.Tensor | None = None
         # ZeRO-3: the owned elements of the parameter in its own dtype; the parameter's
@@ -89,8 +100,8 @@ class ParamSlot:
         return grad.reshape(-1)[self.start : self.end].to(self.compute_dtype)
 
     def padded_chunk(self, source: torch.Tensor) -> torch.Tensor:
-        """``source`` (the owned elements) padded to the chunk size, in the parameter dtype."""
-        out = source.to(self.param.dtype)
+        """``source`` (the owned elements) padded to the chunk size, in the parameter dtype and device."""
+        out = source.to(device=self.param.device, dtype=self.param.dtype)
         if self.length < self.chunk:
             out = torch.cat([out, out.new_zeros(self.chunk - self.length)])
         return out

@@ -12,7 +12,6 @@ of the full logical shape loads as well (one process, inference tools).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -36,7 +35,7 @@ class StatefulOptimizer(Protocol):
     topology: Topology
     config: OptimizerConfig
     slots: list[ParamSlot]
-    parameter_groups: Sequence[OptimizerParamGroup]
+    parameter_groups: list[OptimizerParamGroup]
     loss_scaler: LossScaler
     gatherer: ParameterGatherer | None
     step_count: int
@@ -66,7 +65,10 @@ def optimizer_state(opt: StatefulOptimizer, shard_group: dist.ProcessGroup | Non
     for slot in opt.slots:
         for name, owned in _entries(slot).items():
             full = torch.empty(
-                slot.numel, dtype=torch.float32 if name == "master" else owned.dtype, device=owned.device
+                # On the topology's device: the gather runs on its backend (host state under cpu_offload).
+                slot.numel,
+                dtype=torch.float32 if name == "master" else owned.dtype,
+                device=topo.device,
             )
             padded = torch.zeros(slot.chunk, dtype=full.dtype, device=full.device)
             padded[: slot.length].copy_(owned)

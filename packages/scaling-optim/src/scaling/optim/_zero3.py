@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from scaling.collectives import PendingCollective, reduce_scatter_async
+from scaling.collectives import PendingCollective, all_reduce, reduce_scatter_async
 from scaling.optim._comm import group_size
 from scaling.optim._compat import all_gather_single, in_backward
 from scaling.optim._slots import ParamSlot
@@ -49,6 +49,9 @@ from scaling.optim._weak import weak_hook
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+    from scaling.optim._config import OptimizerConfig
+    from scaling.topology import TopologyConfig
 
 
 class LayeredModule(Protocol):
@@ -104,7 +107,7 @@ class ParameterGatherer:
         self,
         modules: Sequence[torch.nn.Module],
         slots: Sequence[ParamSlot],
-        group: ProcessGroup,
+        group: ProcessGroup | None,
         reshard_after_forward: bool = True,
     ) -> None:
         by_param = {id(s.param): s for s in slots}
@@ -237,15 +240,26 @@ class GradientScatter:
     receives exactly its owned chunks. At most two collectives are in flight: the full
     gradients they send are the only ones alive, as in FSDP's reduce-scatter stream.
 
+    Under HSDP each completed shard is then all-reduced over the replicas of its shard
+    group, so every replica holds the average over the whole DP group.
+
     Args:
         layers: the slots of each layer (the gatherer's ``layers``).
-        group: the data-parallel group.
+        group: the group the shards are spread over (DP, or its shard group under HSDP).
+        replicate_group: HSDP: the replicas of this rank's shard; None without HSDP.
     """
 
     MAX_IN_FLIGHT = 2
 
-    def __init__(self, layers: Sequence[Sequence[ParamSlot]], group: ProcessGroup) -> None:
+    def __init__(
+        self,
+        layers: Sequence[Sequence[ParamSlot]],
+        group: ProcessGroup | None,
+        replicate_group: ProcessGroup | None = None,
+    ) -> None:
         self.group, self.world = group, group_size(group)
+        self.replicate_group = replicate_group
+        self.average_over = self.world * group_size(replicate_group)
         seen: set[int] = set()
         self.units: list[list[ParamSlot]] = []
         for layer in layers:
@@ -283,7 +297,9 @@ class GradientScatter:
     def _complete(self, entry: tuple[PendingCollective, torch.Tensor, list[ParamSlot]]) -> None:
         work, out, slots = entry
         work.wait()
-        out.div_(self.world)
+        if self.replicate_group is not None:
+            all_reduce(out, self.replicate_group)
+        out.div_(self.average_over)
         offset = 0
         for slot in slots:
             shard = out[offset : offset + slot.length].to(slot.compute_dtype)
@@ -304,6 +320,29 @@ class GradientScatter:
             work.wait()
         self.pending.clear()
         self.ready = [0] * len(self.units)
+
+
+def check_sharding(optimizer: OptimizerConfig, topology: TopologyConfig) -> None:
+    """Refuse an HSDP layout the optimizer cannot run (before any process group starts).
+
+    Raises:
+        ValueError: ``data_parallel_shard_size`` set below ``data_parallel_size`` with a
+            ZeRO stage other than 3, or set to 1.
+    """
+    shard, dp = topology.data_parallel_shard_size, topology.data_parallel_size
+    if shard is None or dp is None or shard == dp:
+        return
+    if shard == 1:
+        raise ValueError(
+            "topology.data_parallel_shard_size=1 shards nothing (every DP rank a replica): leave it unset and use "
+            "optimizer.zero_stage=0 for plain data parallelism"
+        )
+    if optimizer.zero_stage != 3:
+        raise ValueError(
+            f"topology.data_parallel_shard_size={shard} (HSDP: shard over {shard} ranks, replicate "
+            f"{dp // shard} times) needs optimizer.zero_stage=3, got zero_stage={optimizer.zero_stage}; set "
+            "zero_stage=3, or leave data_parallel_shard_size unset"
+        )
 
 
 def check_zero3(zero_stage: int, modules: Sequence[torch.nn.Module] | None) -> None:

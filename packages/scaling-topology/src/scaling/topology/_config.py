@@ -32,6 +32,12 @@ class TopologyConfig(BaseConfig):
     one other given is taken as 1); ``global = micro * accumulation * data_parallel_size``
     must hold exactly.
 
+    HSDP: ``data_parallel_shard_size`` splits the DP ranks into groups of that many
+    consecutive DP ranks that shard (ZeRO-3) among themselves, replicated across the
+    ``data_parallel_size / data_parallel_shard_size`` groups (torchtitan's
+    ``data_parallel_shard_degree`` × ``data_parallel_replicate_degree``); unset, the
+    whole DP group shards.
+
     Validation raises ``ValueError`` (never ``assert``), so it holds under ``python -O``.
     """
 
@@ -46,6 +52,12 @@ class TopologyConfig(BaseConfig):
     )
     data_parallel_size: int | None = Field(
         None, ge=1, description="Data-parallel degree (DP); None = derived from world_size, or 1 without it."
+    )
+    data_parallel_shard_size: int | None = Field(
+        None,
+        ge=1,
+        description="HSDP: ZeRO shards over groups of this many consecutive DP ranks and replicates across the "
+        "groups; must divide data_parallel_size. None = shard over the whole DP group.",
     )
     global_batch_size: int | None = Field(
         None, ge=1, description="Samples per optimizer step over all DP ranks; None = derived."
@@ -73,6 +85,12 @@ class TopologyConfig(BaseConfig):
     @model_validator(mode="after")
     def _derive(self) -> TopologyConfig:
         self._derive_sizes()
+        shard, dp = self.data_parallel_shard_size, self.data_parallel_size
+        if shard is not None and dp is not None and dp % shard:
+            raise ValueError(
+                f"topology: data_parallel_shard_size={shard} does not divide data_parallel_size={dp}; choose one of "
+                f"{_divisors(dp)} (DP ranks = shard × replicate)"
+            )
         self._derive_batches()
         if self.backend == "nccl" and self.device == "cpu":
             raise ValueError("backend='nccl' needs device='cuda' (or 'auto'); with device='cpu' use backend='gloo'")

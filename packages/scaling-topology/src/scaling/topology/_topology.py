@@ -129,6 +129,26 @@ class Topology:
     def data_parallel_size(self) -> int:
         return self.config.data_parallel_size  # type: ignore[return-value]
 
+    @property
+    def data_parallel_shard_size(self) -> int:
+        """DP ranks that shard among themselves (HSDP); ``data_parallel_size`` without HSDP."""
+        return self.config.data_parallel_shard_size or self.data_parallel_size
+
+    @property
+    def data_parallel_replicate_size(self) -> int:
+        """Replicas of each shard group (HSDP); 1 without HSDP."""
+        return self.data_parallel_size // self.data_parallel_shard_size
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        """This rank's place in its shard group (its ZeRO shard index)."""
+        return self.data_parallel_rank % self.data_parallel_shard_size
+
+    @property
+    def data_parallel_replicate_rank(self) -> int:
+        """Which shard group (replica) this rank is in."""
+        return self.data_parallel_rank // self.data_parallel_shard_size
+
     def coordinates(self, rank: int | None = None) -> RankCoordinates:
         """The (pp, dp, tp) coordinates of ``rank`` (default: this rank)."""
         r = self.global_rank if rank is None else rank
@@ -261,6 +281,12 @@ class Topology:
             ("mp", lambda r: [x for x in range(self.world_size) if self.coordinates(x).dp == self.coordinates(r).dp]),
             # A second pipe group (see pipe_parallel_result_group), only where a pipe has two ranks or more.
             *([("pp_result", lambda r: self._ranks_along(r, "pp"))] if self.pipe_parallel_size > 1 else []),
+            # HSDP: consecutive DP ranks shard, and the groups replicate (only where both exceed 1).
+            *(
+                [("dp_shard", self._dp_shard_ranks), ("dp_replicate", self._dp_replicate_ranks)]
+                if 1 < self.data_parallel_shard_size < self.data_parallel_size
+                else []
+            ),
         ):
             seen: set[tuple[int, ...]] = set()
             for r in range(self.world_size):
@@ -287,6 +313,22 @@ class Topology:
         coords = {"pp": c.pp, "dp": c.dp, "tp": c.tp}
         return [self.rank_of(**{**coords, axis: i}) for i in range(sizes[axis])]
 
+    def _dp_shard_ranks(self, rank: int) -> list[int]:
+        shard = self.data_parallel_shard_size
+        return [
+            r
+            for r in self._ranks_along(rank, "dp")
+            if self.coordinates(r).dp // shard == self.coordinates(rank).dp // shard
+        ]
+
+    def _dp_replicate_ranks(self, rank: int) -> list[int]:
+        shard = self.data_parallel_shard_size
+        return [
+            r
+            for r in self._ranks_along(rank, "dp")
+            if self.coordinates(r).dp % shard == self.coordinates(rank).dp % shard
+        ]
+
     def _group(self, key: str, name: str) -> ProcessGroup:
         if key not in self._groups:
             raise RuntimeError(f"{name} does not exist yet; call topology.initialize_distributed() on every rank first")
@@ -304,6 +346,25 @@ class Topology:
     @property
     def data_parallel_group(self) -> ProcessGroup:
         return self._group("dp", "data_parallel_group")
+
+    @property
+    def data_parallel_shard_group(self) -> ProcessGroup | None:
+        """The DP ranks that shard among themselves: the DP group without HSDP; None (no
+        communication) when ``data_parallel_shard_size`` is 1."""
+        if self.data_parallel_shard_size == self.data_parallel_size:
+            return self.data_parallel_group
+        if self.data_parallel_shard_size == 1:
+            return None
+        return self._group("dp_shard", "data_parallel_shard_group")
+
+    @property
+    def data_parallel_replicate_group(self) -> ProcessGroup | None:
+        """The replicas of this rank's shard (HSDP): None (no communication) without HSDP."""
+        if self.data_parallel_shard_size == self.data_parallel_size:
+            return None
+        if self.data_parallel_shard_size == 1:
+            return self.data_parallel_group
+        return self._group("dp_replicate", "data_parallel_replicate_group")
 
     @property
     def pipe_parallel_group(self) -> ProcessGroup:

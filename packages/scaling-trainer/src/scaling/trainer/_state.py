@@ -28,11 +28,13 @@ class CheckpointedTrainer(Protocol):
     """The parts of a trainer whose state a checkpoint holds (``BaseTrainer`` has them)."""
 
     config: TrainerConfig
-    context: BaseContext[Any]
     parallel_module: Any
     optimizer: Any
     loader: DataLoader[Any]
     metrics_logger: MetricsLogger
+
+    @property
+    def context(self) -> BaseContext[Any]: ...  # read-only: BaseTrainer's is a BaseContext subclass
 
     def wait_for_parameters(self) -> None: ...
 
