@@ -158,7 +158,24 @@ def test_lora_parallel_layouts_match_one_process(tiny_corpus, lora_reference, la
     cfg = tiny_config(tiny_corpus, steps=4, finetuning=LORA, **sizes)
     cfg["transformer_architecture"]["sequence_parallel"] = layout == "tp2-sp"
     if layout.endswith("zero3"):
-        cfg["optimizer"]["zero_stage"] = 3  # the adapters are sharded; the frozen base weights stay whole
+        cfg["optimizer"]["zero_stage"] = 3  # the adapters and the frozen base weights are sharded
     world = sizes.get("dp", 1) * sizes.get("tp", 1) * sizes.get("pp", 1)
     for rank, history in enumerate(run_distributed(train_worker, world, cfg, timeout_seconds=180)):
         assert_parity(losses(history), lora_reference, rtol=1e-5, name=f"rank {rank} LoRA losses at {layout}")
+
+
+@pytest.mark.distributed
+def test_lora_from_a_base_checkpoint_with_zero3_matches_one_process(tiny_corpus, tmp_path):
+    # The frozen base weights are sharded under ZeRO-3: the loaded values must reach the shards.
+    base = tiny_config(tiny_corpus, steps=3, trainer={"save_dir": str(tmp_path), "save_interval": 3})
+    run_distributed(train_worker, 1, base, timeout_seconds=180)
+    fresh = {"load_dir": str(tmp_path), "load_optimizer_states": False, "load_context": False}
+    runs = {}
+    for dp, zero in ((1, 0), (2, 3)):
+        cfg = tiny_config(tiny_corpus, dp=dp, steps=4, finetuning=LORA, optimizer={"zero_stage": zero}, trainer=fresh)
+        runs[dp] = run_distributed(train_worker, dp, cfg, timeout_seconds=180)
+    reference = losses(runs[1][0])
+    scratch = losses(run_distributed(train_worker, 1, tiny_config(tiny_corpus, steps=4, finetuning=LORA))[0])
+    assert reference[0] < scratch[0]  # it starts from the trained base, not from the initial weights
+    for rank, history in enumerate(runs[2]):
+        assert_parity(losses(history), reference, rtol=1e-5, name=f"rank {rank} LoRA-from-base losses, ZeRO-3 dp2")

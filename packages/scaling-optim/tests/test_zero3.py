@@ -131,3 +131,37 @@ def test_hsdp_refusals():
         check_sharding(OptimizerConfig(zero_stage=3), TopologyConfig(**four, data_parallel_shard_size=1))
     check_sharding(OptimizerConfig(zero_stage=3), TopologyConfig(**four, data_parallel_shard_size=2))
     check_sharding(OptimizerConfig(zero_stage=1), TopologyConfig(**four, data_parallel_shard_size=4))
+
+
+def _frozen():
+    topo = make_topology()
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    plain = [p.detach().clone() for p in layers.parameters()]
+    layers[2].requires_grad_(False)  # a frozen base layer, as LoRA's
+    for index, layer in enumerate(layers):
+        for name, p in layer.named_parameters():
+            ParameterMeta(name, tuple(p.shape), layer_index=index).attach(p)
+    trained = [(p.parameter_meta.key, p, p.parameter_meta) for p in layers[0].parameters()]
+    groups = [OptimizerParamGroup(trained, OptimizerParamGroupConfig(name="all"))]
+    opt = Optimizer(config=OptimizerConfig(zero_stage=3), parameter_groups=groups, topology=topo)
+    opt.attach_model([layers[0], layers[2]])
+    frozen_bytes = lambda: sum(p.untyped_storage().nbytes() for p in layers[2].parameters())  # noqa: E731
+    seen = {"init": frozen_bytes()}
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(topo.data_parallel_rank))
+    opt.zero_grad()
+    out = layers(x).pow(2).mean()
+    seen["after_forward"] = frozen_bytes()
+    opt.backward(out)
+    seen["after_backward"] = frozen_bytes()  # freed by the hook on the layer's inputs
+    opt.step()
+    with opt.full_parameters():
+        frozen_kept = all(torch.equal(p, q) for p, q in zip(layers[2].parameters(), plain[2:]))
+    return seen, frozen_kept, [s.name for s in opt.gatherer.frozen]
+
+
+@pytest.mark.distributed
+def test_frozen_parameters_are_sharded_and_freed_after_their_backward():
+    for seen, frozen_kept, names in run_distributed(_frozen, 2, timeout_seconds=60):
+        assert seen == {"init": 0, "after_forward": 0, "after_backward": 0}
+        assert frozen_kept and names == ["layers.2.weight", "layers.2.bias"]

@@ -467,7 +467,8 @@ class Optimizer:
         Raises:
             RuntimeError: under ZeRO-3, a parameter is not whole.
         """
-        for slot in self.slots:
+        frozen = self.gatherer.frozen if self.gatherer is not None else []
+        for slot in [*self.slots, *frozen]:
             if slot.param_shard is None and slot.master is None:
                 continue  # the parameter is its own master
             if slot.param.untyped_storage().nbytes() < slot.numel * slot.param.element_size():

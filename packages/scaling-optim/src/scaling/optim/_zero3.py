@@ -8,7 +8,8 @@ parameter objects stay; only their storage is freed (``untyped_storage().resize_
 and refilled, as FSDP1 does, so the rest of Scaling sees ordinary parameters.
 
 Lifecycle per layer (``modules`` in forward order; a parameter belongs to the innermost
-module that holds it, and a weight tied between two layers to both):
+module that holds it, and a weight tied between two layers to both). Frozen parameters
+(LoRA's base weights) are sharded, gathered and freed alike; they are not updated:
 
 - forward pre-hook: make the layer whole (waiting for its prefetch if one runs), start
   the async all-gather of the next layer (prefetch);
@@ -16,9 +17,11 @@ module that holds it, and a weight tied between two layers to both):
   until the optimizer step, which spares the re-gathers of later micro-batches and of
   the backward, as FSDP2's ``reshard_after_forward=False`` does for pipeline stages);
   when grad is enabled, hook the outputs so that each gradient reaching them makes the
-  layer whole again (and the first one prefetches the previous layer). A forward run
-  inside a backward (activation checkpointing's recomputation) frees nothing: its
-  backward is about to read the parameters;
+  layer whole again (and the first one prefetches the previous layer), and the inputs so
+  that the layer's frozen parameters are freed once its input gradients exist (its
+  backward is done; trained parameters are freed as their gradients accumulate). A
+  forward run inside a backward (activation checkpointing's recomputation) frees
+  nothing: its backward is about to read the parameters;
 - post-accumulate-grad hook (in the optimizer): free the parameter again; once every
   gradient of a layer has accumulated in this backward, reduce-scatter them all in one
   asynchronous collective (:class:`GradientScatter`, at most two in flight) into the
@@ -40,8 +43,10 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from scaling.collectives import PendingCollective, all_reduce, reduce_scatter_async
+from scaling.nn import ParameterMeta
 from scaling.optim._comm import group_size
 from scaling.optim._compat import all_gather_single, in_backward
 from scaling.optim._slots import ParamSlot
@@ -62,6 +67,11 @@ class LayeredModule(Protocol):
 
 def free_storage(slot: ParamSlot) -> None:
     slot.param.untyped_storage().resize_(0)
+
+
+def _meta_of(param: torch.Tensor, name: str) -> ParameterMeta:
+    meta = getattr(param, "parameter_meta", None)
+    return meta if isinstance(meta, ParameterMeta) else ParameterMeta(name, tuple(param.shape))
 
 
 def _is_whole(slot: ParamSlot) -> bool:
@@ -113,9 +123,24 @@ class ParameterGatherer:
         by_param = {id(s.param): s for s in slots}
         self.group = group
         self.reshard_after_forward = reshard_after_forward
+        owned = _own_parameters(modules)
+        world, rank = group_size(group), dist.get_rank(group) if group is not None else 0
+        #: Slots of the frozen parameters (no optimizer state, never updated): sharded too.
+        self.frozen: list[ParamSlot] = []
+        for params in owned:
+            for p in params:
+                if id(p) not in by_param and not p.requires_grad:
+                    meta = _meta_of(p, f"frozen.{len(self.frozen)}")
+                    slot = ParamSlot(meta.key, p, meta, -1, world, rank, False, ())
+                    check_own_storage(slot)
+                    slot.param_shard = slot.flat_param()[slot.start : slot.end].clone()
+                    by_param[id(p)] = slot
+                    self.frozen.append(slot)
         self.layers: list[list[ParamSlot]] = [
-            [by_param[id(p)] for p in params if id(p) in by_param] for params in _own_parameters(modules)
+            [by_param[id(p)] for p in params if id(p) in by_param] for params in owned
         ]
+        frozen_ids = {id(s) for s in self.frozen}
+        self._frozen_of: list[list[ParamSlot]] = [[s for s in layer if id(s) in frozen_ids] for layer in self.layers]
         covered = {id(s) for layer in self.layers for s in layer}
         missing = [s.name for s in slots if id(s) not in covered]
         if missing:
@@ -174,6 +199,12 @@ class ParameterGatherer:
         for slot in self.layers[index]:
             free_storage(slot)
 
+    def free_frozen(self, index: int) -> None:
+        """Free layer ``index``'s frozen parameters (its backward is done)."""
+        if self.reshard_after_forward:
+            for slot in self._frozen_of[index]:
+                free_storage(slot)
+
     def gather_all(self) -> None:
         for index in range(len(self.layers)):
             self.gather(index)
@@ -196,8 +227,13 @@ class ParameterGatherer:
     def _pre_forward(self, index: int) -> Any:
         def hook(gatherer: ParameterGatherer, module: torch.nn.Module, args: Any) -> None:
             gatherer.gather(index)
-            if not in_backward():  # a recomputation goes on backwards
-                gatherer._start(index + 1)  # prefetch: overlaps the next layer's gather with this layer
+            if in_backward():  # a recomputation goes on backwards
+                return
+            gatherer._start(index + 1)  # prefetch: overlaps the next layer's gather with this layer
+            inputs = [t for t in _iter_tensors(args) if t.requires_grad]
+            if torch.is_grad_enabled() and inputs and gatherer._frozen_of[index]:
+                done = weak_hook(gatherer, lambda g, grads: g.free_frozen(index))
+                torch.autograd.graph.register_multi_grad_hook(inputs, done)
 
         return weak_hook(self, hook)
 
@@ -233,11 +269,11 @@ class ParameterGatherer:
 class GradientScatter:
     """ZeRO-3: a layer's gradients reduce-scattered together, asynchronously, once all have accumulated.
 
-    Each parameter is reduced with the first layer holding it; pipeline-tied parameters
-    (``meta.tied_key``) are left out (their ``.grad`` is summed over stages first). As
-    in FSDP, one collective per layer and backward moves the layer's gradients laid out
-    rank-major (chunk ``r`` of every parameter, then chunk ``r + 1``, ...), so each rank
-    receives exactly its owned chunks. At most two collectives are in flight: the full
+    Each trained parameter is reduced with the first layer holding it; frozen ones have
+    no gradient, and pipeline-tied parameters (``meta.tied_key``) are left out (their
+    ``.grad`` is summed over stages first). As in FSDP, one collective per layer and
+    backward moves the layer's gradients laid out rank-major (chunk ``r`` of every
+    parameter, then chunk ``r + 1``, ...), so each rank receives exactly its owned chunks. At most two collectives are in flight: the full
     gradients they send are the only ones alive, as in FSDP's reduce-scatter stream.
 
     Under HSDP each completed shard is then all-reduced over the replicas of its shard
@@ -263,7 +299,9 @@ class GradientScatter:
         seen: set[int] = set()
         self.units: list[list[ParamSlot]] = []
         for layer in layers:
-            self.units.append([s for s in layer if id(s) not in seen and s.meta.tied_key is None])
+            self.units.append(
+                [s for s in layer if id(s) not in seen and s.meta.tied_key is None and s.param.requires_grad]
+            )
             seen |= {id(s) for s in layer}
         self.unit_of = {id(s): i for i, unit in enumerate(self.units) for s in unit}
         self.ready: list[int] = [0] * len(self.units)
