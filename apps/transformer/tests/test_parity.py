@@ -124,6 +124,7 @@ def test_zero3(tiny_corpus, reference_losses, layout, training, arch, optimizer)
     _check(run_distributed(train_worker, world, cfg, timeout_seconds=300), reference_losses, f"ZeRO-3 {layout}")
 
 
+@pytest.mark.slow  # the optimizer's own offload parity tests are in the quick tier
 @pytest.mark.distributed
 @pytest.mark.parametrize("zero", [1, 3])
 def test_cpu_offload_matches_the_run_without(tiny_corpus, zero):

@@ -43,8 +43,10 @@ def zero3_worker(name: str, layout: dict) -> list[float]:
         ("gpt2", {"data_parallel_size": 2}),  # the LM head tied to the embedding, one unit (the root)
         ("gpt2", {"data_parallel_size": 2, "pipeline_parallel.size": 2}),  # tied across the two stages
         ("llama", {"data_parallel_size": 2, "tensor_parallel.size": 2}),
+        ("gpt2", {"data_parallel_size": 4, "data_parallel_shard_size": 2}),  # HSDP 2 x 2
+        ("llama", {"data_parallel_size": 2, "cpu_offload": True}),
     ],
-    ids=["gpt2-dp2", "gpt2-dp2-pp2-tied", "llama-dp2-tp2"],
+    ids=["gpt2-dp2", "gpt2-dp2-pp2-tied", "llama-dp2-tp2", "gpt2-hsdp-2x2", "llama-dp2-offload"],
 )
 def test_zero3_matches_one_process(name: str, layout: dict) -> None:
     expected = reference_losses(name)
@@ -76,6 +78,12 @@ def test_plan_optimizer_and_pipeline_constraints() -> None:
     assert "zero_stage=1, precision=bfloat16" in str(plan)
     with pytest.raises(ValueError, match=r"zero_stage=4 is invalid; choose 0, 1, 2 or 3"):
         generate_plan(model, {"zero_stage": 4})
+    with pytest.raises(ValueError, match=r"data_parallel_shard_size=3 must divide data_parallel_size=4"):
+        generate_plan(model, {"zero_stage": 3, "data_parallel_size": 4, "data_parallel_shard_size": 3})
+    with pytest.raises(ValueError, match=r"data_parallel_shard_size=2 \(HSDP\) needs zero_stage=3 and a shard size"):
+        generate_plan(model, {"zero_stage": 1, "data_parallel_size": 4, "data_parallel_shard_size": 2})
+    with pytest.raises(ValueError, match=r"cpu_offload='yes' must be true or false"):
+        generate_plan(model, {"cpu_offload": "yes"})
     with pytest.raises(ValueError, match=r"precision='fp8' is invalid; choose one of"):
         generate_plan(model, {"precision": "fp8"})
     with pytest.raises(ValueError, match=r"pipeline_parallel.schedule='zb' is invalid"):

@@ -227,7 +227,10 @@ def load(path: str | Path, state: dict[str, Any], step: int | None = None) -> Pl
 
 
 def _raise_if_other_form(tree: dict[str, Any], error: CheckpointError) -> None:
-    forms = {_TORCH_FORM: "zero_stage=0 and precision='float32'", _ENGINE_FORM: "zero_stage > 0 or reduced precision"}
+    forms = {
+        _TORCH_FORM: "zero_stage=0 and precision='float32'",
+        _ENGINE_FORM: "zero_stage > 0, reduced precision or cpu_offload",
+    }
     for form, plan in forms.items():
         if form not in tree and f"'{form}." in str(error) and "no rank expects" in str(error):
             mine = next(f for f in forms if f in tree)

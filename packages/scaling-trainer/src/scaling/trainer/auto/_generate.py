@@ -25,6 +25,8 @@ CONSTRAINT_KEYS = (
     "pipeline_parallel.num_micro_batches",
     "pipeline_parallel.static_shapes",
     "zero_stage",
+    "data_parallel_shard_size",
+    "cpu_offload",
     "precision",
     "global_batch_size",
     "seed",
@@ -65,6 +67,24 @@ def _pipeline_and_optimizer(constraints: Mapping[str, Any], plan: Plan) -> None:
         raise ValueError(f"constraint zero_stage={stage!r} is invalid; choose 0, 1, 2 or 3")
     plan.zero_stage = stage
     plan.precision = _choice(constraints, "precision", PRECISIONS)
+    shard = constraints.get("data_parallel_shard_size")
+    if shard is not None:
+        dp = plan.data_parallel_size
+        if not isinstance(shard, int) or isinstance(shard, bool) or shard < 1 or dp % shard:
+            raise ValueError(
+                f"constraint data_parallel_shard_size={shard!r} must divide data_parallel_size={dp} "
+                "(HSDP: DP ranks = shard × replicate)"
+            )
+        if shard < dp and (stage != 3 or shard == 1):
+            raise ValueError(
+                f"constraint data_parallel_shard_size={shard} (HSDP) needs zero_stage=3 and a shard size above 1, "
+                f"got zero_stage={stage}; set zero_stage=3, or leave data_parallel_shard_size out"
+            )
+    plan.data_parallel_shard_size = shard
+    offload = constraints.get("cpu_offload", False)
+    if not isinstance(offload, bool):
+        raise ValueError(f"constraint cpu_offload={offload!r} must be true or false")
+    plan.cpu_offload = offload
 
 
 def _check_heads(model: torch.nn.Module, plan: Plan) -> None:
@@ -138,7 +158,10 @@ def generate_plan(model: torch.nn.Module, constraints: Mapping[str, Any] | None 
             ``global_batch_size / data_parallel_size``; default its gcd with the pipeline size),
             ``pipeline_parallel.static_shapes`` (``True``: every micro-batch has the same
             shapes, so stage hand-offs carry no header; default ``False``),
-            ``zero_stage`` (0, 1, 2 or 3), ``precision`` (``float32``, ``bfloat16``, ``float16``),
+            ``zero_stage`` (0, 1, 2 or 3), ``data_parallel_shard_size`` (HSDP with ZeRO-3:
+            shard over this many DP ranks, replicate across the groups), ``cpu_offload``
+            (optimizer state in host memory, the update there),
+            ``precision`` (``float32``, ``bfloat16``, ``float16``),
             ``global_batch_size`` (default ``data_parallel_size``) and ``seed`` (default 42).
 
     Returns:

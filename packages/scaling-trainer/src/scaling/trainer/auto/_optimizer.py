@@ -64,7 +64,9 @@ class _TorchGroupLR:
         """Nothing to restore: the torch scheduler's state is saved on its own."""
 
 
-def _config(optimizer: torch.optim.Optimizer, zero_stage: int, precision: str) -> OptimizerConfig:
+def _config(
+    optimizer: torch.optim.Optimizer, zero_stage: int, precision: str, cpu_offload: bool = False
+) -> OptimizerConfig:
     kind = type(optimizer).__name__
     groups = optimizer.param_groups
     why = f"zero_stage={zero_stage} / precision={precision!r} run the update in scaling.optim.Optimizer"
@@ -80,7 +82,12 @@ def _config(optimizer: torch.optim.Optimizer, zero_stage: int, precision: str) -
             raise ValueError(f"{why}, which takes one {key} for all parameter groups; {kind} has {sorted(values)}")
     g = groups[0]
     loss_scaler = LossScalerConfig(enable=precision == "float16")
-    common: dict[str, Any] = {"zero_stage": zero_stage, "loss_scaler": loss_scaler, "master_weights": True}
+    common: dict[str, Any] = {
+        "zero_stage": zero_stage,
+        "loss_scaler": loss_scaler,
+        "master_weights": True,
+        "cpu_offload": cpu_offload,
+    }
     if kind in ("AdamW", "Adam"):
         method = "adamw" if kind == "AdamW" or g.get("decoupled_weight_decay") else "adam"
         beta1, beta2 = g["betas"]
@@ -100,7 +107,7 @@ def build_engine(optimizer: torch.optim.Optimizer, model: PlannedModel) -> Optim
         ValueError: an optimizer type or option ``scaling.optim`` does not implement.
     """
     plan = model.plan
-    config = _config(optimizer, plan.zero_stage, plan.precision)
+    config = _config(optimizer, plan.zero_stage, plan.precision, plan.cpu_offload)
     names = {id(p): n for n, p in model.module.named_parameters()}
     groups = []
     for i, torch_group in enumerate(optimizer.param_groups):
@@ -139,7 +146,8 @@ class ParallelOptimizer:
         self.optimizer, self.model = optimizer, model
         self._params = [p for p in model.parameters() if p.requires_grad]
         plan = model.plan
-        self.engine = build_engine(optimizer, model) if plan.zero_stage or plan.precision != "float32" else None
+        needs_engine = plan.zero_stage or plan.precision != "float32" or plan.cpu_offload
+        self.engine = build_engine(optimizer, model) if needs_engine else None
         if self.engine is not None and self.engine.loss_scaler.enabled:
             model.scale_loss = lambda loss: _ScaleGrad.apply(loss, self.engine.loss_scaler.scale)  # type: ignore[union-attr]
         if model.pipeline is not None:
@@ -164,7 +172,7 @@ class ParallelOptimizer:
         stage = self.model.pipeline
         if self.engine is not None:
             if closure is not None:
-                raise ValueError("step(closure) is not supported with zero_stage > 0 or reduced precision")
+                raise ValueError("step(closure) is not supported with zero_stage > 0, reduced precision or cpu_offload")
             if stage is not None:
                 self.engine.finish_gradient_reduction()  # DP first: the tied sum keeps the DP ownership
                 stage.reduce_tied_gradients()

@@ -97,6 +97,7 @@ def _topology(plan: Plan, topology: Topology | None) -> Topology:
             model_parallel_size=plan.model_parallel_size,
             pipe_parallel_size=plan.pipe_parallel_size,
             data_parallel_size=plan.data_parallel_size,
+            data_parallel_shard_size=plan.data_parallel_shard_size,
             device="cpu",
         )
         topology = Topology(cfg, dist.get_rank() if dist.is_initialized() else 0).initialize_distributed()

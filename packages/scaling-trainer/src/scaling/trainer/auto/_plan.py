@@ -54,6 +54,9 @@ class Plan:
             ``scaling.pipeline.ParallelModule(static_shapes=...)``).
         zero_stage: ZeRO stage over DP (0: plain DP; 1, 2, 3: through ``scaling.optim``;
             3 gathers the model itself and each of its blocks one at a time).
+        data_parallel_shard_size: HSDP: ZeRO-3 shards over this many DP ranks and
+            replicates across the groups (``None``: over all of DP).
+        cpu_offload: optimizer state and fp32 master shards in host memory, the update there.
         precision: parameter dtype, ``float32``, ``bfloat16`` or ``float16`` (the last two
             keep fp32 master weights in ``scaling.optim``; ``float16`` scales the loss).
         sharding_policy: ``megatron``.
@@ -74,6 +77,8 @@ class Plan:
     num_micro_batches: int = 1
     static_shapes: bool = False
     zero_stage: int = 0
+    data_parallel_shard_size: int | None = None
+    cpu_offload: bool = False
     precision: str = "float32"
     sharding_policy: str = "megatron"
     module_sharding: dict[str, ModuleSharding] = field(default_factory=dict)
@@ -120,7 +125,8 @@ class Plan:
             f"pipeline_parallel.split_points : {self.split_points}",
             f"pipeline_parallel.schedule : {self.pipeline_schedule}, num_micro_batches={self.num_micro_batches}, "
             f"static_shapes={self.static_shapes}",
-            f"optimizer : zero_stage={self.zero_stage}, precision={self.precision}",
+            f"optimizer : zero_stage={self.zero_stage}, precision={self.precision}, "
+            f"data_parallel_shard_size={self.data_parallel_shard_size}, cpu_offload={self.cpu_offload}",
             f"tensor_parallel.sharding_policy : {self.sharding_policy}",
             "tensor_parallel.sharding_plan :",
         ]
