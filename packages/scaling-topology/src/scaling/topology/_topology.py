@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -274,6 +274,7 @@ class Topology:
         # create the per-dim groups with torch's 30-minute default), then wrapped as a mesh.
         # new_group is collective over the default group: every rank creates every group in
         # the same order and keeps the ones it belongs to.
+        shard = self.data_parallel_shard_size
         for name, ranks_of in (
             ("pp", lambda r: self._ranks_along(r, "pp")),
             ("dp", lambda r: self._ranks_along(r, "dp")),
@@ -283,7 +284,10 @@ class Topology:
             *([("pp_result", lambda r: self._ranks_along(r, "pp"))] if self.pipe_parallel_size > 1 else []),
             # HSDP: consecutive DP ranks shard, and the groups replicate (only where both exceed 1).
             *(
-                [("dp_shard", self._dp_shard_ranks), ("dp_replicate", self._dp_replicate_ranks)]
+                [
+                    ("dp_shard", lambda r: self._dp_ranks_where(r, lambda d: d // shard)),
+                    ("dp_replicate", lambda r: self._dp_ranks_where(r, lambda d: d % shard)),
+                ]
                 if 1 < self.data_parallel_shard_size < self.data_parallel_size
                 else []
             ),
@@ -313,21 +317,10 @@ class Topology:
         coords = {"pp": c.pp, "dp": c.dp, "tp": c.tp}
         return [self.rank_of(**{**coords, axis: i}) for i in range(sizes[axis])]
 
-    def _dp_shard_ranks(self, rank: int) -> list[int]:
-        shard = self.data_parallel_shard_size
-        return [
-            r
-            for r in self._ranks_along(rank, "dp")
-            if self.coordinates(r).dp // shard == self.coordinates(rank).dp // shard
-        ]
-
-    def _dp_replicate_ranks(self, rank: int) -> list[int]:
-        shard = self.data_parallel_shard_size
-        return [
-            r
-            for r in self._ranks_along(rank, "dp")
-            if self.coordinates(r).dp % shard == self.coordinates(rank).dp % shard
-        ]
+    def _dp_ranks_where(self, rank: int, key: Callable[[int], int]) -> list[int]:
+        """The DP ranks at ``rank``'s (pp, tp) whose DP coordinate has the same ``key`` as its own."""
+        mine = key(self.coordinates(rank).dp)
+        return [r for r in self._ranks_along(rank, "dp") if key(self.coordinates(r).dp) == mine]
 
     def _group(self, key: str, name: str) -> ProcessGroup:
         if key not in self._groups:
