@@ -15,6 +15,14 @@ ZeRO-3. Transient communication buffers (bounded by the bucket size) are not cou
 
 A last row runs ZeRO-3 as HSDP on 4 ranks (``data_parallel_shard_size=2``: shard over 2,
 replicate twice): every model-state byte is split over the shard group only, 16Ψ / 2 = 8Ψ.
+
+ZeRO-3 rows also print the *peak* of the same sum during the step: it is sampled after
+every hook of the forward and backward (each block's forward pre- and post-hook, each
+gradient's accumulation), so it sees the gathered layer and its full gradient. The bound:
+the end-of-backward figure plus one whole layer's parameters and one layer's full
+gradients (4 + 4 bytes per element of the largest layer, U): with prefetch the next
+layer's gather is a communication buffer until that layer starts, when the previous one
+is already freed.
 """
 
 from __future__ import annotations
@@ -53,16 +61,41 @@ def measure(zero: int, hidden: int, layers: int, shard: int | None = None) -> di
         topology=topo,
         zero3_modules=blocks if zero == 3 else None,
     )
+
+    def stored() -> int:
+        params = sum(_bytes(p) for p in model.parameters()) + _bytes(*(s.param_shard for s in opt.slots))
+        grads = _bytes(*(p.grad for p in model.parameters()), *(s.grad_shard for s in opt.slots))
+        return params + grads + _bytes(*(t for s in opt.slots for t in [*s.state.values(), s.master]))
+
+    peak = [0]
+
+    def sample(*_: object) -> None:
+        peak[0] = max(peak[0], stored())
+
+    for block in blocks:  # registered after the optimizer's hooks, so they run after them
+        block.register_forward_pre_hook(sample)
+        block.register_forward_hook(sample)
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(sample)
     opt.zero_grad()
     opt.backward(model(torch.randn(8, hidden)).pow(2).mean())
     # ZeRO 1/2 reduce-scatter buckets overlapped with backward: wait until every owned
     # gradient shard has arrived (in-flight buckets are transient communication buffers).
     opt.finish_gradient_reduction()
+    sample()
     params = sum(_bytes(p) for p in model.parameters()) + _bytes(*(s.param_shard for s in opt.slots))
     grads = _bytes(*(p.grad for p in model.parameters()), *(s.grad_shard for s in opt.slots))
     state = _bytes(*(t for s in opt.slots for t in [*s.state.values(), s.master]))
     opt.step()
-    return {"psi": psi, "params": params / psi, "grads": grads / psi, "state": state / psi}
+    largest = max(sum(p.numel() for p in block.parameters()) for block in blocks)
+    return {
+        "psi": psi,
+        "params": params / psi,
+        "grads": grads / psi,
+        "state": state / psi,
+        "peak": peak[0] / psi,
+        "peak_bound": (params + grads + state + 8 * largest) / psi,
+    }
 
 
 def main() -> None:
@@ -80,9 +113,10 @@ def main() -> None:
             total = r["params"] + r["grads"] + r["state"]
             err = total / theory - 1
             worst = max(worst, abs(err))
+            peak = f" peak {r['peak']:.3f}Ψ (bound {r['peak_bound']:.3f}Ψ)" if zero == 3 else ""
             print(
                 f"{label:>10} {rank:>4} {r['params']:>7.3f}Ψ {r['grads']:>7.3f}Ψ {r['state']:>7.3f}Ψ "
-                f"{total:>7.3f}Ψ {theory:>6.0f}Ψ {err:>+8.4%}"
+                f"{total:>7.3f}Ψ {theory:>6.0f}Ψ {err:>+8.4%}{peak}"
             )
     print(f"Ψ = {int(r['psi']):,}; worst deviation from theory {worst:.4%} (goal: within 1%)")
 
