@@ -164,9 +164,8 @@ def parallelize(
         ``(model, optimizer, scheduler, data_loader)``.
 
     Raises:
-        ValueError: the world size differs from the plan, ``zero_stage=2`` with weights
-            tied across pipeline stages, or an optimizer ``scaling.optim`` cannot run
-            (ZeRO / reduced precision need AdamW, Adam or SGD).
+        ValueError: the world size differs from the plan, or an optimizer ``scaling.optim``
+            cannot run (ZeRO / reduced precision / offload need AdamW, Adam or SGD).
     """
     topology = _topology(plan, topology)
     pipeline = None
@@ -174,11 +173,6 @@ def parallelize(
         if not plan.split_points:
             raise ValueError("parallelize: the plan has pipe_parallel_size > 1 but no split_points; use generate_plan")
         pipeline = PipelineStage(model, plan, topology)  # drops other stages' modules before materialising
-        if plan.zero_stage == 2 and pipeline.tied:
-            raise ValueError(
-                "parallelize: zero_stage=2 keeps no full gradient of the weights tied across pipeline stages "
-                f"({len(pipeline.tied)} here, e.g. a tied LM head) to sum; use zero_stage=1 or untie them"
-            )
     tp_rank, tp = topology.model_parallel_rank, topology.model_parallel_size
     group = topology.model_parallel_group if tp > 1 else None
     shard_fn = make_shard_fn(model, plan.module_sharding, group, tp_rank, tp)
