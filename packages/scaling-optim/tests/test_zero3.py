@@ -165,3 +165,50 @@ def test_frozen_parameters_are_sharded_and_freed_after_their_backward():
     for seen, frozen_kept, names in run_distributed(_frozen, 2, timeout_seconds=60):
         assert seen == {"init": 0, "after_forward": 0, "after_backward": 0}
         assert frozen_kept and names == ["layers.2.weight", "layers.2.bias"]
+
+
+def _offload_overlap():
+    import scaling.optim._optimizer as optimizer_module
+
+    topo = make_topology()
+    runs = {}
+    for offload in (False, True):
+        layers, groups = model()
+        opt = Optimizer(
+            config=OptimizerConfig(zero_stage=3, cpu_offload=offload),
+            parameter_groups=groups,
+            topology=topo,
+            zero3_modules=[layers[0], layers[2]],
+        )
+        in_flight = []
+        for step in range(3):
+            opt.zero_grad()
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + topo.data_parallel_rank))
+            opt.backward(layers(x).pow(2).mean())
+            opt.step()
+            in_flight.append(opt._host_update is not None)  # handed to a thread, not waited for
+        with opt.full_parameters():
+            runs[offload] = ([p.detach().clone() for p in layers.parameters()], in_flight)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("host update failed")
+
+    real, optimizer_module.apply_updates = optimizer_module.apply_updates, boom
+    try:
+        opt.zero_grad()
+        opt.backward(layers(torch.randn(4, 6)).sum())
+        opt.step()
+        with pytest.raises(RuntimeError, match="host update failed"):
+            opt.finish_parameter_gather()  # the thread's error, on the caller's thread
+    finally:
+        optimizer_module.apply_updates = real
+    return runs
+
+
+@pytest.mark.distributed
+def test_offloaded_zero3_update_overlaps_the_next_step_and_matches():
+    for runs in run_distributed(_offload_overlap, 2, timeout_seconds=60):
+        (plain, plain_flight), (offloaded, flight) = runs[False], runs[True]
+        assert plain_flight == [False] * 3 and flight == [True] * 3
+        for a, b in zip(plain, offloaded):
+            assert torch.equal(a, b)

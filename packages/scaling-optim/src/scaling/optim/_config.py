@@ -160,8 +160,9 @@ class OptimizerConfig(BaseConfig):
         False,
         description="Keep the optimizer state and an fp32 master copy of each owned shard in host memory (pinned "
         "on CUDA) and run the update there (ZeRO-Offload, FSDP2's CPUOffloadPolicy for the optimizer): the "
-        "device holds no optimizer state; gradients go to the host and updated shards come back each step. "
-        "On a CPU device host and device memory are the same and nothing moves.",
+        "device holds no optimizer state; gradients go to the host and updated shards come back each step "
+        "(under ZeRO-3 in a thread that the next forward's first gather waits for). On a CPU device host and "
+        "device memory are the same and nothing moves.",
     )
     zero3_reshard_after_forward: bool = Field(
         True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -148,6 +149,8 @@ class Optimizer:
         self._grad_scatter: GradientScatter | None = None
         self._hooks: list[Any] = []
         self._model_attached = False
+        # ZeRO-3 with cpu_offload: the host update of the last step, running in a thread.
+        self._host_update: tuple[threading.Thread, list[BaseException]] | None = None
         self.reducer: GradientReducer | None = None
         self._dp_reduced = False
         if config.zero_stage < 3 and dp > 1:
@@ -191,6 +194,7 @@ class Optimizer:
                 reshard_after_forward=self.config.zero3_reshard_after_forward,
             )
             self.gatherer = gatherer
+            gatherer.before_gather = weak_hook(self, Optimizer._wait_host_update)
             self._grad_scatter = GradientScatter(
                 gatherer.layers, self._shard_group, self.topology.data_parallel_replicate_group
             )
@@ -383,6 +387,10 @@ class Optimizer:
                 self._shard_gather.launch(entry)
             if not self.config.overlap_param_gather:
                 self._shard_gather.finish()
+        elif self.gatherer is not None and self.config.cpu_offload:
+            # ZeRO-3 with offload: the host update and the copy into the device shards run in
+            # a thread while the next forward starts; its first gather waits for them.
+            self._start_host_update(items)
         else:
             apply_updates(self.config, items, self.step_count)
             self._write_back()
@@ -393,7 +401,8 @@ class Optimizer:
         return self._output(norm, clipped, lrs, overflow=False)
 
     def finish_parameter_gather(self) -> None:
-        """Wait until every parameter holds its updated value (``overlap_param_gather``).
+        """Wait until every parameter holds its updated value (``overlap_param_gather``, and
+        the host update of ZeRO-3 with ``cpu_offload``).
 
         Forward pre-hooks do this per module; call it before reading parameters outside
         a forward (checkpoints, evaluation code that bypasses the modules, comparisons).
@@ -402,6 +411,29 @@ class Optimizer:
         """
         if self._shard_gather is not None:
             self._shard_gather.finish()
+        self._wait_host_update()
+
+    def _start_host_update(self, items: list[UpdateItem]) -> None:
+        step, errors = self.step_count, []
+
+        def run() -> None:
+            try:
+                apply_updates(self.config, items, step)
+                self._write_back()
+            except BaseException as exc:  # noqa: BLE001 (re-raised by the wait, on the caller's thread)
+                errors.append(exc)
+
+        thread = threading.Thread(target=run, name="scaling-offload-update", daemon=True)
+        thread.start()
+        self._host_update = (thread, errors)
+
+    def _wait_host_update(self) -> None:
+        if self._host_update is not None:
+            thread, errors = self._host_update
+            thread.join()
+            self._host_update = None
+            if errors:
+                raise errors[0]
 
     def _write_back(self) -> None:
         """Copy updated master weights into the parameters (no ZeRO) or the ZeRO-3 shards."""
@@ -467,6 +499,7 @@ class Optimizer:
         Raises:
             RuntimeError: under ZeRO-3, a parameter is not whole.
         """
+        self._wait_host_update()
         frozen = self.gatherer.frozen if self.gatherer is not None else []
         for slot in [*self.slots, *frozen]:
             if slot.param_shard is None and slot.master is None:

@@ -38,7 +38,7 @@ tensors saved for backward see the same values they were computed with.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -149,6 +149,8 @@ class ParameterGatherer:
                 "pass every layer that uses a trained parameter"
             )
         self._pending: dict[int, tuple[Any, torch.Tensor, int]] = {}
+        #: Called before a gather reads the shards (the optimizer's wait for a host update).
+        self.before_gather: Callable[[], None] | None = None
         self.handles: list[Any] = []
         for index, module in enumerate(modules):
             self.handles.append(module.register_forward_pre_hook(self._pre_forward(index)))
@@ -162,6 +164,8 @@ class ParameterGatherer:
             return
         if not self.reshard_after_forward and all(_is_whole(s) for s in self.layers[index]):
             return  # kept whole since its first use in this step
+        if self.before_gather is not None:
+            self.before_gather()
         slots = self.layers[index]
         send = torch.cat([s.padded_chunk(s.param_shard) for s in slots])  # type: ignore[arg-type]
         world = group_size(self.group)
