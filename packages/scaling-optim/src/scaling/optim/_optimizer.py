@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from scaling.optim._comm import all_reduce_, group_size, reduce_scatter_mean
+from scaling.optim._comm import all_reduce_, group_size
 from scaling.optim._compat import foreach_copy_, foreach_mul_
 from scaling.optim._config import OptimizerConfig
 from scaling.optim._grad_norm import global_norm_squared, mark_norm_owners
@@ -264,17 +264,6 @@ class Optimizer:
 
         return weak_hook(self, hook)
 
-    def _reduce_scatter_grad(self, slot: ParamSlot) -> None:
-        """ZeRO-3: move ``.grad``'s DP average of the owned elements into ``grad_shard``."""
-        assert slot.param.grad is not None
-        shard = reduce_scatter_mean(slot.padded_flat(slot.param.grad), self._shard_group)
-        replicas = self.topology.data_parallel_replicate_group
-        if replicas is not None:  # HSDP: the shard groups' averages, averaged over the replicas
-            all_reduce_([shard], replicas, self.config.allreduce_bucket_size, average=True)
-        shard = shard[: slot.length].to(slot.compute_dtype)
-        slot.grad_shard = shard if slot.grad_shard is None else slot.grad_shard.add_(shard)
-        slot.param.grad = None
-
     # --------------------------------------------------------------------- step
     def finish_gradient_reduction(self) -> None:
         """Wait for the DP gradient averaging overlapped with backward.
@@ -314,10 +303,8 @@ class Optimizer:
             tp_grads = [s.param.grad for s in self.slots if s.meta.reduce_over_tp and s.param.grad is not None]
             all_reduce_(tp_grads, topo.model_parallel_group, bucket, average=False)
             return [s.owned_grad() for s in self.slots]
-        if self._grad_scatter is not None:
-            for slot in self.slots:  # tied weights (and parameters whose hook did not run)
-                if slot.param.grad is not None:
-                    self._reduce_scatter_grad(slot)
+        if self._grad_scatter is not None:  # tied weights (and parameters whose hook did not run)
+            self._grad_scatter.reduce_now([s for s in self.slots if s.param.grad is not None])
         grads = [s.owned_grad() for s in self.slots]
         # Summing over TP commutes with the DP reduce-scatter, so it runs on the shards.
         tp_grads = [g for s, g in zip(self.slots, grads) if s.meta.reduce_over_tp]

@@ -323,7 +323,9 @@ class GradientScatter:
 
     def _launch(self, index: int) -> None:
         self.ready[index] = 0
-        slots = [s for s in self.units[index] if s.param.grad is not None]
+        self._launch_slots([s for s in self.units[index] if s.param.grad is not None])
+
+    def _launch_slots(self, slots: list[ParamSlot]) -> None:
         if not slots:
             return
         grads = [s.padded_flat(s.param.grad).view(self.world, s.chunk) for s in slots]  # type: ignore[arg-type]
@@ -353,6 +355,12 @@ class GradientScatter:
         for index, count in enumerate(self.ready):
             if count:  # the same on every rank: every rank ran the same backward
                 self._launch(index)
+        while self.pending:
+            self._complete(self.pending.pop(0))
+
+    def reduce_now(self, slots: list[ParamSlot]) -> None:
+        """Reduce the ``.grad`` of ``slots`` (tied weights after their stage sum) into their shards, and wait."""
+        self._launch_slots(slots)
         while self.pending:
             self._complete(self.pending.pop(0))
 
