@@ -186,7 +186,7 @@ def _offload_overlap():
             x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + topo.data_parallel_rank))
             opt.backward(layers(x).pow(2).mean())
             opt.step()
-            in_flight.append(opt._host_update is not None)  # handed to a thread, not waited for
+            in_flight.append(opt._host_update.in_flight)  # handed to a thread, not waited for
         with opt.full_parameters():
             runs[offload] = ([p.detach().clone() for p in layers.parameters()], in_flight)
 

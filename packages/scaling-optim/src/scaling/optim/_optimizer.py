@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from scaling.optim._compat import foreach_copy_, foreach_mul_
 from scaling.optim._config import OptimizerConfig
 from scaling.optim._grad_norm import global_norm_squared, mark_norm_owners
 from scaling.optim._loss_scaler import LossScaler
+from scaling.optim._offload import HostUpdate
 from scaling.optim._param_group import OptimizerParamGroup
 from scaling.optim._reducer import GradientReducer
 from scaling.optim._shard_gather import ShardGather
@@ -150,7 +150,7 @@ class Optimizer:
         self._hooks: list[Any] = []
         self._model_attached = False
         # ZeRO-3 with cpu_offload: the host update of the last step, running in a thread.
-        self._host_update: tuple[threading.Thread, list[BaseException]] | None = None
+        self._host_update = HostUpdate()
         self.reducer: GradientReducer | None = None
         self._dp_reduced = False
         if config.zero_stage < 3 and dp > 1:
@@ -194,7 +194,7 @@ class Optimizer:
                 reshard_after_forward=self.config.zero3_reshard_after_forward,
             )
             self.gatherer = gatherer
-            gatherer.before_gather = weak_hook(self, Optimizer._wait_host_update)
+            gatherer.before_gather = self._host_update.wait
             self._grad_scatter = GradientScatter(
                 gatherer.layers, self._shard_group, self.topology.data_parallel_replicate_group
             )
@@ -202,27 +202,8 @@ class Optimizer:
                 self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(index)))
             gatherer.free_all()
         elif self._shard_gather is not None:
-            self._hooks += self._shard_gather_hooks(self._shard_gather, model)
+            self._hooks += self._shard_gather.wait_hooks(model)
         self._model_attached = True
-
-    def _shard_gather_hooks(self, gather: ShardGather, model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[Any]:
-        """A forward pre-hook on each module owning a trained parameter: wait for its gathers."""
-        index_of = {id(slot.param): i for i, slot in enumerate(self.slots)}
-        handles = []
-        for root in [model] if isinstance(model, torch.nn.Module) else model:
-            for module in root.modules():
-                own = [index_of[id(p)] for p in module.parameters(recurse=False) if id(p) in index_of]
-                if own:
-                    entries = sorted({gather.entry_of[i] for i in own})
-
-                    def hook(
-                        gather: ShardGather, _module: torch.nn.Module, _args: Any, entries: list[int] = entries
-                    ) -> None:
-                        if gather.pending:
-                            gather.wait(entries)
-
-                    handles.append(module.register_forward_pre_hook(weak_hook(gather, hook)))
-        return handles
 
     # ----------------------------------------------------------------- backward
     def zero_grad(self) -> None:
@@ -377,7 +358,13 @@ class Optimizer:
         elif self.gatherer is not None and self.config.cpu_offload:
             # ZeRO-3 with offload: the host update and the copy into the device shards run in
             # a thread while the next forward starts; its first gather waits for them.
-            self._start_host_update(items)
+            step = self.step_count
+
+            def update() -> None:
+                apply_updates(self.config, items, step)
+                self._write_back()
+
+            self._host_update.start(update)
         else:
             apply_updates(self.config, items, self.step_count)
             self._write_back()
@@ -398,29 +385,7 @@ class Optimizer:
         """
         if self._shard_gather is not None:
             self._shard_gather.finish()
-        self._wait_host_update()
-
-    def _start_host_update(self, items: list[UpdateItem]) -> None:
-        step, errors = self.step_count, []
-
-        def run() -> None:
-            try:
-                apply_updates(self.config, items, step)
-                self._write_back()
-            except BaseException as exc:  # noqa: BLE001 (re-raised by the wait, on the caller's thread)
-                errors.append(exc)
-
-        thread = threading.Thread(target=run, name="scaling-offload-update", daemon=True)
-        thread.start()
-        self._host_update = (thread, errors)
-
-    def _wait_host_update(self) -> None:
-        if self._host_update is not None:
-            thread, errors = self._host_update
-            thread.join()
-            self._host_update = None
-            if errors:
-                raise errors[0]
+        self._host_update.wait()
 
     def _write_back(self) -> None:
         """Copy updated master weights into the parameters (no ZeRO) or the ZeRO-3 shards."""
@@ -486,7 +451,7 @@ class Optimizer:
         Raises:
             RuntimeError: under ZeRO-3, a parameter is not whole.
         """
-        self._wait_host_update()
+        self._host_update.wait()
         frozen = self.gatherer.frozen if self.gatherer is not None else []
         for slot in [*self.slots, *frozen]:
             if slot.param_shard is None and slot.master is None:

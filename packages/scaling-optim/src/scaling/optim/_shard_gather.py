@@ -23,13 +23,14 @@ waits, with :meth:`ShardGather.wait`, for just the entries a module's parameters
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from scaling.collectives import PendingCollective, all_gather_async
 from scaling.optim._comm import group_size
 from scaling.optim._slots import ParamSlot
+from scaling.optim._weak import weak_hook
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -109,6 +110,26 @@ class ShardGather:
         send = torch.cat(chunks) if len(chunks) > 1 else chunks[0].contiguous()
         grid = send.new_empty(send.numel() * self.world)
         self._pending[entry] = (all_gather_async(grid, send, self.group), grid)
+
+    def wait_hooks(self, model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[Any]:
+        """A forward pre-hook on each module of ``model`` owning a slot's parameter: wait for its
+        gathers (``overlap_param_gather``). Returns the hook handles."""
+        index_of = {id(slot.param): i for i, slot in enumerate(self.slots)}
+        handles = []
+        for root in [model] if isinstance(model, torch.nn.Module) else model:
+            for module in root.modules():
+                own = [index_of[id(p)] for p in module.parameters(recurse=False) if id(p) in index_of]
+                if own:
+                    entries = sorted({self.entry_of[i] for i in own})
+
+                    def hook(
+                        gather: ShardGather, _module: torch.nn.Module, _args: Any, entries: list[int] = entries
+                    ) -> None:
+                        if gather.pending:
+                            gather.wait(entries)
+
+                    handles.append(module.register_forward_pre_hook(weak_hook(self, hook)))
+        return handles
 
     def wait(self, entries: Sequence[int]) -> None:
         """Wait for the gathers of ``entries`` (those launched and not yet waited for)."""
