@@ -8,6 +8,7 @@ import torch.distributed as dist
 from scaling.testing import run_distributed
 from scaling.topology import RankCoordinates, Topology, TopologyConfig, destroy_process_group
 
+CP_LAYOUTS = [(1, 1, 1, 2), (2, 1, 1, 2), (1, 2, 1, 2), (2, 2, 1, 2), (1, 2, 2, 2), (1, 1, 1, 4), (2, 1, 2, 2)]
 LAYOUTS = [
     (1, 1, 1),
     (2, 1, 1),
@@ -24,35 +25,44 @@ LAYOUTS = [
 ]
 
 
-def _expected(rank, tp, dp, pp):
-    """The formula of ARCHITECTURE.md: TP fastest, then DP, then PP."""
+def _expected(rank, tp, dp, pp, cp=1):
+    """The formula of ARCHITECTURE.md: TP fastest, then CP, then DP, then PP."""
     t = rank % tp
-    d = (rank // tp) % dp
-    p = rank // (tp * dp)
-    return p, d, t
+    c = (rank // tp) % cp
+    d = (rank // (tp * cp)) % dp
+    p = rank // (tp * cp * dp)
+    return p, d, t, c
 
 
-@pytest.mark.parametrize(("tp", "dp", "pp"), LAYOUTS)
-def test_coordinates_match_formula(tp, dp, pp):
-    cfg = TopologyConfig(model_parallel_size=tp, data_parallel_size=dp, pipe_parallel_size=pp)
+def _where(world, layout, **fixed):
+    names = ("pp", "dp", "tp", "cp")
+    return [r for r in range(world) if all(_expected(r, *layout)[names.index(k)] == v for k, v in fixed.items())]
+
+
+@pytest.mark.parametrize(("tp", "dp", "pp", "cp"), [(*layout, 1) for layout in LAYOUTS] + CP_LAYOUTS)
+def test_coordinates_match_formula(tp, dp, pp, cp):
+    cfg = TopologyConfig(model_parallel_size=tp, data_parallel_size=dp, pipe_parallel_size=pp, context_parallel_size=cp)
+    assert cfg.world_size == tp * dp * pp * cp
+    layout, world = (tp, dp, pp, cp), cfg.world_size
     seen = set()
-    for rank in range(cfg.world_size):
+    for rank in range(world):
         topo = Topology(cfg, rank)
-        p, d, t = _expected(rank, tp, dp, pp)
-        assert topo.coordinates() == RankCoordinates(pp=p, dp=d, tp=t)
-        assert topo.rank_of(p, d, t) == rank
-        assert topo.model_parallel_ranks == [r for r in range(cfg.world_size) if _expected(r, tp, dp, pp)[:2] == (p, d)]
-        assert topo.data_parallel_ranks == [
-            r for r in range(cfg.world_size) if _expected(r, tp, dp, pp)[0::2] == (p, t)
-        ]
-        assert topo.pipe_parallel_ranks == [r for r in range(cfg.world_size) if _expected(r, tp, dp, pp)[1:] == (d, t)]
-        assert topo.model_pipe_parallel_ranks == [r for r in range(cfg.world_size) if _expected(r, tp, dp, pp)[1] == d]
+        p, d, t, c = _expected(rank, *layout)
+        assert topo.coordinates() == RankCoordinates(pp=p, dp=d, tp=t, cp=c)
+        assert topo.rank_of(p, d, t, c) == rank
+        assert topo.model_parallel_ranks == _where(world, layout, pp=p, dp=d, cp=c)
+        assert topo.data_parallel_ranks == _where(world, layout, pp=p, tp=t, cp=c)
+        assert topo.context_parallel_ranks == _where(world, layout, pp=p, dp=d, tp=t)
+        assert topo.data_context_parallel_ranks == _where(world, layout, pp=p, tp=t)
+        assert topo.data_context_parallel_rank == d * cp + c
+        assert topo.pipe_parallel_ranks == _where(world, layout, dp=d, tp=t, cp=c)
+        assert topo.model_pipe_parallel_ranks == _where(world, layout, dp=d, cp=c)
         assert topo.is_first_pipe_stage == (p == 0)
         assert topo.is_last_pipe_stage == (p == pp - 1)
-        assert topo.previous_pipe_rank == (None if p == 0 else rank - tp * dp)
-        assert topo.next_pipe_rank == (None if p == pp - 1 else rank + tp * dp)
-        seen.add((p, d, t))
-    assert seen == set(itertools.product(range(pp), range(dp), range(tp)))
+        assert topo.previous_pipe_rank == (None if p == 0 else rank - tp * cp * dp)
+        assert topo.next_pipe_rank == (None if p == pp - 1 else rank + tp * cp * dp)
+        seen.add((p, d, t, c))
+    assert seen == set(itertools.product(range(pp), range(dp), range(tp), range(cp)))
 
 
 def test_rank_out_of_range():
@@ -93,19 +103,31 @@ def test_destroy_process_group(tmp_path):
             dist.destroy_process_group()
 
 
-def _check_groups(tp, dp, pp):
-    cfg = TopologyConfig(model_parallel_size=tp, data_parallel_size=dp, pipe_parallel_size=pp, device="cpu")
+def _members(group):
+    members = [None] * dist.get_world_size(group)
+    dist.all_gather_object(members, dist.get_rank(), group=group)
+    return members
+
+
+def _check_groups(tp, dp, pp, cp, shard):
+    cfg = TopologyConfig(
+        model_parallel_size=tp,
+        data_parallel_size=dp,
+        pipe_parallel_size=pp,
+        context_parallel_size=cp,
+        data_parallel_shard_size=shard,
+        device="cpu",
+    )
     topo = Topology.from_env(cfg).initialize_distributed()
     out = {}
-    for name in ("model_parallel", "data_parallel", "pipe_parallel", "model_pipe_parallel"):
-        group = getattr(topo, f"{name}_group")
-        members = [None] * dist.get_world_size(group)
-        dist.all_gather_object(members, topo.global_rank, group=group)
-        out[name] = (members, getattr(topo, f"{name}_ranks"))
-    members = [None] * dist.get_world_size(topo.pipe_parallel_result_group)
-    dist.all_gather_object(members, topo.global_rank, group=topo.pipe_parallel_result_group)
-    out["pipe_parallel_result"] = (members, topo.pipe_parallel_ranks)
+    for name in GROUPS:
+        out[name] = (_members(getattr(topo, f"{name}_group")), getattr(topo, f"{name}_ranks"))
+    out["pipe_parallel_result"] = (_members(topo.pipe_parallel_result_group), topo.pipe_parallel_ranks)
     out["result_group_is_separate"] = topo.pipe_parallel_result_group is not topo.pipe_parallel_group
+    for name in ("shard", "replicate"):
+        group = getattr(topo, f"data_parallel_{name}_group")
+        out[name] = None if group is None else _members(group)
+    out["shard_rank"] = topo.data_parallel_shard_rank
     mesh = topo.device_mesh
     out["mesh"] = (mesh.mesh_dim_names, mesh.mesh.tolist(), mesh.get_coordinate())
     out["coords"] = topo.coordinates()
@@ -117,33 +139,54 @@ def _check_groups(tp, dp, pp):
     return out
 
 
+GROUPS = ("model_parallel", "data_parallel", "context_parallel", "data_context_parallel", "pipe_parallel")
+GROUPS += ("model_pipe_parallel",)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("tp", "dp", "pp"),
+    ("tp", "dp", "pp", "cp", "shard"),
     [
-        (1, 1, 1),
-        (2, 1, 1),
-        (1, 2, 1),
-        (1, 1, 2),
-        (2, 2, 1),
-        (1, 2, 2),
-        (2, 1, 2),
-        pytest.param(2, 2, 2, marks=pytest.mark.slow),
+        (1, 1, 1, 1, None),
+        (2, 1, 1, 1, None),
+        (1, 2, 1, 1, None),
+        (1, 1, 2, 1, None),
+        (2, 2, 1, 1, None),
+        (1, 2, 2, 1, None),
+        (2, 1, 2, 1, None),
+        (1, 1, 1, 2, None),
+        (1, 2, 1, 2, None),
+        (1, 2, 1, 2, 1),
+        pytest.param(2, 2, 2, 1, None, marks=pytest.mark.slow),
+        pytest.param(1, 4, 1, 2, 2, marks=pytest.mark.slow),
+        pytest.param(2, 1, 2, 2, None, marks=pytest.mark.slow),
     ],
 )
-def test_process_groups_on_real_ranks(tp, dp, pp):
-    world = tp * dp * pp
-    results = run_distributed(_check_groups, world, tp, dp, pp, timeout_seconds=90)
+def test_process_groups_on_real_ranks(tp, dp, pp, cp, shard):
+    world = tp * dp * pp * cp
+    layout = (tp, dp, pp, cp)
+    shard_dp = shard or dp
+    results = run_distributed(_check_groups, world, *layout, shard, timeout_seconds=90)
     for rank, out in enumerate(results):
-        p, d, t = _expected(rank, tp, dp, pp)
-        for name in ("model_parallel", "data_parallel", "pipe_parallel", "model_pipe_parallel", "pipe_parallel_result"):
+        p, d, t, c = _expected(rank, *layout)
+        for name in (*GROUPS, "pipe_parallel_result"):
             members, expected_ranks = out[name]
             assert members == expected_ranks, (name, rank)
         assert out["result_group_is_separate"] == (pp > 1)
+        # ZeRO shards over shard_dp DP ranks with all their CP ranks; replicas share the CP rank.
+        same_shard = [
+            r for r in _where(world, layout, pp=p, tp=t) if _expected(r, *layout)[1] // shard_dp == d // shard_dp
+        ]
+        assert out["shard"] == (None if len(same_shard) == 1 and shard_dp < dp else same_shard)
+        assert out["shard_rank"] == same_shard.index(rank)
+        replicas = [
+            r for r in _where(world, layout, pp=p, tp=t, cp=c) if _expected(r, *layout)[1] % shard_dp == d % shard_dp
+        ]
+        assert out["replicate"] == (None if shard_dp == dp else replicas)
         names, mesh, coord = out["mesh"]
-        assert names == ("pp", "dp", "tp")
-        assert mesh == torch.arange(world).view(pp, dp, tp).tolist()
-        assert list(coord) == [p, d, t]
+        assert names == ("pp", "dp", "cp", "tp")
+        assert mesh == torch.arange(world).view(pp, dp, cp, tp).tolist()
+        assert list(coord) == [p, d, c, t]
         assert out["tp_sum"] == sum(out["model_parallel"][1])
 
 

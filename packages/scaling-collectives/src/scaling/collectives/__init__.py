@@ -6,6 +6,11 @@ every call so a hang or a mismatched collective is reported with the ranks at fa
 """
 
 from scaling.collectives._broadcast import broadcast_pytree
+from scaling.collectives._context import (
+    gather_heads_scatter_sequence,
+    ring_shift_async,
+    scatter_heads_gather_sequence,
+)
 from scaling.collectives._diagnosis import check_consistency
 from scaling.collectives._errors import (
     CollectiveDeviceError,
@@ -74,6 +79,7 @@ __all__ = [
     "copy_to_model_parallel_region",
     "gather_from_model_parallel_region",
     "gather_from_sequence_parallel_region",
+    "gather_heads_scatter_sequence",
     "get_recorder",
     "group_device",
     "recv",
@@ -82,6 +88,8 @@ __all__ = [
     "reduce_scatter_async",
     "reduce_scatter_flat",
     "reduce_scatter_to_sequence_parallel_region",
+    "ring_shift_async",
+    "scatter_heads_gather_sequence",
     "scatter_to_model_parallel_region",
     "scatter_to_sequence_parallel_region",
     "send",

@@ -1,8 +1,15 @@
 """scaling.nn: parallel layers, LayerSpec, ParameterMeta, LoRA and checkpointing."""
 
 from scaling.nn._adapters import BottleneckAdapter, apply_bottleneck_adapters, mark_only_bias_trainable
-from scaling.nn._attention import ParallelSelfAttention, valid_model_parallel_sizes
+from scaling.nn._attention import ParallelSelfAttention, check_context_parallel, valid_model_parallel_sizes
 from scaling.nn._checkpoint import checkpoint_layer, checkpoint_sequential_layers, tracker_checkpoint_context
+from scaling.nn._context_parallel import (
+    TokenLayout,
+    all_to_all_attention,
+    ring_attention,
+    split_sequence,
+    zigzag_indices,
+)
 from scaling.nn._embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy, vocab_range
 from scaling.nn._init import LayerInputError
 from scaling.nn._layer import (
@@ -46,10 +53,13 @@ __all__ = [
     "RotaryEmbedding",
     "RowParallelLinear",
     "TiedLayerSpec",
+    "TokenLayout",
     "VocabParallelEmbedding",
+    "all_to_all_attention",
     "apply_bottleneck_adapters",
     "apply_lora",
     "attach_parameter_metas",
+    "check_context_parallel",
     "checkpoint_layer",
     "checkpoint_sequential_layers",
     "export_peft_adapter",
@@ -62,11 +72,14 @@ __all__ = [
     "merge_lora",
     "named_parameters_with_meta",
     "reduce_sequence_parallel_gradients",
+    "ring_attention",
     "set_layer_index",
+    "split_sequence",
     "tracker_checkpoint_context",
     "unmerge_lora",
     "valid_model_parallel_sizes",
     "vocab_parallel_cross_entropy",
     "vocab_range",
     "write_peft_adapter",
+    "zigzag_indices",
 ]

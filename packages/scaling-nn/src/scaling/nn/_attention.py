@@ -9,6 +9,11 @@ heads belong to; those weights enter the TP region through
 ``copy_to_model_parallel_region`` so their gradient is summed over the ranks in the
 backward and stays replicated.
 
+Context parallelism (``topology.context_parallel_size > 1``): the input holds this rank's
+zigzag slice of each sequence (see ``scaling.nn._context_parallel``) and attention runs
+over the whole sequence by ring or by all-to-all (``context_parallel_method``); RoPE
+positions and document masks are those of the tokens' places in the whole sequence.
+
 Fused QKV weight layout (rows of ``qkv.weight``), per kv head ``g``: the ``n_q / n_kv``
 query heads of group ``g``, then key ``g``, then value ``g``. Contiguous TP slices of
 that layout hold whole groups.
@@ -25,6 +30,13 @@ from torch.utils.checkpoint import checkpoint
 
 from scaling.collectives import copy_to_model_parallel_region, gather_from_sequence_parallel_region
 from scaling.nn._checkpoint import tracker_checkpoint_context
+from scaling.nn._context_parallel import (
+    CONTEXT_PARALLEL_METHODS,
+    TokenLayout,
+    all_to_all_attention,
+    ring_attention,
+    zigzag_indices,
+)
 from scaling.nn._init import InitMethod, check_dtype, default_bias_init, default_weight_init, sharded_parameter, tp_info
 from scaling.nn._linear import ColumnParallelLinear, RowParallelLinear
 from scaling.nn._rotary import KVCache, RotaryEmbedding, document_ids_and_positions, packed_attention_mask
@@ -88,10 +100,14 @@ class ParallelSelfAttention(torch.nn.Module):
         checkpoint_core_attention: recompute softmax(QK^T)V in the backward (selective
             activation checkpointing); dropout masks are reproduced.
         init_method, output_init_method: weight initialisers (default ``torch.nn.Linear``'s).
+        context_parallel_method: with ``topology.context_parallel_size > 1``: ``"ring"``
+            (key/value blocks round the CP ring) or ``"all_to_all"`` (heads traded for
+            sequence; the heads on a TP rank must divide by the CP size).
 
     Raises:
-        ValueError: when heads, kv heads or ``hidden_size`` do not fit the TP size; the
-            message lists the valid TP sizes.
+        ValueError: when heads, kv heads or ``hidden_size`` do not fit the TP size (the
+            message lists the valid TP sizes), or context parallelism cannot split this
+            attention (all-to-all heads, attention dropout).
     """
 
     def __init__(
@@ -115,6 +131,7 @@ class ParallelSelfAttention(torch.nn.Module):
         checkpoint_core_attention: bool = False,
         init_method: InitMethod | None = None,
         output_init_method: InitMethod | None = None,
+        context_parallel_method: str = "ring",
     ) -> None:
         super().__init__()
         check_dtype(dtype, "ParallelSelfAttention")
@@ -142,6 +159,11 @@ class ParallelSelfAttention(torch.nn.Module):
                 f"ParallelSelfAttention: attention_dropout={attention_dropout} with model_parallel_size={tp.size} "
                 "needs rng_tracker (scaling.topology.seed_all(...)) so each TP rank draws its own heads' masks"
             )
+        cp = topology.context_parallel_size if topology is not None else 1
+        check_context_parallel(nq // tp.size, cp, context_parallel_method, attention_dropout)
+        self._cp_group = topology.context_parallel_group if cp > 1 else None
+        self._cp_rank, self._cp_size = (topology.context_parallel_rank, cp) if cp > 1 else (0, 1)
+        self.context_parallel_method = context_parallel_method
         self.hidden_size, self.num_attention_heads, self.num_kv_heads = hidden_size, nq, nkv
         d = self.head_dim = head_dim or hidden_size // nq
         self.num_local_heads = nq // tp.size
@@ -248,6 +270,14 @@ class ParallelSelfAttention(torch.nn.Module):
             q = F.rms_norm(q, (self.head_dim,), copy_to_model_parallel_region(self.q_norm, group), 1e-6)
             k = F.rms_norm(k, (self.head_dim,), copy_to_model_parallel_region(self.k_norm, group), 1e-6)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, n, s, d]
+        if self._cp_size > 1:
+            if kv_cache is not None:
+                raise ValueError(
+                    "ParallelSelfAttention: kv_cache (generation) with context_parallel_size > 1 is not supported; "
+                    "generate with a topology whose context_parallel_size is 1"
+                )
+            out = self._context_parallel(q, k, v, cu_seqlens, position_ids)
+            return self.dense(out.transpose(1, 2).reshape(b, s, self.num_local_heads * self.head_dim))
         mask: torch.Tensor | None = None
         is_causal = self.causal
         offset = kv_cache.seq_len if kv_cache is not None else 0
@@ -266,17 +296,65 @@ class ParallelSelfAttention(torch.nn.Module):
                 total = k.shape[2]
                 rows = torch.arange(offset, offset + s, device=q.device).unsqueeze(-1)
                 mask, is_causal = rows >= torch.arange(total, device=q.device), False
-        if self.checkpoint_core_attention and torch.is_grad_enabled():
-            out = checkpoint(
-                self._core,
-                q,
-                k,
-                v,
-                mask,
-                is_causal,
-                use_reentrant=False,
-                context_fn=tracker_checkpoint_context(self.rng_tracker),
-            )
-        else:
-            out = self._core(q, k, v, mask, is_causal)
+        out = self._maybe_checkpointed(self._core, q, k, v, mask, is_causal)
         return self.dense(out.transpose(1, 2).reshape(b, s, self.num_local_heads * self.head_dim))
+
+    def _maybe_checkpointed(self, fn: Any, *args: Any) -> torch.Tensor:
+        """``fn(*args)``, recomputed in the backward under ``checkpoint_core_attention``."""
+        if self.checkpoint_core_attention and torch.is_grad_enabled():
+            context_fn = tracker_checkpoint_context(self.rng_tracker)
+            return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)  # type: ignore[no-any-return]
+        return fn(*args)  # type: ignore[no-any-return]
+
+    def _context_parallel(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention over the whole sequence, of which ``q``/``k``/``v`` hold this CP rank's zigzag slice."""
+        b, s = q.shape[0], q.shape[2]
+        rank, size = self._cp_rank, self._cp_size
+        seq_len = s * size
+        mine = zigzag_indices(seq_len, rank, size, q.device)
+        doc_ids = None
+        if cu_seqlens is not None:  # packed documents: cu_seqlens cover the whole sequences
+            doc_ids, positions = document_ids_and_positions(cu_seqlens, b, seq_len)
+            positions = positions[:, mine]
+        else:
+            positions = position_ids if position_ids is not None else mine
+        if self.rotary is not None:
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        layout = TokenLayout(seq_len, rank, size, self.causal, doc_ids)
+        if self.context_parallel_method == "ring":
+            return self._maybe_checkpointed(ring_attention, q, k, v, layout, self._cp_group)
+        return self._maybe_checkpointed(all_to_all_attention, q, k, v, layout, self._cp_group)
+
+
+def check_context_parallel(local_heads: int, context_parallel_size: int, method: str, attention_dropout: float) -> None:
+    """Refuse a context-parallel split this attention cannot run (before any process group starts).
+
+    Args:
+        local_heads: query heads on one TP rank (``num_attention_heads / model_parallel_size``).
+
+    Raises:
+        ValueError: an unknown method; all-to-all with ``local_heads`` not divisible by
+            the CP size; attention dropout with context parallelism.
+    """
+    if method not in CONTEXT_PARALLEL_METHODS:
+        raise ValueError(f"context_parallel_method={method!r}; choose one of {list(CONTEXT_PARALLEL_METHODS)}")
+    if context_parallel_size == 1:
+        return
+    if method == "all_to_all" and local_heads % context_parallel_size:
+        raise ValueError(
+            f"context_parallel_method='all_to_all' needs the {local_heads} query heads of each tensor-parallel rank "
+            f"to divide by context_parallel_size={context_parallel_size}; use context_parallel_method='ring', or "
+            f"a context_parallel_size dividing {local_heads}"
+        )
+    if attention_dropout > 0.0:
+        raise ValueError(
+            f"attention_dropout={attention_dropout} with context_parallel_size={context_parallel_size}: the split "
+            "attention cannot reproduce the dropout masks in its backward; set attention_dropout=0"
+        )

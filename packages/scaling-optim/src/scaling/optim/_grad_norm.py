@@ -76,11 +76,12 @@ def global_norm_squared(
     vec = torch.stack([total, non_finite + (~torch.isfinite(total)).double()])
     if group_size(topology.model_pipe_parallel_group) > 1:
         all_reduce(vec, topology.model_pipe_parallel_group)
-    if group_size(topology.data_parallel_group) > 1:
-        # Count each gradient piece once: DP replicas hold the same gradient (no ZeRO), and
-        # under HSDP the shard groups hold the same shards.
-        if (not sharded and topology.data_parallel_rank != 0) or (sharded and topology.data_parallel_replicate_rank):
+    if topology.data_context_parallel_size > 1:
+        # Count each gradient piece once: DP × CP replicas hold the same gradient (no
+        # ZeRO), and under HSDP the shard groups hold the same shards.
+        first = topology.data_context_parallel_rank == 0
+        if (not sharded and not first) or (sharded and topology.data_parallel_replicate_rank):
             vec[0] = 0.0
-        all_reduce(vec, topology.data_parallel_group)
+        all_reduce(vec, topology.data_context_parallel_group)
     norm_sq, flag = vec.tolist()
     return norm_sq, bool(flag > 0) or not torch.isfinite(torch.tensor(norm_sq)).item()

@@ -70,7 +70,7 @@ class Optimizer:
         config: update rule, ZeRO stage, clipping, loss scaler and non-finite policy.
         parameter_groups: the groups; each trainable parameter in exactly one.
         topology: an initialised :class:`~scaling.topology.Topology`; gradients are
-            averaged over its ``data_parallel_group``, ``reduce_over_tp`` gradients summed
+            averaged over DP × CP (``data_context_parallel_group``), ``reduce_over_tp`` gradients summed
             over its ``model_parallel_group``, and the norm reduced over
             ``model_pipe_parallel_group`` and the DP group.
         zero3_modules: with ``zero_stage=3`` only: the layers in forward order, for a
@@ -112,8 +112,10 @@ class Optimizer:
         self.loss_scaler = LossScaler(config.loss_scaler)
         self.step_count = 0
         check_sharding(config, topology.config)
-        dp = group_size(topology.data_parallel_group)
-        # ZeRO shards over the DP group, or over its shard groups under HSDP.
+        # Gradients are averaged over the ranks holding the same parameters: DP × CP.
+        replicas = topology.data_context_parallel_group
+        dp = group_size(replicas)
+        # ZeRO shards over DP × CP, or over its shard groups under HSDP.
         self._shard_group = topology.data_parallel_shard_group
         self._shard_world = group_size(self._shard_group) if config.zero_stage >= 1 else 1
         # Without ZeRO every DP rank owns the whole parameter.
@@ -156,10 +158,10 @@ class Optimizer:
         if config.zero_stage < 3 and dp > 1:
             # ZeRO 0 all-reduces buckets; ZeRO 1 and 2 reduce-scatter them into the owned shards.
             mode = ("all_reduce", "shard", "shard_free")[config.zero_stage]
-            self.reducer = GradientReducer(self.slots, topology.data_parallel_group, config.allreduce_bucket_size, mode)
+            self.reducer = GradientReducer(self.slots, replicas, config.allreduce_bucket_size, mode)
         self._shard_gather: ShardGather | None = None
         if config.zero_stage in (1, 2) and self._shard_world > 1:
-            self._shard_gather = ShardGather(self.slots, topology.data_parallel_group, config.allreduce_bucket_size)
+            self._shard_gather = ShardGather(self.slots, replicas, config.allreduce_bucket_size)
         # Hooks last: a constructor that raises leaves no hook behind on the parameters.
         if zero3_modules is not None:
             self.attach_model(zero3_modules)

@@ -134,8 +134,7 @@ class StageTransports:
         topo = self.topology
         if self.num_virtual_stages > 1:
             s, p = topo.pipe_parallel_rank, topo.pipe_parallel_size
-            dp, tp = topo.data_parallel_rank, topo.model_parallel_rank
-            prev_rank, next_rank = topo.rank_of((s - 1) % p, dp, tp), topo.rank_of((s + 1) % p, dp, tp)
+            prev_rank, next_rank = topo.pipe_rank_of_stage((s - 1) % p), topo.pipe_rank_of_stage((s + 1) % p)
             return PipeTransport(prev_rank, next_rank, topo.device, ring=True, static_shapes=self.static_shapes)
         return PipeTransport(
             topo.previous_pipe_rank, topo.next_pipe_rank, topo.device, static_shapes=self.static_shapes

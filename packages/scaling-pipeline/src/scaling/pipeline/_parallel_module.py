@@ -178,12 +178,10 @@ class ParallelModule(torch.nn.Module):
         topo = self.topology
         for key, stages in sorted(self._tied_stage_map().items()):
             # new_group is collective over the default group: every rank creates every group.
-            for dp in range(topo.data_parallel_size):
-                for tp in range(topo.model_parallel_size):
-                    ranks = [topo.rank_of(s, dp, tp) for s in stages]
-                    group = dist.new_group(ranks)
-                    if topo.global_rank in ranks:
-                        groups[key] = (group, ranks[0])
+            for ranks in topo.stage_rank_lists(stages):
+                group = dist.new_group(ranks)
+                if topo.global_rank in ranks:
+                    groups[key] = (group, ranks[0])
         return groups
 
     @torch.no_grad()

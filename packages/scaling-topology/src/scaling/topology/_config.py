@@ -24,8 +24,13 @@ class TopologyConfig(BaseConfig):
     ``pipe_parallel_size`` and ``data_parallel_size`` and the fourth is derived. When
     fewer than three are given, a missing ``model_parallel_size``, ``pipe_parallel_size``
     and then ``data_parallel_size`` is taken as 1 (``TopologyConfig()`` is one process,
-    ``TopologyConfig(model_parallel_size=2)`` two). All four must satisfy
-    ``world_size == model_parallel_size * pipe_parallel_size * data_parallel_size``.
+    ``TopologyConfig(model_parallel_size=2)`` two). ``context_parallel_size`` (default 1)
+    is always given, never derived. All must satisfy ``world_size ==
+    model_parallel_size * context_parallel_size * pipe_parallel_size * data_parallel_size``.
+
+    Context parallelism splits each sample's sequence over ``context_parallel_size`` ranks
+    that hold the same parameters and read the same samples: it multiplies the ranks, not
+    the batch (``global = micro * accumulation * data_parallel_size`` as without it).
 
     Batches: give any two of ``global_batch_size``, ``micro_batch_size`` and
     ``gradient_accumulation_steps`` (a missing ``gradient_accumulation_steps`` with only
@@ -52,6 +57,12 @@ class TopologyConfig(BaseConfig):
     )
     data_parallel_size: int | None = Field(
         None, ge=1, description="Data-parallel degree (DP); None = derived from world_size, or 1 without it."
+    )
+    context_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Context-parallel degree (CP): each sequence is split over this many ranks, which read the "
+        "same samples; 1 = off.",
     )
     data_parallel_shard_size: int | None = Field(
         None,
@@ -113,12 +124,14 @@ class TopologyConfig(BaseConfig):
                 self._set(name, 1)
                 missing.remove(name)
         mp, pp, dp, ws = self.model_parallel_size, self.pipe_parallel_size, self.data_parallel_size, self.world_size
+        cp = self.context_parallel_size
         if missing == ["world_size"]:
-            self._set("world_size", mp * pp * dp)  # type: ignore[operator]
+            self._set("world_size", mp * cp * pp * dp)  # type: ignore[operator]
             return
         if missing:
             (name,) = missing
-            others = {n: getattr(self, n) for n in _SIZE_FIELDS if n != name}
+            extra = ("context_parallel_size",) if cp > 1 else ()
+            others = {n: getattr(self, n) for n in (*_SIZE_FIELDS, *extra) if n != name}
             prod = math.prod(others.values())
             if ws % prod != 0:
                 described = " × ".join(f"{k}={v}" for k, v in others.items())
@@ -128,10 +141,11 @@ class TopologyConfig(BaseConfig):
                 )
             self._set(name, ws // prod)
             return
-        if mp * pp * dp != ws:  # type: ignore[operator]
+        if mp * cp * pp * dp != ws:  # type: ignore[operator]
+            cp_term = f"context_parallel_size={cp} × " if cp > 1 else ""
             raise ValueError(
-                f"topology: world_size={ws} does not equal model_parallel_size={mp} × "
-                f"pipe_parallel_size={pp} × data_parallel_size={dp} = {mp * pp * dp}; "  # type: ignore[operator]
+                f"topology: world_size={ws} does not equal model_parallel_size={mp} × {cp_term}"
+                f"pipe_parallel_size={pp} × data_parallel_size={dp} = {mp * cp * pp * dp}; "  # type: ignore[operator]
                 "change one of them or leave one out to have it derived"
             )
 

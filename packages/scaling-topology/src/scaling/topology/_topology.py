@@ -1,10 +1,15 @@
-"""Topology: rank <-> (pp, dp, tp) coordinates, process groups and the DeviceMesh.
+"""Topology: rank <-> (pp, dp, cp, tp) coordinates, process groups and the DeviceMesh.
 
-Rank order is TP fastest, then DP, then PP::
+Rank order is TP fastest, then CP, then DP, then PP (Megatron-Core's order)::
 
-    rank = pipe_parallel_rank * (dp * tp) + data_parallel_rank * tp + model_parallel_rank
+    rank = ((pipe_parallel_rank * dp + data_parallel_rank) * cp + context_parallel_rank) * tp + model_parallel_rank
 
-so a TP group is a run of consecutive ranks and lands on one node.
+so a TP group is a run of consecutive ranks and lands on one node, and a CP group next.
+Without context parallelism (cp = 1) this is the (pp, dp, tp) order of earlier versions.
+
+The ranks that hold the same parameters are those of one (pp, tp) pair: the DP × CP
+ranks. Gradients are averaged over them and ZeRO shards over them (Megatron-Core's
+data-parallel group "with context parallel", torchtitan's ``dp_shard_cp``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from scaling.topology._config import TopologyConfig
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-MESH_DIM_NAMES = ("pp", "dp", "tp")
+MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
 # How long destroy_process_group() lets go of the GIL before destroying the groups.
 _GLOO_SETTLE_SECONDS = 0.01
 
@@ -49,14 +54,16 @@ def destroy_process_group() -> None:
 
 @dataclass(frozen=True)
 class RankCoordinates:
-    """Where one rank sits in the (pp, dp, tp) grid."""
+    """Where one rank sits in the (pp, dp, cp, tp) grid."""
 
     pp: int
     dp: int
     tp: int
+    cp: int = 0
 
     def __repr__(self) -> str:
-        return f"(pp={self.pp}, dp={self.dp}, tp={self.tp})"
+        cp = f", cp={self.cp}" if self.cp else ""
+        return f"(pp={self.pp}, dp={self.dp}{cp}, tp={self.tp})"
 
 
 class Topology:
@@ -107,7 +114,7 @@ class Topology:
             raise ValueError(
                 f"WORLD_SIZE={world_size} from the launcher does not match topology world_size="
                 f"{config.world_size} (model_parallel_size={config.model_parallel_size} × "
-                f"pipe_parallel_size={config.pipe_parallel_size} × data_parallel_size="
+                f"context_parallel_size={config.context_parallel_size} × pipe_parallel_size={config.pipe_parallel_size} × data_parallel_size="
                 f"{config.data_parallel_size}); launch {config.world_size} processes or change the topology"
             )
         return cls(config, int(env["RANK"]), int(env.get("LOCAL_RANK", env["RANK"])))
@@ -130,8 +137,20 @@ class Topology:
         return self.config.data_parallel_size  # type: ignore[return-value]
 
     @property
+    def context_parallel_size(self) -> int:
+        return self.config.context_parallel_size
+
+    @property
+    def data_context_parallel_size(self) -> int:
+        """Ranks that hold the same parameters: DP × CP (gradients are averaged over them)."""
+        return self.data_parallel_size * self.context_parallel_size
+
+    @property
     def data_parallel_shard_size(self) -> int:
-        """DP ranks that shard among themselves (HSDP); ``data_parallel_size`` without HSDP."""
+        """DP ranks that shard among themselves (HSDP); ``data_parallel_size`` without HSDP.
+
+        The ZeRO shard group is these DP ranks times the CP ranks of each.
+        """
         return self.config.data_parallel_shard_size or self.data_parallel_size
 
     @property
@@ -141,8 +160,10 @@ class Topology:
 
     @property
     def data_parallel_shard_rank(self) -> int:
-        """This rank's place in its shard group (its ZeRO shard index)."""
-        return self.data_parallel_rank % self.data_parallel_shard_size
+        """This rank's place in its shard group (its ZeRO shard index, over DP × CP)."""
+        return (self.data_parallel_rank % self.data_parallel_shard_size) * self.context_parallel_size + (
+            self.context_parallel_rank
+        )
 
     @property
     def data_parallel_replicate_rank(self) -> int:
@@ -150,14 +171,14 @@ class Topology:
         return self.data_parallel_rank // self.data_parallel_shard_size
 
     def coordinates(self, rank: int | None = None) -> RankCoordinates:
-        """The (pp, dp, tp) coordinates of ``rank`` (default: this rank)."""
+        """The (pp, dp, cp, tp) coordinates of ``rank`` (default: this rank)."""
         r = self.global_rank if rank is None else rank
-        tp, dp = self.model_parallel_size, self.data_parallel_size
-        return RankCoordinates(pp=r // (dp * tp), dp=(r // tp) % dp, tp=r % tp)
+        tp, cp, dp = self.model_parallel_size, self.context_parallel_size, self.data_parallel_size
+        return RankCoordinates(pp=r // (dp * cp * tp), dp=(r // (cp * tp)) % dp, tp=r % tp, cp=(r // tp) % cp)
 
-    def rank_of(self, pp: int, dp: int, tp: int) -> int:
-        """The global rank at coordinates (pp, dp, tp)."""
-        return pp * self.data_parallel_size * self.model_parallel_size + dp * self.model_parallel_size + tp
+    def rank_of(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        """The global rank at coordinates (pp, dp, cp, tp)."""
+        return ((pp * self.data_parallel_size + dp) * self.context_parallel_size + cp) * self.model_parallel_size + tp
 
     @property
     def model_parallel_rank(self) -> int:
@@ -172,27 +193,55 @@ class Topology:
         return self.coordinates().pp
 
     @property
+    def context_parallel_rank(self) -> int:
+        return self.coordinates().cp
+
+    @property
+    def data_context_parallel_rank(self) -> int:
+        """This rank's place among the DP × CP ranks of its (pp, tp): ``dp * cp_size + cp``."""
+        c = self.coordinates()
+        return c.dp * self.context_parallel_size + c.cp
+
+    @property
     def model_parallel_ranks(self) -> list[int]:
         """Global ranks of this rank's TP group, in TP order."""
-        c = self.coordinates()
-        return [self.rank_of(c.pp, c.dp, t) for t in range(self.model_parallel_size)]
+        return self._ranks_along(self.global_rank, "tp")
 
     @property
     def data_parallel_ranks(self) -> list[int]:
-        c = self.coordinates()
-        return [self.rank_of(c.pp, d, c.tp) for d in range(self.data_parallel_size)]
+        return self._ranks_along(self.global_rank, "dp")
+
+    @property
+    def context_parallel_ranks(self) -> list[int]:
+        """Global ranks of this rank's CP group (one sequence's slices), in CP order."""
+        return self._ranks_along(self.global_rank, "cp")
+
+    @property
+    def data_context_parallel_ranks(self) -> list[int]:
+        """Global ranks holding the same parameters as this rank (DP × CP), in (dp, cp) order."""
+        return self.data_context_parallel_ranks_of(self.global_rank)
+
+    def data_context_parallel_ranks_of(self, rank: int) -> list[int]:
+        """The DP × CP ranks of ``rank``'s (pp, tp), in (dp, cp) order."""
+        c = self.coordinates(rank)
+        return [
+            self.rank_of(c.pp, d, c.tp, k)
+            for d in range(self.data_parallel_size)
+            for k in range(self.context_parallel_size)
+        ]
 
     @property
     def pipe_parallel_ranks(self) -> list[int]:
-        c = self.coordinates()
-        return [self.rank_of(p, c.dp, c.tp) for p in range(self.pipe_parallel_size)]
+        return self._ranks_along(self.global_rank, "pp")
 
     @property
     def model_pipe_parallel_ranks(self) -> list[int]:
-        """Global ranks holding one full model replica (TP × PP at this DP rank)."""
+        """Global ranks holding one full model replica (TP × PP at this DP and CP rank)."""
         c = self.coordinates()
         return [
-            self.rank_of(p, c.dp, t) for p in range(self.pipe_parallel_size) for t in range(self.model_parallel_size)
+            self.rank_of(p, c.dp, t, c.cp)
+            for p in range(self.pipe_parallel_size)
+            for t in range(self.model_parallel_size)
         ]
 
     @property
@@ -203,17 +252,34 @@ class Topology:
     def is_last_pipe_stage(self) -> bool:
         return self.pipe_parallel_rank == self.pipe_parallel_size - 1
 
+    def pipe_rank_of_stage(self, stage: int) -> int:
+        """Global rank of pipeline stage ``stage`` in this rank's pipe (same dp, cp, tp)."""
+        c = self.coordinates()
+        return self.rank_of(stage, c.dp, c.tp, c.cp)
+
+    def stage_rank_lists(self, stages: list[int]) -> list[list[int]]:
+        """For every pipe (each (dp, cp, tp)), the global ranks of ``stages`` in it, in a fixed order.
+
+        For groups over some stages of each pipe (tied weights): every rank creates every group.
+        """
+        return [
+            [self.rank_of(s, d, t, c) for s in stages]
+            for d in range(self.data_parallel_size)
+            for c in range(self.context_parallel_size)
+            for t in range(self.model_parallel_size)
+        ]
+
     @property
     def previous_pipe_rank(self) -> int | None:
         """Global rank of the previous stage, None on the first stage."""
-        c = self.coordinates()
-        return None if c.pp == 0 else self.rank_of(c.pp - 1, c.dp, c.tp)
+        p = self.pipe_parallel_rank
+        return None if p == 0 else self.pipe_rank_of_stage(p - 1)
 
     @property
     def next_pipe_rank(self) -> int | None:
         """Global rank of the next stage, None on the last stage."""
-        c = self.coordinates()
-        return None if c.pp == self.pipe_parallel_size - 1 else self.rank_of(c.pp + 1, c.dp, c.tp)
+        p = self.pipe_parallel_rank
+        return None if p == self.pipe_parallel_size - 1 else self.pipe_rank_of_stage(p + 1)
 
     # ------------------------------------------------------------- device
     @property
@@ -241,7 +307,8 @@ class Topology:
         return (
             f"Topology(rank={self.global_rank}/{self.world_size} {self.coordinates()!r}, "
             f"tp={c.model_parallel_size}, pp={c.pipe_parallel_size}, dp={c.data_parallel_size}, "
-            f"device={self.config.device}, backend={self.config.backend})"
+            + (f"cp={c.context_parallel_size}, " if c.context_parallel_size > 1 else "")
+            + f"device={self.config.device}, backend={self.config.backend})"
         )
 
     # ------------------------------------------------------ process groups
@@ -275,18 +342,28 @@ class Topology:
         # new_group is collective over the default group: every rank creates every group in
         # the same order and keeps the ones it belongs to.
         shard = self.data_parallel_shard_size
+        both = self.data_parallel_size > 1 and self.context_parallel_size > 1
+
+        def replica(r: int) -> tuple[int, int]:
+            c = self.coordinates(r)
+            return c.dp, c.cp
+
         for name, ranks_of in (
             ("pp", lambda r: self._ranks_along(r, "pp")),
             ("dp", lambda r: self._ranks_along(r, "dp")),
+            ("cp", lambda r: self._ranks_along(r, "cp")),
             ("tp", lambda r: self._ranks_along(r, "tp")),
-            ("mp", lambda r: [x for x in range(self.world_size) if self.coordinates(x).dp == self.coordinates(r).dp]),
+            ("mp", lambda r: [x for x in range(self.world_size) if replica(x) == replica(r)]),
+            # DP × CP, where it differs from both the DP and the CP group.
+            *([("dp_cp", lambda r: self._dp_ranks_where(r, lambda d, c: 0))] if both else []),
             # A second pipe group (see pipe_parallel_result_group), only where a pipe has two ranks or more.
             *([("pp_result", lambda r: self._ranks_along(r, "pp"))] if self.pipe_parallel_size > 1 else []),
-            # HSDP: consecutive DP ranks shard, and the groups replicate (only where both exceed 1).
+            # HSDP: consecutive DP ranks (with all their CP ranks) shard, and the groups
+            # replicate (only where both exceed 1).
             *(
                 [
-                    ("dp_shard", lambda r: self._dp_ranks_where(r, lambda d: d // shard)),
-                    ("dp_replicate", lambda r: self._dp_ranks_where(r, lambda d: d % shard)),
+                    ("dp_shard", lambda r: self._dp_ranks_where(r, lambda d, c: d // shard)),
+                    ("dp_replicate", lambda r: self._dp_ranks_where(r, lambda d, c: (d % shard, c))),
                 ]
                 if 1 < self.data_parallel_shard_size < self.data_parallel_size
                 else []
@@ -301,7 +378,7 @@ class Topology:
                 group = dist.new_group(list(ranks), timeout=self.timeout, group_desc=name)
                 if self.global_rank in ranks:
                     self._groups[name] = group
-        shape = (self.pipe_parallel_size, self.data_parallel_size, self.model_parallel_size)
+        shape = (self.pipe_parallel_size, self.data_parallel_size, self.context_parallel_size, self.model_parallel_size)
         self._mesh = DeviceMesh.from_group(
             [self._groups[name] for name in MESH_DIM_NAMES],
             self.device.type,
@@ -313,14 +390,24 @@ class Topology:
     def _ranks_along(self, rank: int, axis: str) -> list[int]:
         """Global ranks that share every coordinate of ``rank`` except ``axis``."""
         c = self.coordinates(rank)
-        sizes = {"pp": self.pipe_parallel_size, "dp": self.data_parallel_size, "tp": self.model_parallel_size}
-        coords = {"pp": c.pp, "dp": c.dp, "tp": c.tp}
+        sizes = {
+            "pp": self.pipe_parallel_size,
+            "dp": self.data_parallel_size,
+            "cp": self.context_parallel_size,
+            "tp": self.model_parallel_size,
+        }
+        coords = {"pp": c.pp, "dp": c.dp, "cp": c.cp, "tp": c.tp}
         return [self.rank_of(**{**coords, axis: i}) for i in range(sizes[axis])]
 
-    def _dp_ranks_where(self, rank: int, key: Callable[[int], int]) -> list[int]:
-        """The DP ranks at ``rank``'s (pp, tp) whose DP coordinate has the same ``key`` as its own."""
-        mine = key(self.coordinates(rank).dp)
-        return [r for r in self._ranks_along(rank, "dp") if key(self.coordinates(r).dp) == mine]
+    def _dp_ranks_where(self, rank: int, key: Callable[[int, int], object]) -> list[int]:
+        """The DP × CP ranks at ``rank``'s (pp, tp) whose (dp, cp) coordinates have the same ``key`` as its own."""
+        c = self.coordinates(rank)
+        mine = key(c.dp, c.cp)
+        return [
+            r
+            for r in self.data_context_parallel_ranks_of(rank)
+            if key(self.coordinates(r).dp, self.coordinates(r).cp) == mine
+        ]
 
     def _group(self, key: str, name: str) -> ProcessGroup:
         if key not in self._groups:
@@ -341,18 +428,38 @@ class Topology:
         return self._group("dp", "data_parallel_group")
 
     @property
-    def data_parallel_shard_group(self) -> ProcessGroup | None:
-        """The DP ranks that shard among themselves: the DP group without HSDP; None (no
-        communication) when ``data_parallel_shard_size`` is 1."""
-        if self.data_parallel_shard_size == self.data_parallel_size:
+    def context_parallel_group(self) -> ProcessGroup:
+        """The CP group: the ranks holding slices of the same sequences."""
+        return self._group("cp", "context_parallel_group")
+
+    @property
+    def data_context_parallel_group(self) -> ProcessGroup:
+        """DP × CP: the ranks that hold the same parameters (gradient averaging, ZeRO).
+
+        The DP group without context parallelism, the CP group without data parallelism.
+        """
+        if self.context_parallel_size == 1:
             return self.data_parallel_group
-        if self.data_parallel_shard_size == 1:
+        if self.data_parallel_size == 1:
+            return self.context_parallel_group
+        return self._group("dp_cp", "data_context_parallel_group")
+
+    @property
+    def data_parallel_shard_group(self) -> ProcessGroup | None:
+        """The ranks that shard among themselves (ZeRO): DP × CP without HSDP; under HSDP
+        ``data_parallel_shard_size`` DP ranks with their CP ranks; None (no communication)
+        when that is one rank."""
+        if self.data_parallel_shard_size == self.data_parallel_size:
+            return self.data_context_parallel_group
+        if self.data_parallel_shard_size * self.context_parallel_size == 1:
             return None
+        if self.data_parallel_shard_size == 1:
+            return self.context_parallel_group
         return self._group("dp_shard", "data_parallel_shard_group")
 
     @property
     def data_parallel_replicate_group(self) -> ProcessGroup | None:
-        """The replicas of this rank's shard (HSDP): None (no communication) without HSDP."""
+        """The replicas of this rank's shard (HSDP; same CP rank): None (no communication) without HSDP."""
         if self.data_parallel_shard_size == self.data_parallel_size:
             return None
         if self.data_parallel_shard_size == 1:
@@ -384,7 +491,7 @@ class Topology:
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """DeviceMesh with dims ``("pp", "dp", "tp")``."""
+        """DeviceMesh with dims ``("pp", "dp", "cp", "tp")``."""
         if self._mesh is None:
             raise RuntimeError(
                 "device_mesh does not exist yet; call topology.initialize_distributed() on every rank first"

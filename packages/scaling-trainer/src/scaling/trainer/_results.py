@@ -113,18 +113,20 @@ class StepResults:
             result = {"loss": loss, "metrics": {k: float(v) for k, v in metrics.items()}}
         if self.num_stages > 1:
             result = self._broadcast(result)
-        if topo.data_parallel_size > 1:
+        if topo.data_context_parallel_size > 1:
+            # Over DP × CP: a CP rank's loss is its share of the sequence's loss, scaled so
+            # that the mean over the CP ranks is the sequence's loss.
             values = torch.tensor(
                 [result["loss"], *result["metrics"].values()], dtype=torch.float64, device=topo.device
             )
-            all_reduce(values, topo.data_parallel_group)
-            values /= topo.data_parallel_size
+            all_reduce(values, topo.data_context_parallel_group)
+            values /= topo.data_context_parallel_size
             result = {"loss": float(values[0]), "metrics": dict(zip(result["metrics"], values[1:].tolist()))}
         return float(result["loss"]), dict(result["metrics"])
 
     def _last_stage_rank(self) -> int:
         topo = self.topology
-        return topo.rank_of(self.num_stages - 1, topo.data_parallel_rank, topo.model_parallel_rank)
+        return topo.pipe_rank_of_stage(self.num_stages - 1)
 
     def _broadcast(self, result: dict[str, Any] | None) -> dict[str, Any]:
         group, names, src = self.topology.pipe_parallel_result_group, self._names.names, self._last_stage_rank()

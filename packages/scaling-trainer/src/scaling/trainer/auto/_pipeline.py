@@ -169,12 +169,10 @@ class PipelineStage:
             if len(stages) < 2:
                 continue
             # new_group is collective over the default group: every rank creates every group.
-            for dp in range(topo.data_parallel_size):
-                for tp in range(topo.model_parallel_size):
-                    ranks = [topo.rank_of(s, dp, tp) for s in stages]
-                    group = dist.new_group(ranks)
-                    if topo.global_rank in ranks:
-                        out.append((path, group))
+            for ranks in topo.stage_rank_lists(stages):
+                group = dist.new_group(ranks)
+                if topo.global_rank in ranks:
+                    out.append((path, group))
         return out
 
     def reduce_tied_gradients(self) -> None:
@@ -242,7 +240,7 @@ class PipelineStage:
         topo = self.topology
         broadcast(
             loss,
-            topo.rank_of(self.num_stages - 1, topo.data_parallel_rank, topo.model_parallel_rank),
+            topo.pipe_rank_of_stage(self.num_stages - 1),
             topo.pipe_parallel_group,
         )
         return loss

@@ -1,0 +1,122 @@
+"""Communication of context parallelism: the ring shift and the all-to-all of attention heads.
+
+Shape legend: b batch, n heads, s this rank's sequence slice, d head dim, cp group size.
+
+- :func:`ring_shift_async` passes a tensor one step round the group's ring (to group
+  rank ``r + 1``, from ``r - 1``), as ring attention moves key/value blocks.
+- :func:`scatter_heads_gather_sequence` and its inverse
+  :func:`gather_heads_scatter_sequence` are the two all-to-alls of all-to-all
+  (DeepSpeed-Ulysses) attention: before attention each rank trades its heads for the
+  sequence (``[b, n, s, d] -> [b, n / cp, cp * s, d]``, the sequence slices in group-rank
+  order), after it the other way. They are autograd functions: each one's backward is
+  the other.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from scaling.collectives._ops import PendingCollective, _collective, group_size
+
+ProcessGroup = dist.ProcessGroup
+
+
+class _Works:
+    """The works of one batched send/receive, waited as one."""
+
+    __slots__ = ("_works",)
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self._works = works
+
+    def wait(self) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
+
+
+def ring_shift_async(outgoing: torch.Tensor, incoming: torch.Tensor, group: ProcessGroup) -> PendingCollective:
+    """Send ``outgoing`` to the next group rank and receive the previous one's into ``incoming``.
+
+    Both tensors have the same shape and dtype; neither may be touched until the
+    returned handle is waited. Waiting raises the named errors of the other collectives.
+    """
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    nxt = dist.get_global_rank(group, (rank + 1) % size)
+    prev = dist.get_global_rank(group, (rank - 1) % size)
+    ops = [dist.P2POp(dist.isend, outgoing, nxt, group), dist.P2POp(dist.irecv, incoming, prev, group)]
+    return _collective(
+        "ring_shift", group, (outgoing,), lambda: _Works(list(dist.batch_isend_irecv(ops))), async_op=True
+    )
+
+
+def _all_to_all(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """``x`` ``[cp, ...]``: row ``j`` goes to group rank ``j``; row ``j`` of the result came from rank ``j``."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _collective("all_to_all", group, (x,), lambda: dist.all_to_all_single(out, x, group=group)).wait()
+    return out
+
+
+def _heads_to_sequence(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    cp = group_size(group)
+    b, n, s, d = x.shape
+    if n % cp:
+        raise ValueError(
+            f"scatter_heads_gather_sequence: {n} heads do not divide over {cp} ranks; use a head count that "
+            f"is a multiple of the context-parallel size, or ring attention"
+        )
+    chunks = x.reshape(b, cp, n // cp, s, d).transpose(0, 1)  # [cp, b, n/cp, s, d]
+    received = _all_to_all(chunks, group)  # row j: rank j's sequence slice of our heads
+    return received.permute(1, 2, 0, 3, 4).reshape(b, n // cp, cp * s, d)
+
+
+def _sequence_to_heads(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    cp = group_size(group)
+    b, n, total, d = x.shape
+    s = total // cp
+    chunks = x.reshape(b, n, cp, s, d).permute(2, 0, 1, 3, 4)  # [cp, b, n, s, d]: slice j back to rank j
+    received = _all_to_all(chunks, group)  # row j: heads of rank j, our sequence slice
+    return received.transpose(0, 1).reshape(b, cp * n, s, d)
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return _heads_to_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return _sequence_to_heads(grad, ctx.group), None
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return _sequence_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return _heads_to_sequence(grad, ctx.group), None
+
+
+def scatter_heads_gather_sequence(x_bnsd: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """``[b, n, s, d]`` -> ``[b, n / cp, cp * s, d]``: this rank keeps heads ``[r n / cp, (r + 1) n / cp)``
+    of every rank's sequence slice, concatenated in group-rank order. Identity for one rank.
+
+    Raises:
+        ValueError: when ``n`` is not a multiple of the group size.
+    """
+    if group is None or group_size(group) == 1:
+        return x_bnsd
+    return _HeadsToSequence.apply(x_bnsd, group)
+
+
+def gather_heads_scatter_sequence(x_bnsd: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """The inverse of :func:`scatter_heads_gather_sequence`: ``[b, n, cp * s, d]`` -> ``[b, cp * n, s, d]``."""
+    if group is None or group_size(group) == 1:
+        return x_bnsd
+    return _SequenceToHeads.apply(x_bnsd, group)

@@ -1,0 +1,193 @@
+"""Context-parallel attention (ring and all-to-all) against one process's attention.
+
+Each rank holds its zigzag slice of the same seeded sequence; its output and its slices
+of the query/key/value gradients must equal those of ``F.scaled_dot_product_attention``
+on the whole sequence, within 1e-6 relative (fp32).
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from scaling.nn import KVCache, ParallelSelfAttention, check_context_parallel, reduce_sequence_parallel_gradients
+from scaling.nn._context_parallel import (
+    TokenLayout,
+    all_to_all_attention,
+    block_attention_backward,
+    block_attention_forward,
+    math_attention_backward,
+    math_attention_forward,
+    ring_attention,
+    split_sequence,
+    zigzag_indices,
+)
+from scaling.nn._rotary import document_ids_and_positions, packed_attention_mask
+from scaling.testing import make_topology, run_distributed, shard
+
+sys.path.insert(0, os.path.dirname(__file__))
+from nn_parity import check_layer_parity  # noqa: E402
+
+B, S, D = 2, 32, 8
+# (query heads, key/value heads, mask): MHA and GQA; causal, causal packed documents, bidirectional packed.
+CASES = [(4, 4, "causal"), (4, 2, "causal"), (4, 4, "packed"), (4, 1, "packed"), (4, 2, "packed_bidirectional")]
+CU_SEQLENS = torch.tensor([0, 5, 19, 32, 45, 46, 64])  # documents over the flattened b * S tokens
+
+
+def _reference(nq, nkv, kind):
+    g = torch.Generator().manual_seed(nq * 10 + nkv)
+    q = torch.randn(B, nq, S, D, generator=g, dtype=torch.float32)
+    k, v = (torch.randn(B, nkv, S, D, generator=g) for _ in range(2))
+    grad = torch.randn(B, nq, S, D, generator=g)
+    causal = kind != "packed_bidirectional"
+    docs = document_ids_and_positions(CU_SEQLENS, B, S)[0] if kind != "causal" else None
+    mask = None if docs is None else packed_attention_mask(docs, causal)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=True)
+    out.backward(grad)
+    return (q, k, v, grad), (out.detach(), *(t.grad for t in leaves)), causal, docs
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _cp_errors(method):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(size)))
+    errors = {}
+    for nq, nkv, kind in CASES:
+        inputs, expected, causal, docs = _reference(nq, nkv, kind)
+        q, k, v = (split_sequence(t, 2, rank, size).requires_grad_() for t in inputs[:3])
+        layout = TokenLayout(S, rank, size, causal, docs)
+        attention = ring_attention if method == "ring" else all_to_all_attention
+        out = attention(q, k, v, layout, group)
+        out.backward(split_sequence(inputs[3], 2, rank, size))
+        got = (out, q.grad, k.grad, v.grad)
+        errors[(nq, nkv, kind)] = max(_rel(a, split_sequence(e, 2, rank, size)) for a, e in zip(got, expected))
+    return errors
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("method", ["ring", "all_to_all"])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_context_parallel_attention_matches_one_process(method, cp):
+    for rank_errors in run_distributed(_cp_errors, cp, method, timeout_seconds=120):
+        for case, err in rank_errors.items():
+            assert err < 1e-6, (method, cp, case, err)
+
+
+def test_zigzag_layout():
+    assert zigzag_indices(8, 0, 2).tolist() == [0, 1, 6, 7]
+    assert zigzag_indices(8, 1, 2).tolist() == [2, 3, 4, 5]
+    assert sorted(torch.cat([zigzag_indices(16, r, 4) for r in range(4)]).tolist()) == list(range(16))
+    x = torch.arange(16).view(1, 16)
+    assert split_sequence(x, 1, 3, 4).tolist() == [zigzag_indices(16, 3, 4).tolist()]
+    with pytest.raises(ValueError, match=r"sequence length 12 is not divisible by 2 × context_parallel_size = 8"):
+        zigzag_indices(12, 0, 4)
+
+
+def test_block_kernel_matches_the_written_out_math():
+    """The CPU flash kernel path and the fp32 path other devices take agree with SDPA."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(2, 3, 6, 4, generator=g) for _ in range(4))
+    mask = torch.rand(2, 1, 6, 6, generator=g) > 0.4
+    mask[..., 0] = True  # every row sees a key
+    for m, causal in ((mask, False), (None, True), (None, False)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*leaves, attn_mask=m, is_causal=causal, scale=0.5)
+        ref.backward(grad)
+        visible = torch.ones(6, 6, dtype=torch.bool).tril() if causal else (m if m is not None else True)
+        ref_lse = ((q @ k.transpose(-1, -2)) * 0.5).masked_fill(~torch.as_tensor(visible), float("-inf")).logsumexp(-1)
+        for forward, backward in (
+            (block_attention_forward, block_attention_backward),
+            (math_attention_forward, math_attention_backward),
+        ):
+            out, lse = forward(q, k, v, m, causal, 0.5)
+            assert torch.allclose(out, ref, atol=1e-6) and torch.allclose(lse, ref_lse, atol=1e-6)
+            for a, b in zip(backward(grad, q, k, v, out, lse, m, causal, 0.5), leaves):
+                assert torch.allclose(a, b.grad, atol=1e-5)
+
+
+ATTENTION_CONFIGS = [
+    dict(num_attention_heads=8, num_kv_heads=8, fused_qkv=True, qk_norm=True),
+    dict(num_attention_heads=8, num_kv_heads=2, fused_qkv=False, rotary_interleaved=True),  # GQA, kv < tp·cp
+]
+
+
+def _layer_parity(tp, method, sequence_parallel):
+    topo = make_topology(model_parallel_size=tp, context_parallel_size=dist.get_world_size() // tp)
+    cp, cp_rank, tp_rank = topo.context_parallel_size, topo.context_parallel_rank, topo.model_parallel_rank
+
+    def local(full):  # this rank's zigzag slice, then its sequence-parallel part
+        mine = split_sequence(full, 1, cp_rank, cp)
+        return shard(mine, 1, tp_rank, tp) if sequence_parallel else mine
+
+    for i, config in enumerate(ATTENTION_CONFIGS):
+        for cu in (None, CU_SEQLENS):
+            torch.manual_seed(i)
+            layer = ParallelSelfAttention(
+                32, topology=topo, sequence_parallel=sequence_parallel, context_parallel_method=method, **config
+            )
+            torch.manual_seed(i)
+            ref = ParallelSelfAttention(32, **config)
+            x_ref = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+            grad = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(2))
+            y_ref = ref(x_ref, cu_seqlens=cu)
+            y_ref.backward(grad)
+            x = local(x_ref.detach()).requires_grad_(True)
+            y = layer(x, cu_seqlens=cu)
+            y.backward(local(grad))
+            for p in layer.parameters():  # each CP rank holds its tokens' share of the gradient
+                dist.all_reduce(p.grad, group=topo.context_parallel_group)
+            if sequence_parallel:
+                reduce_sequence_parallel_gradients(layer, topo.model_parallel_group)
+            x_local = local(x_ref.detach())
+            x_local.grad = local(x_ref.grad)
+            check_layer_parity(layer, ref, [y], [local(y_ref)], [x], [x_local], topo.model_parallel_group)
+    return True
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("method", ["ring", "all_to_all"])
+@pytest.mark.parametrize(
+    ("world", "tp", "sequence_parallel"),
+    [
+        (2, 1, False),
+        pytest.param(4, 2, True, marks=pytest.mark.slow),
+        pytest.param(4, 1, False, marks=pytest.mark.slow),
+    ],
+)
+def test_attention_layer_with_context_parallelism_matches_one_process(method, world, tp, sequence_parallel):
+    assert run_distributed(_layer_parity, world, tp, method, sequence_parallel, timeout_seconds=120) == [True] * world
+
+
+def _bad_context_parallel():
+    topo = make_topology(context_parallel_size=4)
+    msgs = []
+    for kwargs in (dict(num_attention_heads=6, context_parallel_method="all_to_all"), dict(attention_dropout=0.1)):
+        try:
+            ParallelSelfAttention(48, **{"num_attention_heads": 4, **kwargs}, topology=topo)
+        except ValueError as e:
+            msgs.append(str(e))
+    try:
+        ParallelSelfAttention(48, 4, topology=topo)(torch.randn(1, 8, 48), kv_cache=KVCache())
+    except ValueError as e:
+        msgs.append(str(e))
+    dist.barrier()
+    return msgs
+
+
+@pytest.mark.distributed
+def test_context_parallel_refusals_name_values_and_fix():
+    m = run_distributed(_bad_context_parallel, 4, timeout_seconds=60)[0]
+    assert len(m) == 3
+    assert "the 6 query heads of each tensor-parallel rank to divide by context_parallel_size=4" in m[0]
+    assert "use context_parallel_method='ring'" in m[0]
+    assert "attention_dropout=0.1 with context_parallel_size=4" in m[1] and "set attention_dropout=0" in m[1]
+    assert "kv_cache (generation) with context_parallel_size > 1" in m[2]
+    with pytest.raises(ValueError, match=r"context_parallel_method='zigzag'; choose one of \['ring', 'all_to_all'\]"):
+        check_context_parallel(4, 1, "zigzag", 0.0)
