@@ -26,6 +26,11 @@ CASES: list[tuple[str, dict]] = [
         "scaling.transformer.config:TransformerConfig",
         {"topology": {"model_parallel_size": 3}, "transformer_architecture": {"num_attention_heads": 8}},
     ),
+    ("scaling.mlp.config:MLPConfig", {"topology": {"context_parallel_size": 2}}),
+    (
+        "scaling.transformer.config:TransformerConfig",
+        {"topology": {"context_parallel_size": 4}, "data": {"sequence_length": 20}},
+    ),
 ]
 
 

@@ -38,8 +38,56 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
         (["transformer_architecture.vocab_size=200"], f"holds token id {TINY_VOCAB - 1} but transformer_architecture"),
         (["transformer_architecture.mlp_type=relu"], "mlp_type"),
         (["training.num_virtual_stages=2"], "num_virtual_stages=2 needs training.schedule='interleaved_1f1b'"),
+        (
+            ["topology.context_parallel_size=3", "runner.nproc_per_node=3"],
+            r"data.sequence_length=16 is not divisible by 2 × topology.context_parallel_size = 6 .*choose a multiple of 6",
+        ),
+        (
+            [
+                "topology.context_parallel_size=4",
+                "runner.nproc_per_node=8",
+                "topology.model_parallel_size=2",
+                "transformer_architecture.context_parallel_method=all_to_all",
+            ],
+            r"needs the 2 query heads of each tensor-parallel rank to divide by context_parallel_size=4; use "
+            r"context_parallel_method='ring'",
+        ),
+        (
+            [
+                "topology.context_parallel_size=2",
+                "runner.nproc_per_node=2",
+                "transformer_architecture.attention_dropout=0.1",
+            ],
+            r"attention_dropout=0.1 with context_parallel_size=2: .*set attention_dropout=0",
+        ),
+        (
+            [
+                "topology.context_parallel_size=4",
+                "runner.nproc_per_node=16",
+                "topology.model_parallel_size=4",
+                "transformer_architecture.num_kv_heads=4",
+                "transformer_architecture.sequence_parallel=true",
+                "data.sequence_length=24",
+            ],
+            r"data.sequence_length=24 / topology.context_parallel_size=4 = 6 tokens per CP rank is not divisible by "
+            r"topology.model_parallel_size=4",
+        ),
     ],
-    ids=["kv-heads", "heads-hidden", "tp-heads", "seq-len", "fp16", "nproc", "data-vocab", "mlp-type", "virtual"],
+    ids=[
+        "kv-heads",
+        "heads-hidden",
+        "tp-heads",
+        "seq-len",
+        "fp16",
+        "nproc",
+        "data-vocab",
+        "mlp-type",
+        "virtual",
+        "cp-seq-len",
+        "cp-a2a-heads",
+        "cp-dropout",
+        "cp-sp-seq-len",
+    ],
 )
 def test_bad_config_is_refused(capsys, tiny_corpus, tmp_path, overrides, match):
     code, err = _train(capsys, tiny_corpus, tmp_path, *overrides)

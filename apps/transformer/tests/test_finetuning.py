@@ -152,14 +152,14 @@ def lora_reference(tiny_corpus):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["tp2-sp", "pp2", "dp2-pp2-zero3"])
+@pytest.mark.parametrize("layout", ["tp2-sp", "pp2", "dp2-pp2-zero3", pytest.param("cp2", marks=pytest.mark.slow)])
 def test_lora_parallel_layouts_match_one_process(tiny_corpus, lora_reference, layout):
-    sizes = {"tp2-sp": {"tp": 2}, "pp2": {"pp": 2}, "dp2-pp2-zero3": {"dp": 2, "pp": 2}}[layout]
+    sizes = {"tp2-sp": {"tp": 2}, "pp2": {"pp": 2}, "dp2-pp2-zero3": {"dp": 2, "pp": 2}, "cp2": {"cp": 2}}[layout]
     cfg = tiny_config(tiny_corpus, steps=4, finetuning=LORA, **sizes)
     cfg["transformer_architecture"]["sequence_parallel"] = layout == "tp2-sp"
     if layout.endswith("zero3"):
         cfg["optimizer"]["zero_stage"] = 3  # the adapters and the frozen base weights are sharded
-    world = sizes.get("dp", 1) * sizes.get("tp", 1) * sizes.get("pp", 1)
+    world = sizes.get("dp", 1) * sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1)
     for rank, history in enumerate(run_distributed(train_worker, world, cfg, timeout_seconds=180)):
         assert_parity(losses(history), lora_reference, rtol=1e-5, name=f"rank {rank} LoRA losses at {layout}")
 

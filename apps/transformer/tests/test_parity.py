@@ -164,3 +164,59 @@ def test_reduced_precision_tracks_fp32(tiny_corpus, reference_losses, precision,
         assert len(got) == STEPS and got[-1] < got[0], got
         gap = max(abs(a - b) for a, b in zip(got, reference_losses))
         assert gap <= tolerance, f"{precision} {layout} rank {rank}: {got} vs fp32 {reference_losses} (gap {gap:.4f})"
+
+
+# Context parallelism: the tiny corpus packs documents, so every run below masks
+# attention per document across the CP ranks and restarts RoPE positions per document.
+@pytest.mark.distributed
+def test_cp2_ring(tiny_corpus, reference_losses):
+    cfg = tiny_config(tiny_corpus, cp=2, steps=STEPS)
+    _check(run_distributed(train_worker, 2, cfg, timeout_seconds=180), reference_losses, "cp2 ring")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_cp2_all_to_all_zero3(tiny_corpus, reference_losses):
+    cfg = tiny_config(tiny_corpus, cp=2, steps=STEPS, optimizer={"zero_stage": 3})
+    cfg["transformer_architecture"]["context_parallel_method"] = "all_to_all"
+    _check(run_distributed(train_worker, 2, cfg, timeout_seconds=180), reference_losses, "cp2 all-to-all zero3")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ring", "all_to_all"])
+def test_cp2_tp2_sequence_parallel(tiny_corpus, reference_losses, method):
+    cfg = tiny_config(tiny_corpus, tp=2, cp=2, steps=STEPS)
+    cfg["transformer_architecture"].update(sequence_parallel=True, context_parallel_method=method)
+    _check(run_distributed(train_worker, 4, cfg, timeout_seconds=240), reference_losses, f"cp2·tp2 sp {method}")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_cp2_pp2_dp2(tiny_corpus, reference_losses):
+    cfg = tiny_config(tiny_corpus, cp=2, pp=2, dp=2, steps=STEPS, optimizer={"zero_stage": 1})
+    cfg["transformer_architecture"]["activation_checkpointing"] = "every_layer"
+    _check(run_distributed(train_worker, 8, cfg, timeout_seconds=300), reference_losses, "cp2·pp2·dp2")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_cp4_all_to_all(tiny_corpus, reference_losses):
+    # 2 kv heads over 4 CP ranks: repeated to 4 before the all-to-all.
+    cfg = tiny_config(tiny_corpus, cp=4, steps=STEPS)
+    cfg["transformer_architecture"]["context_parallel_method"] = "all_to_all"
+    _check(run_distributed(train_worker, 4, cfg, timeout_seconds=240), reference_losses, "cp4 all-to-all")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_cp2_checkpoint_resumes_at_cp1_and_cp4(tiny_corpus, reference_losses, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    first = tiny_config(tiny_corpus, cp=2, steps=STEPS, trainer={"save_dir": ckpt, "save_interval": 5})
+    first["trainer"]["train_iterations"] = 5  # stop half way; the schedule still spans STEPS
+    run_distributed(train_worker, 2, first, timeout_seconds=180)
+    for cp in (1, 4):
+        second = tiny_config(tiny_corpus, cp=cp, steps=STEPS, trainer={"load_dir": ckpt})
+        resumed = run_distributed(train_worker, cp, second, timeout_seconds=240)
+        for rank, history in enumerate(resumed):
+            assert_parity(losses(history), reference_losses[5:], rtol=1e-5, name=f"rank {rank} resumed at cp{cp}")

@@ -23,7 +23,7 @@ def build_tiny_corpus(root: Path) -> Path:
 
 
 def tiny_config(
-    corpus: Path, tp: int = 1, pp: int = 1, dp: int = 1, steps: int = 10, **sections: dict[str, Any]
+    corpus: Path, tp: int = 1, pp: int = 1, dp: int = 1, steps: int = 10, cp: int = 1, **sections: dict[str, Any]
 ) -> dict[str, Any]:
     """The bundled config shrunk: hidden 32, 2 layers, GQA 4/2 heads, sequence 16, no saving."""
     cfg = yaml.safe_load(DEFAULT_CONFIG.read_text())
@@ -31,12 +31,13 @@ def tiny_config(
         model_parallel_size=tp,
         pipe_parallel_size=pp,
         data_parallel_size=dp,
+        context_parallel_size=cp,
         global_batch_size=8,
         micro_batch_size=2,
         device="cpu",
         timeout_seconds=60,
     )
-    cfg["runner"]["nproc_per_node"] = tp * pp * dp
+    cfg["runner"]["nproc_per_node"] = tp * pp * dp * cp
     cfg["trainer"].update(
         train_iterations=steps, eval_interval=None, save_dir=None, save_interval=None, log_interval=steps
     )

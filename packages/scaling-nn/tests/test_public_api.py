@@ -38,14 +38,12 @@ EXPECTED = [
     "reduce_sequence_parallel_gradients",
     "ring_attention",
     "set_layer_index",
-    "split_sequence",
     "tracker_checkpoint_context",
     "unmerge_lora",
     "valid_model_parallel_sizes",
     "vocab_parallel_cross_entropy",
     "vocab_range",
     "write_peft_adapter",
-    "zigzag_indices",
 ]
 
 

@@ -20,11 +20,20 @@ from scaling.topology import TopologyConfig
         ({}, (1, 1, 1, 1)),  # a default written into a config class: one process
         ({"model_parallel_size": 2}, (2, 2, 1, 1)),
         ({"world_size": 6, "model_parallel_size": 2, "pipe_parallel_size": 3, "data_parallel_size": 1}, (6, 2, 3, 1)),
+        # Context parallelism multiplies the ranks: world = tp × cp × pp × dp.
+        ({"world_size": 8, "context_parallel_size": 2, "model_parallel_size": 2}, (8, 2, 1, 2)),
+        ({"context_parallel_size": 4, "data_parallel_size": 2}, (8, 1, 1, 2)),
+        ({"context_parallel_size": 2}, (2, 1, 1, 1)),
     ],
 )
 def test_sizes_derived(given, expected):
     c = TopologyConfig(**given)
     assert (c.world_size, c.model_parallel_size, c.pipe_parallel_size, c.data_parallel_size) == expected
+
+
+def test_context_parallelism_does_not_change_the_batch():
+    c = TopologyConfig(world_size=8, context_parallel_size=4, micro_batch_size=2, gradient_accumulation_steps=3)
+    assert (c.data_parallel_size, c.global_batch_size) == (2, 12)
 
 
 @pytest.mark.parametrize(
@@ -73,6 +82,25 @@ INVALID = [
     ({"world_size": 2, "device": "tpu"}, r"device\n  Input should be 'auto', 'cpu' or 'cuda'.*input_value='tpu'"),
     ({"world_size": 2, "device": "cpu", "backend": "nccl"}, r"backend='nccl' needs device='cuda'"),
     ({"world_size": 2, "timeout_seconds": 0}, r"timeout_seconds\n  Input should be greater than 0"),
+    (
+        {"world_size": 6, "context_parallel_size": 4},
+        r"world_size=6 is not divisible by model_parallel_size=1 × pipe_parallel_size=1 × context_parallel_size=4 = 4",
+    ),
+    (
+        {
+            "world_size": 8,
+            "model_parallel_size": 2,
+            "pipe_parallel_size": 1,
+            "data_parallel_size": 2,
+            "context_parallel_size": 3,
+        },
+        r"world_size=8 does not equal model_parallel_size=2 × context_parallel_size=3 × pipe_parallel_size=1 × "
+        r"data_parallel_size=2 = 12",
+    ),
+    (
+        {"world_size": 2, "context_parallel_size": 0},
+        r"context_parallel_size\n  Input should be greater than or equal to 1",
+    ),
 ]
 
 

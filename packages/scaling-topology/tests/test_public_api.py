@@ -13,4 +13,6 @@ def test_public_api():
         "get_rng_state",
         "seed_all",
         "set_rng_state",
+        "split_sequence",
+        "zigzag_indices",
     ]

@@ -78,6 +78,12 @@ class MLPConfig(BaseConfig):
                 f"architecture.hidden_size={arch.hidden_size} is not divisible by topology.model_parallel_size={tp}; "
                 f"choose a model_parallel_size in {choices} or another hidden_size"
             )
+        if self.topology.context_parallel_size > 1:
+            raise ValueError(
+                f"topology.context_parallel_size={self.topology.context_parallel_size}: the MLP's samples have no "
+                "sequence to split; set context_parallel_size=1 (context parallelism is for sequence models such "
+                "as the transformer app)"
+            )
         if 2 * arch.num_blocks < pp:  # type: ignore[operator]
             raise ValueError(
                 f"topology.pipe_parallel_size={pp} exceeds the model's {2 * arch.num_blocks} layers "

@@ -10,6 +10,7 @@ import torch
 from pydantic import Field, model_validator
 
 from scaling.config import BaseConfig
+from scaling.nn import check_context_parallel
 from scaling.optim import LearningRateSchedulerConfig, OptimizerConfig, check_sharding
 from scaling.runner import RunnerConfig
 from scaling.topology import TopologyConfig
@@ -78,6 +79,11 @@ class TransformerArchitectureConfig(BaseConfig):
     )
     document_masking: bool = Field(
         True, description="Attention stays within each packed document and positions restart at document starts."
+    )
+    context_parallel_method: Literal["ring", "all_to_all"] = Field(
+        "ring",
+        description="With topology.context_parallel_size > 1: 'ring' passes key/value blocks round the CP ranks; "
+        "'all_to_all' trades heads for sequence (needs the heads of a TP rank to divide by the CP size).",
     )
 
     @property
@@ -297,9 +303,20 @@ class TransformerConfig(BaseConfig):
                 f"data.sequence_length={self.data.sequence_length} exceeds transformer_architecture."
                 f"max_sequence_length={arch.max_sequence_length}; shorten the sequence or raise max_sequence_length"
             )
-        if arch.sequence_parallel and self.data.sequence_length % tp:
+        cp, seq = self.topology.context_parallel_size, self.data.sequence_length
+        if cp > 1:
+            if seq % (2 * cp):
+                raise ValueError(
+                    f"data.sequence_length={seq} is not divisible by 2 × topology.context_parallel_size = {2 * cp} "
+                    f"(each CP rank holds two of {2 * cp} equal chunks); choose a multiple of {2 * cp}"
+                )
+            check_context_parallel(
+                arch.num_attention_heads // tp, cp, arch.context_parallel_method, arch.attention_dropout
+            )
+        if arch.sequence_parallel and (seq // cp) % tp:
+            cp_note = f" / topology.context_parallel_size={cp} = {seq // cp} tokens per CP rank" if cp > 1 else ""
             raise ValueError(
-                f"data.sequence_length={self.data.sequence_length} is not divisible by topology.model_parallel_size="
+                f"data.sequence_length={seq}{cp_note} is not divisible by topology.model_parallel_size="
                 f"{self.topology.model_parallel_size}, which sequence_parallel=true needs"
             )
         virtual = self.training.num_virtual_stages

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from scaling.collectives import copy_to_model_parallel_region, gather_from_sequence_parallel_region
+from scaling.collectives import all_reduce, copy_to_model_parallel_region, gather_from_sequence_parallel_region
 from scaling.nn import (
     BaseLayer,
     KVCache,
@@ -143,6 +143,7 @@ class TransformerBlock(BaseLayer[TransformerLayerIO, TransformerLayerIO]):
             checkpoint_core_attention=arch.activation_checkpointing == "selective",
             init_method=normal_init(arch.init_std),
             output_init_method=output_init,
+            context_parallel_method=arch.context_parallel_method,
         )
         self.mlp_norm = make_norm(arch, topology)
         mlp_class = ParallelSwiGLUMLP if arch.mlp_type == "swiglu" else ParallelMLP
@@ -238,19 +239,29 @@ class TransformerLoss:
 
     def __init__(self, vocab_size: int, topology: Topology | None) -> None:
         self.vocab_size, self.group = vocab_size, _group(topology)
+        cp = 1 if topology is None else topology.context_parallel_size
+        self.cp_group = topology.context_parallel_group if topology is not None and cp > 1 else None
+        self.cp_size = cp
 
     def __call__(
         self, output: TransformerHeadOutput, batch: TransformerBatch
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         assert batch.target_token_ids is not None  # the last stage always receives targets
+        targets, weights = batch.target_token_ids, batch.loss_weights
+        reduction = "mean" if self.cp_group is None else "sum"
         loss = vocab_parallel_cross_entropy(
-            output.logits,
-            batch.target_token_ids,
-            self.group,
-            loss_weights=batch.loss_weights,
-            vocab_size=self.vocab_size,
+            output.logits, targets, self.group, loss_weights=weights, vocab_size=self.vocab_size, reduction=reduction
         )
-        return loss, {}
+        if self.cp_group is None:
+            return loss, {}
+        # Context parallelism: this rank holds part of each sequence. Its loss is its share
+        # of the weighted sum over the whole sequences, divided by the CP ranks' mean
+        # weight, so the mean over the CP ranks (what the step reports, and what the
+        # gradient average over DP × CP differentiates) is the one-process loss.
+        kept = (targets != -100).to(loss.dtype)
+        total_weight = (kept if weights is None else kept * weights.to(loss.dtype)).sum().detach()
+        all_reduce(total_weight, self.cp_group)
+        return loss / (total_weight / self.cp_size), {}
 
 
 def num_parameters(arch: TransformerArchitectureConfig) -> int:

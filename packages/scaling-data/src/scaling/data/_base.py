@@ -57,6 +57,23 @@ class BaseDatasetBatch(ABC):
         """
         return _map_tensors(self, lambda t: t.to(device, non_blocking=non_blocking))
 
+    def context_parallel_split(self: _B, rank: int, size: int) -> _B:
+        """The batch as context-parallel rank ``rank`` of ``size`` sees it: its slice of every sequence.
+
+        The trainer's step calls it after the TP sync when ``context_parallel_size > 1``.
+        Batches whose tensors have a sequence dimension implement it with
+        ``scaling.topology.split_sequence`` (the zigzag split, ``LMPackingBatch`` does);
+        the default refuses, since only the batch knows which dimension is the sequence.
+
+        Raises:
+            ValueError: always, naming the batch type and the fix.
+        """
+        raise ValueError(
+            f"context_parallel_size={size}: batches of type {type(self).__name__} do not say how to split their "
+            "sequences over the context-parallel ranks; implement context_parallel_split(rank, size) (e.g. with "
+            "scaling.topology.split_sequence) or train with context_parallel_size=1"
+        )
+
     def pin_memory(self: _B) -> _B:
         """The batch with every CPU tensor field in pinned (page-locked) host memory.
 

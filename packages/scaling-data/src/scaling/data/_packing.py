@@ -7,8 +7,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from scaling.data._base import BaseDataset, BaseDatasetBatch, BaseDatasetItem
+from scaling.data._base import BaseDataset, BaseDatasetBatch, BaseDatasetItem, _map_tensors
 from scaling.data._tokens import MMapTokenDataset
+from scaling.topology import split_sequence
 
 
 @dataclass
@@ -48,6 +49,14 @@ class LMPackingBatch(BaseDatasetBatch):
 
     def only_targets(self) -> LMPackingBatch:
         return replace(self, input_token_ids=None, position_ids=None, cumulative_seq_lengths=None)
+
+    def context_parallel_split(self, rank: int, size: int) -> LMPackingBatch:
+        """Every ``[b, s, ...]`` tensor field cut to CP rank ``rank``'s zigzag slice of the sequence.
+
+        ``cumulative_seq_lengths`` stays whole: attention needs every document boundary of
+        the whole sequences. Fields a subclass adds (``[b, s]`` loss weights, say) are cut too.
+        """
+        return _map_tensors(self, lambda t: split_sequence(t, 1, rank, size) if t.dim() >= 2 else t)
 
 
 class LMPackingDataset(BaseDataset[LMPackingItem, LMPackingBatch]):

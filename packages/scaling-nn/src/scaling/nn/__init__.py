@@ -7,8 +7,6 @@ from scaling.nn._context_parallel import (
     TokenLayout,
     all_to_all_attention,
     ring_attention,
-    split_sequence,
-    zigzag_indices,
 )
 from scaling.nn._embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy, vocab_range
 from scaling.nn._init import LayerInputError
@@ -74,12 +72,10 @@ __all__ = [
     "reduce_sequence_parallel_gradients",
     "ring_attention",
     "set_layer_index",
-    "split_sequence",
     "tracker_checkpoint_context",
     "unmerge_lora",
     "valid_model_parallel_sizes",
     "vocab_parallel_cross_entropy",
     "vocab_range",
     "write_peft_adapter",
-    "zigzag_indices",
 ]

@@ -35,11 +35,11 @@ from scaling.nn._context_parallel import (
     TokenLayout,
     all_to_all_attention,
     ring_attention,
-    zigzag_indices,
 )
 from scaling.nn._init import InitMethod, check_dtype, default_bias_init, default_weight_init, sharded_parameter, tp_info
 from scaling.nn._linear import ColumnParallelLinear, RowParallelLinear
 from scaling.nn._rotary import KVCache, RotaryEmbedding, document_ids_and_positions, packed_attention_mask
+from scaling.topology import zigzag_indices
 
 
 def valid_model_parallel_sizes(num_attention_heads: int, num_kv_heads: int, fused_qkv: bool) -> list[int]:

@@ -3,7 +3,7 @@
 Shape legend: b batch, n heads, s this rank's tokens, S the whole sequence, d head dim.
 
 **Layout (zigzag).** The sequence is cut into ``2 * cp`` equal chunks and CP rank ``r``
-holds chunks ``r`` and ``2 cp - 1 - r``, in that order (:func:`zigzag_indices`). Under a
+holds chunks ``r`` and ``2 cp - 1 - r``, in that order (``scaling.topology.zigzag_indices``). Under a
 causal mask every rank then has the same amount of work: an early chunk, which sees
 little, paired with a late one, which sees much (Megatron-Core's load balancing).
 
@@ -37,36 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from scaling.collectives import gather_heads_scatter_sequence, ring_shift_async, scatter_heads_gather_sequence
+from scaling.topology import zigzag_indices
 
 CONTEXT_PARALLEL_METHODS = ("ring", "all_to_all")
-
-
-def zigzag_indices(seq_len: int, rank: int, size: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Global positions of CP rank ``rank``'s tokens: chunks ``rank`` and ``2 size - 1 - rank`` of ``2 size``.
-
-    Raises:
-        ValueError: when ``seq_len`` is not a multiple of ``2 * size``.
-    """
-    if seq_len % (2 * size):
-        raise ValueError(
-            f"context parallelism: sequence length {seq_len} is not divisible by 2 × context_parallel_size = "
-            f"{2 * size} (the zigzag split); choose a sequence length that is a multiple of {2 * size}"
-        )
-    if size == 1:
-        return torch.arange(seq_len, device=device)
-    chunk = seq_len // (2 * size)
-    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
-    return torch.cat((first, first + (2 * size - 1 - 2 * rank) * chunk))
-
-
-def split_sequence(x: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
-    """CP rank ``rank``'s tokens of ``x`` along ``dim`` (the zigzag layout), a new tensor."""
-    if size == 1:
-        return x
-    n = x.shape[dim]
-    zigzag_indices(n, rank, size)  # validates the length
-    chunk = n // (2 * size)
-    return torch.cat((x.narrow(dim, rank * chunk, chunk), x.narrow(dim, (2 * size - 1 - rank) * chunk, chunk)), dim)
 
 
 @dataclass(frozen=True)

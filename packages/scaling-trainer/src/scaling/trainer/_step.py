@@ -3,7 +3,8 @@
 A step takes one global batch's micro-batches on this rank and
 
 1. moves each to ``topology.device`` and, on the stages that read data, syncs it over the
-   tensor-parallel group (only TP rank 0 reads);
+   tensor-parallel group (only TP rank 0 reads) and, under context parallelism, cuts it to
+   this CP rank's slice of each sequence (``batch.context_parallel_split``);
 2. runs the stage's pipeline schedule (forward, backward, transfers: ``scaling.pipeline``),
    the loss going through the optimizer's ``backward`` (loss scaling);
 3. finishes the data-parallel gradient reduction and sums tied weights' gradients over
@@ -194,8 +195,13 @@ def evaluation_step(
 
 
 def _placed(topology: Topology, micro_batches: Sequence[Any], sync: SyncBatch | None) -> list[Any]:
-    """Each micro-batch on the device; on the stages that read data, synced over TP."""
+    """Each micro-batch on the device; on the stages that read data, synced over TP and cut to this CP rank's slice."""
     batches = [to_device(b, topology.device) for b in micro_batches]
-    if sync is not None and (topology.is_first_pipe_stage or topology.is_last_pipe_stage):
-        batches = [sync(topology, b) for b in batches]
+    if topology.is_first_pipe_stage or topology.is_last_pipe_stage:
+        if sync is not None:
+            batches = [sync(topology, b) for b in batches]
+        cp = topology.context_parallel_size
+        if cp > 1:
+            rank = topology.context_parallel_rank
+            batches = [b if b is None else b.context_parallel_split(rank, cp) for b in batches]
     return batches
