@@ -220,3 +220,10 @@ def test_cp2_checkpoint_resumes_at_cp1_and_cp4(tiny_corpus, reference_losses, tm
         resumed = run_distributed(train_worker, cp, second, timeout_seconds=240)
         for rank, history in enumerate(resumed):
             assert_parity(losses(history), reference_losses[5:], rtol=1e-5, name=f"rank {rank} resumed at cp{cp}")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_cp4_dp2_ring(tiny_corpus, reference_losses):
+    cfg = tiny_config(tiny_corpus, cp=4, dp=2, steps=STEPS, optimizer={"zero_stage": 2})
+    _check(run_distributed(train_worker, 8, cfg, timeout_seconds=300), reference_losses, "cp4·dp2 ring zero2")
