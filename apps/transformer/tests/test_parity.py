@@ -187,7 +187,11 @@ def test_cp2_all_to_all_zero3(tiny_corpus, reference_losses):
 @pytest.mark.parametrize("method", ["ring", "all_to_all"])
 def test_cp2_tp2_sequence_parallel(tiny_corpus, reference_losses, method):
     cfg = tiny_config(tiny_corpus, tp=2, cp=2, steps=STEPS)
-    cfg["transformer_architecture"].update(sequence_parallel=True, context_parallel_method=method)
+    # Selective checkpointing with the ring: the recomputed attention runs the ring again in the backward.
+    checkpointing = "selective" if method == "ring" else "none"
+    cfg["transformer_architecture"].update(
+        sequence_parallel=True, context_parallel_method=method, activation_checkpointing=checkpointing
+    )
     _check(run_distributed(train_worker, 4, cfg, timeout_seconds=240), reference_losses, f"cp2·tp2 sp {method}")
 
 

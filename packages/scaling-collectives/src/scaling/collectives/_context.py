@@ -14,6 +14,8 @@ Shape legend: b batch, n heads, s this rank's sequence slice, d head dim, cp gro
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -83,23 +85,23 @@ def _sequence_to_heads(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 class _HeadsToSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
         return _heads_to_sequence(x, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _sequence_to_heads(grad, ctx.group), None
 
 
 class _SequenceToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
         return _sequence_to_heads(x, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _heads_to_sequence(grad, ctx.group), None
 
 

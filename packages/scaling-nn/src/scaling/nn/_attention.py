@@ -162,7 +162,8 @@ class ParallelSelfAttention(torch.nn.Module):
         cp = topology.context_parallel_size if topology is not None else 1
         check_context_parallel(nq // tp.size, cp, context_parallel_method, attention_dropout)
         self._cp_group = topology.context_parallel_group if cp > 1 else None
-        self._cp_rank, self._cp_size = (topology.context_parallel_rank, cp) if cp > 1 else (0, 1)
+        self._cp_rank: int = topology.context_parallel_rank if cp > 1 else 0
+        self._cp_size: int = cp
         self.context_parallel_method = context_parallel_method
         self.hidden_size, self.num_attention_heads, self.num_kv_heads = hidden_size, nq, nkv
         d = self.head_dim = head_dim or hidden_size // nq
@@ -303,8 +304,8 @@ class ParallelSelfAttention(torch.nn.Module):
         """``fn(*args)``, recomputed in the backward under ``checkpoint_core_attention``."""
         if self.checkpoint_core_attention and torch.is_grad_enabled():
             context_fn = tracker_checkpoint_context(self.rng_tracker)
-            return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)  # type: ignore[no-any-return]
-        return fn(*args)  # type: ignore[no-any-return]
+            return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)
+        return fn(*args)
 
     def _context_parallel(
         self,

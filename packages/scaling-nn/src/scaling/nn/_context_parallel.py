@@ -223,7 +223,7 @@ def _block(layout: TokenLayout, src: int, device: torch.device) -> _Block | None
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout, group: Any, scale: float
     ) -> torch.Tensor:
         b, n, s, d = q.shape
@@ -249,7 +249,7 @@ class _RingAttention(torch.autograd.Function):
         return result
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         layout, group, scale = ctx.layout, ctx.group, ctx.scale
         n, n_kv = q.shape[1], k.shape[1]
