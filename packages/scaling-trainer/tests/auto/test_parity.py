@@ -1,4 +1,4 @@
-"""Parity: unmodified tiny Llama / GPT-2 trained with the plain loop, dp2·tp2 and pp2·dp2 vs one process."""
+"""Parity: unmodified tiny Llama / GPT-2 trained with the plain loop, dp2·tp2, pp2·dp2, cp2·dp2 and cp2·tp2 vs one process."""
 
 from __future__ import annotations
 
@@ -12,6 +12,13 @@ LAYOUTS = {
     "dp2_tp2": {"data_parallel_size": 2, "tensor_parallel.size": 2},
     # GPT-2's LM head is tied to the input embedding: held by both stages, gradients summed
     "pp2_dp2": {"data_parallel_size": 2, "pipeline_parallel.size": 2, "pipeline_parallel.num_micro_batches": 2},
+    # Context parallelism: each sequence split over 2 ranks (zigzag), attention by ring / all-to-all
+    "cp2_dp2": {"data_parallel_size": 2, "context_parallel.size": 2},
+    "cp2_tp2_all_to_all": {
+        "tensor_parallel.size": 2,
+        "context_parallel.size": 2,
+        "context_parallel.method": "all_to_all",
+    },
 }
 
 

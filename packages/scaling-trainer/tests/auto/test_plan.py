@@ -118,6 +118,23 @@ def test_impossible_requests_name_the_module() -> None:
         generate_plan(model, {"pipeline_parallel.size": 2, "pipeline_parallel.split_method": "fast"})
     with pytest.raises(ValueError, match=r"pipeline_parallel.static_shapes='yes' must be true or false"):
         generate_plan(model, {"pipeline_parallel.size": 2, "pipeline_parallel.static_shapes": "yes"})
+    with pytest.raises(ValueError, match=r"context_parallel.size=2 with pipeline_parallel.size=2 is not supported"):
+        generate_plan(model, {"pipeline_parallel.size": 2, "context_parallel.size": 2})
+    with pytest.raises(
+        ValueError, match=r"context_parallel.method='zigzag' is invalid; choose one of \['ring', 'all_to_all'\]"
+    ):
+        generate_plan(model, {"context_parallel.size": 2, "context_parallel.method": "zigzag"})
+    with pytest.raises(
+        ValueError, match=r"needs the 2 query heads of each tensor-parallel rank to divide by context_parallel_size=4"
+    ):
+        generate_plan(
+            model, {"tensor_parallel.size": 2, "context_parallel.size": 4, "context_parallel.method": "all_to_all"}
+        )
+    with pytest.raises(ValueError, match=r"context_parallel.size=2 needs a transformers model .*Linear is not one"):
+        generate_plan(torch.nn.Linear(4, 4), {"context_parallel.size": 2})
+    cp = generate_plan(model, {"context_parallel.size": 2, "data_parallel_size": 2, "global_batch_size": 4})
+    assert (cp.world_size, cp.context_parallel_method) == (4, "ring")
+    assert "cp=2 (world_size=4)" in str(cp) and Plan.from_dict(cp.to_dict()) == cp
     # The RFC's order (constraints first) gives the same plan.
     rfc = generate_plan({"tensor_parallel.size": 2}, model)  # type: ignore[arg-type]
     assert rfc.to_dict() == generate_plan(model, {"tensor_parallel.size": 2}).to_dict()

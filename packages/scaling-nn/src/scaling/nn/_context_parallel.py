@@ -341,13 +341,12 @@ def all_to_all_attention(
     v: torch.Tensor,
     layout: TokenLayout,
     group: Any,
-    attend: Any = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Attention by trading heads for sequence (DeepSpeed-Ulysses), same contract as :func:`ring_attention`.
 
     Args:
-        attend: ``(q, k, v, mask, is_causal) -> out`` on whole sequences (default
-            ``F.scaled_dot_product_attention``); ``mask`` is bool ``[b | 1, 1, S, S]`` or None.
+        scale: softmax scale (default ``1 / sqrt(d)``).
 
     Raises:
         ValueError: when the heads of ``q`` are not a multiple of the CP size.
@@ -371,10 +370,6 @@ def all_to_all_attention(
         if layout.causal:
             mask = mask & _causal(layout.seq_len, layout.seq_len, q.device)
     is_causal = layout.causal and mask is None
-    if attend is None:
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=k.shape[1] != q.shape[1]
-        )
-    else:
-        out = attend(q, k, v, mask, is_causal)
+    gqa = k.shape[1] != q.shape[1]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
     return gather_heads_scatter_sequence(out.index_select(2, order), group)

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from scaling.trainer.auto._plan import PIPELINE_SCHEDULES, PRECISIONS, Plan
+from scaling.nn import check_context_parallel
+from scaling.trainer.auto._plan import CONTEXT_PARALLEL_METHODS, PIPELINE_SCHEDULES, PRECISIONS, Plan
 from scaling.trainer.auto._policy import apply_overrides, check_divisible, megatron_policy, out_in, shard_dim
 from scaling.trainer.auto._split import find_blocks, split_blocks
 
@@ -27,6 +28,8 @@ CONSTRAINT_KEYS = (
     "zero_stage",
     "data_parallel_shard_size",
     "cpu_offload",
+    "context_parallel.size",
+    "context_parallel.method",
     "precision",
     "global_batch_size",
     "seed",
@@ -133,6 +136,27 @@ def _tp_plan(model: torch.nn.Module, constraints: Mapping[str, Any], plan: Plan)
             plan.parameter_sharding[full] = _placement(dim)
 
 
+def _context_parallel(model: torch.nn.Module, constraints: Mapping[str, Any], plan: Plan) -> None:
+    plan.context_parallel_size = cp = _positive(constraints, "context_parallel.size", 1)
+    plan.context_parallel_method = _choice(constraints, "context_parallel.method", CONTEXT_PARALLEL_METHODS)
+    if cp == 1:
+        return
+    if plan.pipe_parallel_size > 1:
+        raise ValueError(
+            f"context_parallel.size={cp} with pipeline_parallel.size={plan.pipe_parallel_size} is not supported by "
+            "the high-level API yet; drop one of them (the transformer app combines both)"
+        )
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        raise ValueError(
+            f"context_parallel.size={cp} needs a transformers model (its attention is replaced through "
+            f"transformers' AttentionInterface); {type(model).__name__} is not one"
+        )
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    if isinstance(heads, int):
+        check_context_parallel(heads // plan.model_parallel_size, cp, plan.context_parallel_method, 0.0)
+
+
 def _placement(dim: int | None) -> str:
     return "Replicate()" if dim is None else f"Shard(dim={dim})"
 
@@ -161,6 +185,9 @@ def generate_plan(model: torch.nn.Module, constraints: Mapping[str, Any] | None 
             ``zero_stage`` (0, 1, 2 or 3), ``data_parallel_shard_size`` (HSDP with ZeRO-3:
             shard over this many DP ranks, replicate across the groups), ``cpu_offload``
             (optimizer state in host memory, the update there),
+            ``context_parallel.size`` (ranks each sequence is split over; a
+            ``transformers`` causal LM without pipeline parallelism) and
+            ``context_parallel.method`` (``ring`` or ``all_to_all``),
             ``precision`` (``float32``, ``bfloat16``, ``float16``),
             ``global_batch_size`` (default ``data_parallel_size``) and ``seed`` (default 42).
 
@@ -201,6 +228,7 @@ def generate_plan(model: torch.nn.Module, constraints: Mapping[str, Any] | None 
         )
     _pipeline_and_optimizer(constraints, plan)
     _tp_plan(model, constraints, plan)
+    _context_parallel(model, constraints, plan)
     if plan.pipe_parallel_size > 1 or "pipeline_parallel.split_points" in constraints:
         plan.blocks_path, blocks = find_blocks(model)
         plan.split_points = split_blocks(

@@ -184,7 +184,7 @@ class ParallelOptimizer:
             return out
         if stage is not None:
             stage.reduce_tied_gradients()
-        all_reduce_gradients(self._params, self.model.topology.data_parallel_group)
+        all_reduce_gradients(self._params, self.model.topology.data_context_parallel_group)
         return self.optimizer.step(closure)
 
     @property

@@ -12,6 +12,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from scaling.collectives import all_reduce
 from scaling.nn import ParameterMeta, get_parameter_meta
 from scaling.topology import Topology, TopologyConfig
+from scaling.trainer.auto._context import enable as enable_context_parallel
+from scaling.trainer.auto._context import sliced
 from scaling.trainer.auto._deferred import is_deferred, materialize
 from scaling.trainer.auto._optimizer import ParallelOptimizer, precision_dtype
 from scaling.trainer.auto._pipeline import PipelineStage
@@ -35,7 +37,10 @@ class ParallelModel(torch.nn.Module):
     accumulate over calls until ``optimizer.step()``.
 
     Under data parallelism ``model(batch)`` returns this rank's loss (as DDP does);
-    :meth:`global_loss` gives the mean over the DP ranks for logging, on demand.
+    :meth:`global_loss` gives the mean over the DP ranks for logging, on demand. Under
+    context parallelism (a ``transformers`` causal LM) each rank computes on its slice of
+    the batch's sequences and its loss is its share, so that the mean over the DP × CP
+    ranks is the one-process loss (``_context.py``).
     """
 
     def __init__(
@@ -51,20 +56,24 @@ class ParallelModel(torch.nn.Module):
             if not self.training:
                 raise RuntimeError("a pipelined model runs training steps only (model.train())")
             return self.pipeline.run(batch).requires_grad_()
-        out = self.module(**batch) if isinstance(batch, Mapping) else self.module(batch)
+        if self.topology.context_parallel_size > 1:
+            with sliced(batch, self.topology, self.plan.context_parallel_method) as kwargs:
+                out = self.module(**kwargs)
+        else:
+            out = self.module(**batch) if isinstance(batch, Mapping) else self.module(batch)
         loss = getattr(out, "loss", out)
         return self.scale_loss(loss) if self.scale_loss is not None else loss
 
     def global_loss(self, loss: torch.Tensor) -> float:
-        """The mean of ``loss`` over the data-parallel ranks: the loss one device would log.
+        """The mean of ``loss`` over the data-parallel (× context-parallel) ranks: the loss one device would log.
 
         ``model(batch)`` returns this rank's loss, as DDP does (its gradient is what the
         optimizer averages). Call this where you log, not every step: it is one all-reduce
-        over the DP group (collective: every DP rank must call it).
+        over the DP × CP group (collective: every rank of it must call it).
         """
         value = loss.detach().float().reshape(1).clone()
-        all_reduce(value, self.topology.data_parallel_group)
-        return float(value) / self.topology.data_parallel_size
+        all_reduce(value, self.topology.data_context_parallel_group)
+        return float(value) / self.topology.data_context_parallel_size
 
     def layer_modules(self) -> list[torch.nn.Module]:
         """The units ZeRO-3 gathers one at a time, in forward order: the model itself (for what
@@ -88,7 +97,7 @@ def _topology(plan: Plan, topology: Topology | None) -> Topology:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != plan.world_size:
         raise ValueError(
-            f"parallelize: the plan needs world_size dp*tp*pp={plan.world_size} but {world} ranks are running; "
+            f"parallelize: the plan needs world_size dp*tp*pp*cp={plan.world_size} but {world} ranks are running; "
             "regenerate the plan for this world size"
         )
     if topology is None:
@@ -98,12 +107,19 @@ def _topology(plan: Plan, topology: Topology | None) -> Topology:
             pipe_parallel_size=plan.pipe_parallel_size,
             data_parallel_size=plan.data_parallel_size,
             data_parallel_shard_size=plan.data_parallel_shard_size,
+            context_parallel_size=plan.context_parallel_size,
             device="cpu",
         )
         topology = Topology(cfg, dist.get_rank() if dist.is_initialized() else 0).initialize_distributed()
-    sizes = (topology.data_parallel_size, topology.model_parallel_size, topology.pipe_parallel_size)
-    if sizes != (plan.data_parallel_size, plan.model_parallel_size, plan.pipe_parallel_size):
-        raise ValueError(f"parallelize: topology (dp, tp, pp)={sizes} differs from the plan's")
+    sizes = (
+        topology.data_parallel_size,
+        topology.model_parallel_size,
+        topology.pipe_parallel_size,
+        topology.context_parallel_size,
+    )
+    planned = (plan.data_parallel_size, plan.model_parallel_size, plan.pipe_parallel_size, plan.context_parallel_size)
+    if sizes != planned:
+        raise ValueError(f"parallelize: topology (dp, tp, pp, cp)={sizes} differs from the plan's {planned}")
     return topology
 
 
@@ -187,6 +203,8 @@ def parallelize(
     if plan.precision != "float32":
         model.to(precision_dtype(plan.precision))
     attach_metas(model, plan, pipeline)
+    if plan.context_parallel_size > 1:
+        enable_context_parallel(model)
     wrapped = ParallelModel(model, plan, topology, pipeline)
     optimizer = ParallelOptimizer(optimizer_fn(model), wrapped)
     scheduler = lr_scheduler_fn(optimizer.optimizer) if lr_scheduler_fn is not None else None

@@ -17,6 +17,8 @@ TP_STYLES = ("column", "column_fused", "row", "vocab", "vocab_head")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 #: Parameter dtypes a plan can name.
 PRECISIONS = ("float32", "bfloat16", "float16")
+#: How attention is split over the context-parallel ranks (see ``scaling.nn``).
+CONTEXT_PARALLEL_METHODS = ("ring", "all_to_all")
 
 
 @dataclass
@@ -43,6 +45,8 @@ class Plan:
 
     Attributes:
         data_parallel_size, model_parallel_size, pipe_parallel_size: sizes per axis.
+        context_parallel_size: ranks each sequence is split over (a ``transformers``
+            model's attention runs by ``context_parallel_method``: ``ring`` or ``all_to_all``).
         global_batch_size: samples per optimizer step over all DP ranks.
         seed: seed of the deferred initialisation.
         split_method: ``flops``, ``parameters`` or ``uniform``.
@@ -68,6 +72,8 @@ class Plan:
     data_parallel_size: int = 1
     model_parallel_size: int = 1
     pipe_parallel_size: int = 1
+    context_parallel_size: int = 1
+    context_parallel_method: str = "ring"
     global_batch_size: int = 1
     seed: int = 42
     split_method: str = "parameters"
@@ -86,8 +92,8 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        """``dp * tp * pp``."""
-        return self.data_parallel_size * self.model_parallel_size * self.pipe_parallel_size
+        """``dp * tp * pp * cp``."""
+        return self.data_parallel_size * self.model_parallel_size * self.pipe_parallel_size * self.context_parallel_size
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dicts, lists and scalars only."""
@@ -120,7 +126,9 @@ class Plan:
     def __str__(self) -> str:
         lines = [
             f"sizes : dp={self.data_parallel_size} tp={self.model_parallel_size} pp={self.pipe_parallel_size} "
-            f"(world_size={self.world_size}), global_batch_size={self.global_batch_size}, seed={self.seed}",
+            f"cp={self.context_parallel_size} (world_size={self.world_size}), "
+            f"global_batch_size={self.global_batch_size}, seed={self.seed}",
+            f"context_parallel.method : {self.context_parallel_method}",
             f"pipeline_parallel.split_method : {self.split_method}",
             f"pipeline_parallel.split_points : {self.split_points}",
             f"pipeline_parallel.schedule : {self.pipeline_schedule}, num_micro_batches={self.num_micro_batches}, "
