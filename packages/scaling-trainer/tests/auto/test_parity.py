@@ -1,4 +1,4 @@
-"""Parity: unmodified tiny Llama / GPT-2 trained with the plain loop, dp2·tp2, pp2·dp2, cp2·dp2 and cp2·tp2 vs one process."""
+"""Parity: unmodified tiny Llama / GPT-2 trained with the plain loop, dp2·tp2, pp2·dp2, cp2·dp2, cp2·tp2 and cp2·pp2 vs one process."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ LAYOUTS = {
         "context_parallel.size": 2,
         "context_parallel.method": "all_to_all",
     },
+    "cp2_pp2": {"context_parallel.size": 2, "pipeline_parallel.size": 2, "pipeline_parallel.num_micro_batches": 2},
 }
 
 

@@ -118,8 +118,6 @@ def test_impossible_requests_name_the_module() -> None:
         generate_plan(model, {"pipeline_parallel.size": 2, "pipeline_parallel.split_method": "fast"})
     with pytest.raises(ValueError, match=r"pipeline_parallel.static_shapes='yes' must be true or false"):
         generate_plan(model, {"pipeline_parallel.size": 2, "pipeline_parallel.static_shapes": "yes"})
-    with pytest.raises(ValueError, match=r"context_parallel.size=2 with pipeline_parallel.size=2 is not supported"):
-        generate_plan(model, {"pipeline_parallel.size": 2, "context_parallel.size": 2})
     with pytest.raises(
         ValueError, match=r"context_parallel.method='zigzag' is invalid; choose one of \['ring', 'all_to_all'\]"
     ):

@@ -141,11 +141,6 @@ def _context_parallel(model: torch.nn.Module, constraints: Mapping[str, Any], pl
     plan.context_parallel_method = _choice(constraints, "context_parallel.method", CONTEXT_PARALLEL_METHODS)
     if cp == 1:
         return
-    if plan.pipe_parallel_size > 1:
-        raise ValueError(
-            f"context_parallel.size={cp} with pipeline_parallel.size={plan.pipe_parallel_size} is not supported by "
-            "the high-level API yet; drop one of them (the transformer app combines both)"
-        )
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
         raise ValueError(
@@ -186,7 +181,7 @@ def generate_plan(model: torch.nn.Module, constraints: Mapping[str, Any] | None 
             shard over this many DP ranks, replicate across the groups), ``cpu_offload``
             (optimizer state in host memory, the update there),
             ``context_parallel.size`` (ranks each sequence is split over; a
-            ``transformers`` causal LM without pipeline parallelism) and
+            ``transformers`` causal LM) and
             ``context_parallel.method`` (``ring`` or ``all_to_all``),
             ``precision`` (``float32``, ``bfloat16``, ``float16``),
             ``global_batch_size`` (default ``data_parallel_size``) and ``seed`` (default 42).

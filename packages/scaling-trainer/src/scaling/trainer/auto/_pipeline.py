@@ -28,6 +28,7 @@ import torch.distributed as dist
 from scaling.collectives import all_reduce, broadcast
 from scaling.pipeline import StageExecutor, StageTransports, gpipe_schedule, one_f_one_b_schedule
 from scaling.topology import Topology
+from scaling.trainer.auto._context import sliced
 from scaling.trainer.auto._plan import Plan
 
 SCHEDULE_FNS = {"1f1b": one_f_one_b_schedule, "gpipe": gpipe_schedule}
@@ -203,6 +204,9 @@ class PipelineStage:
         else:
             batch, self._incoming = x["batch"], x["hidden_states"]
         try:
+            if self.topology.context_parallel_size > 1:  # this rank's slice of the micro-batch
+                with sliced(batch, self.topology, self.plan.context_parallel_method) as kwargs:
+                    return self.model(**kwargs)
             return self.model(**batch)
         except _StageDone as done:
             hidden = done.output[0] if isinstance(done.output, tuple) else done.output
