@@ -129,7 +129,8 @@ def test_hanging_rank_is_named_within_timeout():
         # 8 s to report on a loaded 2-core machine.
         run_distributed(_hang_on, 3, 2, timeout_seconds=20)
     assert info.value.hung_ranks == [2]
-    assert time.monotonic() - start < 30
+    # 20 s plus starting and killing the pool: 30.7 s once under a full suite's load on 2 cores.
+    assert time.monotonic() - start < 40
     pids = worker_pids()
     assert pids == []
 
