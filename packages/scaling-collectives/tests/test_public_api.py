@@ -20,6 +20,7 @@ def test_public_api():
         "all_reduce",
         "all_reduce_async",
         "all_reduce_gradients",
+        "all_to_all_tokens",
         "barrier",
         "batch_send_recv",
         "broadcast",

@@ -212,3 +212,30 @@ def _group_timeouts():
 def test_subgroups_use_the_configured_timeout():
     elapsed = run_distributed(_group_timeouts, 4, timeout_seconds=60)[0]
     assert 2.5 < elapsed < 5.5
+
+
+def _check_expert_groups(dp, cp, ep):
+    cfg = TopologyConfig(data_parallel_size=dp, context_parallel_size=cp, expert_parallel_size=ep, device="cpu")
+    topo = Topology.from_env(cfg).initialize_distributed()
+    out = {}
+    for name in ("expert_parallel", "expert_data_parallel"):
+        group = getattr(topo, f"{name}_group")
+        out[name] = None if group is None else _members(group)
+    out["ep_rank"] = topo.expert_parallel_rank
+    topo.destroy()
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("dp", "cp", "ep"), [(4, 1, 2), pytest.param(2, 2, 2, marks=pytest.mark.slow)])
+def test_expert_groups_on_real_ranks(dp, cp, ep):
+    world = dp * cp
+    layout = (1, dp, 1, cp)
+    for rank, out in enumerate(run_distributed(_check_expert_groups, world, dp, cp, ep, timeout_seconds=90)):
+        _, d, _, c = _expected(rank, *layout)
+        # Experts split over consecutive DP ranks with the same CP rank ...
+        assert out["expert_parallel"] == _where(world, layout, cp=c)[(d // ep) * ep : (d // ep + 1) * ep]
+        assert out["ep_rank"] == d % ep
+        # ... and the ranks holding the same experts (every CP rank too) reduce their gradients.
+        same = [r for r in range(world) if _expected(r, *layout)[1] % ep == d % ep]
+        assert out["expert_data_parallel"] == (None if len(same) == 1 else same)

@@ -7,6 +7,7 @@ every call so a hang or a mismatched collective is reported with the ranks at fa
 
 from scaling.collectives._broadcast import broadcast_pytree
 from scaling.collectives._context import (
+    all_to_all_tokens,
     gather_heads_scatter_sequence,
     ring_shift_async,
     scatter_heads_gather_sequence,
@@ -69,6 +70,7 @@ __all__ = [
     "all_reduce",
     "all_reduce_async",
     "all_reduce_gradients",
+    "all_to_all_tokens",
     "barrier",
     "batch_send_recv",
     "broadcast",

@@ -1,4 +1,4 @@
-"""Communication of context parallelism: the ring shift and the all-to-all of attention heads.
+"""Communication of context and expert parallelism: the ring shift, the all-to-alls of attention heads and of tokens.
 
 Shape legend: b batch, n heads, s this rank's sequence slice, d head dim, cp group size.
 
@@ -10,6 +10,8 @@ Shape legend: b batch, n heads, s this rank's sequence slice, d head dim, cp gro
   sequence (``[b, n, s, d] -> [b, n / cp, cp * s, d]``, the sequence slices in group-rank
   order), after it the other way. They are autograd functions: each one's backward is
   the other.
+- :func:`all_to_all_tokens` sends each rank the rows routed to it (uneven splits): the
+  token dispatch and combine of expert parallelism.
 """
 
 from __future__ import annotations
@@ -122,3 +124,40 @@ def gather_heads_scatter_sequence(x_bnsd: torch.Tensor, group: ProcessGroup | No
     if group is None or group_size(group) == 1:
         return x_bnsd
     return _SequenceToHeads.apply(x_bnsd, group)
+
+
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    _collective(
+        "all_to_all", group, (x,), lambda: dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    ).wait()
+    return out
+
+
+class _AllToAllTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup
+    ) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _exchange(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        out_splits, in_splits = ctx.splits
+        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def all_to_all_tokens(
+    x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup | None
+) -> torch.Tensor:
+    """Send rows ``x[sum(input_splits[:j]) : sum(input_splits[:j + 1])]`` to group rank ``j``; receive
+    ``output_splits[j]`` rows from each rank ``j``, concatenated in group-rank order (uneven splits).
+
+    The token exchange of expert parallelism; an autograd function whose backward sends the
+    gradients back the same way. Identity for one rank.
+    """
+    if group is None or group_size(group) == 1:
+        return x
+    return _AllToAllTokens.apply(x, list(output_splits), list(input_splits), group)

@@ -30,6 +30,7 @@ from scaling.nn._lora import (
 )
 from scaling.nn._meta import ParameterMeta, get_parameter_meta
 from scaling.nn._mlp import ParallelMLP, ParallelSwiGLUMLP
+from scaling.nn._moe import ParallelMoE, check_moe
 from scaling.nn._norm import LayerNorm, RMSNorm, reduce_sequence_parallel_gradients
 from scaling.nn._peft import export_peft_adapter, load_peft_adapter, write_peft_adapter
 from scaling.nn._rotary import KVCache, RotaryEmbedding
@@ -44,6 +45,7 @@ __all__ = [
     "LayerSpec",
     "LoRAConfig",
     "ParallelMLP",
+    "ParallelMoE",
     "ParallelSelfAttention",
     "ParallelSwiGLUMLP",
     "ParameterMeta",
@@ -58,6 +60,7 @@ __all__ = [
     "apply_lora",
     "attach_parameter_metas",
     "check_context_parallel",
+    "check_moe",
     "checkpoint_layer",
     "checkpoint_sequential_layers",
     "export_peft_adapter",

@@ -23,6 +23,8 @@ class ParameterMeta:
         tied_key: key of the tied group (e.g. input embedding and LM head), or None.
         reduce_over_tp: True for a TP-replicated parameter used inside a
             sequence-parallel region; its gradient must be all-reduced over TP.
+        is_expert: True for a mixture-of-experts expert's parameter: under expert
+            parallelism only some data-parallel ranks hold it (``ParallelMoE``).
     """
 
     local_name: str
@@ -32,6 +34,7 @@ class ParameterMeta:
     layer_index: int | None = None
     tied_key: str | None = None
     reduce_over_tp: bool = False
+    is_expert: bool = False
 
     @property
     def is_model_parallel(self) -> bool:
@@ -48,6 +51,10 @@ class ParameterMeta:
     def with_layer_index(self, layer_index: int, prefix: str = "") -> ParameterMeta:
         """A copy placed at ``layer_index`` (``prefix`` is prepended to ``local_name``)."""
         return replace(self, layer_index=layer_index, local_name=prefix + self.local_name)
+
+    def with_expert(self) -> ParameterMeta:
+        """A copy marked as an expert's parameter."""
+        return replace(self, is_expert=True)
 
     def attach(self, param: torch.Tensor) -> torch.Tensor:
         """Attach this meta to ``param`` (as ``param.parameter_meta``) and return it."""

@@ -129,6 +129,13 @@ class Optimizer:
                         f"parameter {name!r} is in groups {owner[id(param)]!r} and {group.name!r}; put it in one"
                     )
                 owner[id(param)] = group.name
+                if meta.is_expert and topology.expert_parallel_size > 1:
+                    # Their gradients need a sum over the ranks holding the expert, not the DP average.
+                    raise ValueError(
+                        f"parameter {name!r} is a mixture-of-experts expert's, and topology.expert_parallel_size="
+                        f"{topology.expert_parallel_size}: scaling.optim does not reduce expert-parallel gradients "
+                        "yet (issue 29); train with expert_parallel_size=1, where experts are plain data-parallel"
+                    )
                 slot = ParamSlot(
                     name,
                     param,

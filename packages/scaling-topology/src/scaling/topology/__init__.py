@@ -3,7 +3,8 @@
 from scaling.topology._config import TopologyConfig
 from scaling.topology._rng import MODEL_PARALLEL_RNG, RNGTracker, get_rng_state, seed_all, set_rng_state
 from scaling.topology._sequence import split_sequence, zigzag_indices
-from scaling.topology._topology import MESH_DIM_NAMES, RankCoordinates, Topology, destroy_process_group
+from scaling.topology._teardown import destroy_process_group
+from scaling.topology._topology import MESH_DIM_NAMES, RankCoordinates, Topology
 
 __all__ = [
     "MESH_DIM_NAMES",

@@ -37,6 +37,10 @@ class TopologyConfig(BaseConfig):
     one other given is taken as 1); ``global = micro * accumulation * data_parallel_size``
     must hold exactly.
 
+    Expert parallelism: ``expert_parallel_size`` splits the experts of mixture-of-experts
+    layers over groups of that many consecutive DP ranks (Megatron-Core's and torchtitan's
+    layout); it adds no ranks and must divide ``data_parallel_size``.
+
     HSDP: ``data_parallel_shard_size`` splits the DP ranks into groups of that many
     consecutive DP ranks that shard (ZeRO-3) among themselves, replicated across the
     ``data_parallel_size / data_parallel_shard_size`` groups (torchtitan's
@@ -63,6 +67,12 @@ class TopologyConfig(BaseConfig):
         ge=1,
         description="Context-parallel degree (CP): each sequence is split over this many ranks, which read the "
         "same samples; 1 = off.",
+    )
+    expert_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Expert-parallel degree (EP): mixture-of-experts layers split their experts over groups of "
+        "this many consecutive DP ranks; must divide data_parallel_size. 1 = every rank holds every expert.",
     )
     data_parallel_shard_size: int | None = Field(
         None,
@@ -101,6 +111,12 @@ class TopologyConfig(BaseConfig):
             raise ValueError(
                 f"topology: data_parallel_shard_size={shard} does not divide data_parallel_size={dp}; choose one of "
                 f"{_divisors(dp)} (DP ranks = shard × replicate)"
+            )
+        ep = self.expert_parallel_size
+        if dp is not None and dp % ep:
+            raise ValueError(
+                f"topology: expert_parallel_size={ep} does not divide data_parallel_size={dp}; choose one of "
+                f"{_divisors(dp)} (experts are split over groups of DP ranks)"
             )
         self._derive_batches()
         if self.backend == "nccl" and self.device == "cpu":

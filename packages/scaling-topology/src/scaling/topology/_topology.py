@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -26,30 +25,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from scaling.topology._config import TopologyConfig
+from scaling.topology._groups import group_specs
+from scaling.topology._teardown import destroy_process_group
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
-# How long destroy_process_group() lets go of the GIL before destroying the groups.
-_GLOO_SETTLE_SECONDS = 0.01
-
-
-def destroy_process_group() -> None:
-    """Destroy the default process group and every subgroup, if one is initialised.
-
-    ``torch.distributed.destroy_process_group`` after a short pause: on torch 2.6 gloo can
-    deadlock there. A gloo thread, holding its work mutex, frees a finished collective
-    whose tensors need the GIL to drop their Python objects, while the caller holds the
-    GIL and waits for that mutex in ``~ProcessGroupGloo`` (seen under load: ranks hung at
-    the end of a run). Letting go of the GIL for 10 ms lets such a thread finish first.
-    This narrows the race; it does not close it. Upstream, pytorch/pytorch#154976 (merged
-    June 2025) releases the GIL in the process group's destructor; the suite has not hung
-    there on torch 2.10 or newer.
-    """
-    if dist.is_initialized():
-        time.sleep(_GLOO_SETTLE_SECONDS)
-        dist.destroy_process_group()
 
 
 @dataclass(frozen=True)
@@ -144,6 +126,21 @@ class Topology:
     def data_context_parallel_size(self) -> int:
         """Ranks that hold the same parameters: DP × CP (gradients are averaged over them)."""
         return self.data_parallel_size * self.context_parallel_size
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """DP ranks that split the experts of a mixture-of-experts layer between them."""
+        return self.config.expert_parallel_size
+
+    @property
+    def expert_parallel_rank(self) -> int:
+        """Which part of the experts this rank holds: ``dp % expert_parallel_size``."""
+        return self.data_parallel_rank % self.expert_parallel_size
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Ranks holding the same experts (DP × CP / EP): expert gradients are reduced over them."""
+        return self.data_context_parallel_size // self.expert_parallel_size
 
     @property
     def data_parallel_shard_size(self) -> int:
@@ -341,34 +338,7 @@ class Topology:
         # create the per-dim groups with torch's 30-minute default), then wrapped as a mesh.
         # new_group is collective over the default group: every rank creates every group in
         # the same order and keeps the ones it belongs to.
-        shard = self.data_parallel_shard_size
-        both = self.data_parallel_size > 1 and self.context_parallel_size > 1
-
-        def replica(r: int) -> tuple[int, int]:
-            c = self.coordinates(r)
-            return c.dp, c.cp
-
-        for name, ranks_of in (
-            ("pp", lambda r: self._ranks_along(r, "pp")),
-            ("dp", lambda r: self._ranks_along(r, "dp")),
-            ("cp", lambda r: self._ranks_along(r, "cp")),
-            ("tp", lambda r: self._ranks_along(r, "tp")),
-            ("mp", lambda r: [x for x in range(self.world_size) if replica(x) == replica(r)]),
-            # DP × CP, where it differs from both the DP and the CP group.
-            *([("dp_cp", lambda r: self._dp_ranks_where(r, lambda d, c: 0))] if both else []),
-            # A second pipe group (see pipe_parallel_result_group), only where a pipe has two ranks or more.
-            *([("pp_result", lambda r: self._ranks_along(r, "pp"))] if self.pipe_parallel_size > 1 else []),
-            # HSDP: consecutive DP ranks (with all their CP ranks) shard, and the groups
-            # replicate (only where both exceed 1).
-            *(
-                [
-                    ("dp_shard", lambda r: self._dp_ranks_where(r, lambda d, c: d // shard)),
-                    ("dp_replicate", lambda r: self._dp_ranks_where(r, lambda d, c: (d % shard, c))),
-                ]
-                if 1 < self.data_parallel_shard_size < self.data_parallel_size
-                else []
-            ),
-        ):
+        for name, ranks_of in group_specs(self):
             seen: set[tuple[int, ...]] = set()
             for r in range(self.world_size):
                 ranks = tuple(ranks_of(r))
@@ -443,6 +413,20 @@ class Topology:
         if self.data_parallel_size == 1:
             return self.context_parallel_group
         return self._group("dp_cp", "data_context_parallel_group")
+
+    @property
+    def expert_parallel_group(self) -> ProcessGroup | None:
+        """The consecutive DP ranks (same CP rank) whose experts together make a layer's; None without EP."""
+        return None if self.expert_parallel_size == 1 else self._group("ep", "expert_parallel_group")
+
+    @property
+    def expert_data_parallel_group(self) -> ProcessGroup | None:
+        """The ranks holding the same experts (DP × CP / EP); None when that is this rank alone."""
+        if self.expert_parallel_size == 1:
+            return self.data_context_parallel_group
+        if self.expert_data_parallel_size == 1:
+            return None
+        return self._group("edp", "expert_data_parallel_group")
 
     @property
     def data_parallel_shard_group(self) -> ProcessGroup | None:

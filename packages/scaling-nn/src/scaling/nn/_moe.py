@@ -1,0 +1,283 @@
+"""Mixture of experts: router, load balancing, shared experts and expert-parallel token dispatch.
+
+Shape legend: T tokens of this rank (``b * s``), h hidden, E experts, k experts per token,
+f an expert's inner size (``f / tp`` on a TP rank).
+
+**Routing.** ``logits = x @ W_r^T`` (``[T, E]``), scores by softmax or sigmoid, the top-k
+experts per token; their scores, renormalised to sum to 1 when ``normalize_top_k`` (always
+for sigmoid, as DeepSeek-V3 does), weight the experts' outputs.
+
+**Balancing.** ``"aux_loss"`` (Switch / Mixtral): ``E · Σ_e f_e · P_e`` with ``f_e`` the
+share of the k·T routing slots that went to expert ``e`` and ``P_e`` its mean routing
+probability, both over the tokens of every data- and context-parallel rank (so the loss,
+and its gradient, equal one process's on the whole batch). Its gradient is injected in
+the backward (scaled by ``aux_loss_coefficient``), so it needs no path to the model's
+loss and works on any pipeline stage. ``"aux_loss_free"`` (DeepSeek-V3): a per-expert bias
+added to the scores for the top-k choice only, moved after each training forward by
+``bias_update_rate`` towards the mean load (``b_e += rate · sign(mean - load_e)``, loads
+over every DP × CP rank). ``"none"``: neither.
+
+**Dispatch (dropless).** The T·k (token, expert) pairs are sorted by expert; with expert
+parallelism each rank holds ``E / ep`` experts and the pairs travel to their expert's rank
+by one all-to-all of uneven splits over the expert-parallel group, are computed there, and
+travel back the same way (``scaling.collectives.all_to_all_tokens``). No token is dropped:
+there is no capacity factor.
+
+**Tensor parallelism inside each expert.** Every TP rank routes the same tokens; each
+expert's gate/up projections are column-split and its down projection row-split, so the
+outputs are partial sums reduced over TP once per layer (a reduce-scatter under sequence
+parallelism), as in ``ParallelSwiGLUMLP``.
+
+Expert parameters are named by their global index (``experts.{e}.gate.weight``): a rank
+holds only its experts', and the names are the same at every EP size, so checkpoints
+stay layout-independent. Their ``ParameterMeta.is_expert`` is True.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from scaling.collectives import (
+    all_reduce,
+    all_to_all_tokens,
+    copy_to_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from scaling.nn._init import InitMethod, check_divisible, check_dtype, default_weight_init, sharded_parameter, tp_info
+from scaling.nn._meta import get_parameter_meta
+from scaling.nn._mlp import ParallelSwiGLUMLP
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+BALANCING = ("aux_loss", "aux_loss_free", "none")
+
+
+def check_moe(num_experts: int, top_k: int, expert_parallel_size: int, score_function: str, balancing: str) -> None:
+    """Refuse an MoE configuration that cannot run (before any process group starts).
+
+    Raises:
+        ValueError: naming the value and the choices.
+    """
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"MoE: score_function={score_function!r}; choose one of {list(SCORE_FUNCTIONS)}")
+    if balancing not in BALANCING:
+        raise ValueError(f"MoE: balancing={balancing!r}; choose one of {list(BALANCING)}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"MoE: top_k={top_k} must be between 1 and num_experts={num_experts}")
+    if num_experts % expert_parallel_size:
+        choices = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise ValueError(
+            f"MoE: num_experts={num_experts} is not divisible by expert_parallel_size={expert_parallel_size}; "
+            f"choose expert_parallel_size in {choices} (it must also divide data_parallel_size)"
+        )
+
+
+class _InjectAuxLoss(torch.autograd.Function):
+    """Identity on ``out``; in the backward, the auxiliary loss gets gradient ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale, ctx.aux_shape = scale, aux.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=torch.float32, device=grad.device), None
+
+
+class ParallelMoE(torch.nn.Module):
+    """A mixture-of-experts SwiGLU feed-forward block, expert- and tensor-parallel.
+
+    Args:
+        hidden_size: input and output size.
+        ffn_size: inner size of each expert (divisible by the TP size).
+        num_experts: experts ``E`` (divisible by ``topology.expert_parallel_size``).
+        top_k: experts per token.
+        topology: a :class:`scaling.topology.Topology` or ``None`` (one device).
+        score_function: ``"softmax"`` or ``"sigmoid"``.
+        normalize_top_k: renormalise the top-k scores to sum to 1 (softmax; sigmoid always does).
+        num_shared_experts: experts every token goes through (one SwiGLU of
+            ``num_shared_experts * ffn_size``), added to the routed output.
+        balancing: ``"aux_loss"``, ``"aux_loss_free"`` or ``"none"`` (module docstring).
+        aux_loss_coefficient: weight of the auxiliary loss.
+        bias_update_rate: step of the aux-loss-free bias.
+        sequence_parallel: input and output split along dim 1 over TP.
+        dtype: parameter dtype.
+        init_method, output_init_method: initialisers of the up and down projections.
+
+    After each forward ``last_aux_loss`` (the unweighted auxiliary loss over every DP × CP
+    rank's tokens, detached) and ``last_load`` (``[E]`` tokens routed to each expert there)
+    hold what a trainer logs. ``aux_loss_scale`` multiplies the injected gradient (a
+    trainer sets it to its loss scale over its micro-batch count).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_size: int,
+        num_experts: int,
+        top_k: int = 2,
+        topology: Any = None,
+        score_function: str = "softmax",
+        normalize_top_k: bool = True,
+        num_shared_experts: int = 0,
+        balancing: str = "aux_loss",
+        aux_loss_coefficient: float = 1e-2,
+        bias_update_rate: float = 1e-3,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype = torch.float32,
+        init_method: InitMethod | None = None,
+        output_init_method: InitMethod | None = None,
+    ) -> None:
+        super().__init__()
+        check_dtype(dtype, "ParallelMoE")
+        ep = 1 if topology is None else topology.expert_parallel_size
+        check_moe(num_experts, top_k, ep, score_function, balancing)
+        tp = self._tp = tp_info(topology)
+        check_divisible("ffn_size", ffn_size, tp.size, "ParallelMoE")
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.score_function, self.normalize_top_k = score_function, normalize_top_k or score_function == "sigmoid"
+        self.balancing, self.aux_loss_coefficient, self.bias_update_rate = (
+            balancing,
+            aux_loss_coefficient,
+            bias_update_rate,
+        )
+        self.sequence_parallel = sequence_parallel
+        self.aux_loss_scale = 1.0
+        self._ep_group = None if topology is None else topology.expert_parallel_group
+        self._ep_size, self._ep_rank = ep, (0 if topology is None else topology.expert_parallel_rank)
+        self._token_group = None if topology is None else topology.data_context_parallel_group
+        self.num_local_experts = num_experts // ep
+        init, out_init = init_method or default_weight_init, output_init_method or init_method or default_weight_init
+        # The router sees every token on every TP rank; under SP each rank routes its slice.
+        self.router = sharded_parameter((num_experts, hidden_size), init, tp, None, dtype, "router", sequence_parallel)
+        self.expert_bias: torch.Tensor
+        self.register_buffer("expert_bias", torch.zeros(num_experts, device=tp.device), persistent=True)
+        first = self._ep_rank * self.num_local_experts
+        experts = {}
+        for e in range(num_experts):  # every expert is drawn on every rank: the same values at every EP size
+            weights = {
+                "gate": sharded_parameter((ffn_size, hidden_size), init, tp, 0, dtype, f"experts.{e}.gate"),
+                "up": sharded_parameter((ffn_size, hidden_size), init, tp, 0, dtype, f"experts.{e}.up"),
+                "down": sharded_parameter((hidden_size, ffn_size), out_init, tp, 1, dtype, f"experts.{e}.down"),
+            }
+            if first <= e < first + self.num_local_experts:
+                expert = torch.nn.ParameterDict(weights)
+                for p in expert.values():
+                    get_parameter_meta(p).with_expert().attach(p)
+                experts[str(e)] = expert
+        self.experts = torch.nn.ModuleDict(experts)
+        self.shared = (
+            ParallelSwiGLUMLP(
+                hidden_size,
+                num_shared_experts * ffn_size,
+                bias=False,
+                topology=topology,
+                dtype=dtype,
+                sequence_parallel=sequence_parallel,
+                init_method=init_method,
+                output_init_method=output_init_method,
+            )
+            if num_shared_experts
+            else None
+        )
+        self.last_aux_loss: torch.Tensor | None = None
+        self.last_load: torch.Tensor | None = None
+
+    # ----------------------------------------------------------------- routing
+    def _route(self, x_bsh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(probs [T, E], top-k experts [T, k], their weights [T, k])`` for every token of the TP group."""
+        logits = F.linear(x_bsh, self.router).float()
+        if self.sequence_parallel:  # every TP rank routes every token; the gradient keeps its own slice
+            logits = gather_from_sequence_parallel_region(logits, self._tp.group, tensor_parallel_output_grad=False)
+        logits = logits.reshape(-1, self.num_experts)
+        scores = logits.softmax(-1) if self.score_function == "softmax" else logits.sigmoid()
+        choice = scores.detach() + self.expert_bias if self.balancing == "aux_loss_free" else scores.detach()
+        top = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, top)
+        if self.normalize_top_k:
+            weights = weights / weights.sum(-1, keepdim=True)
+        probs = scores if self.score_function == "softmax" else scores / scores.sum(-1, keepdim=True)
+        return probs, top, weights
+
+    def _balance(self, probs: torch.Tensor, top: torch.Tensor) -> torch.Tensor | None:
+        """Load statistics over every DP × CP rank; the aux loss share of this rank (or None)."""
+        counts = torch.bincount(top.flatten(), minlength=self.num_experts).to(torch.float32)
+        stats = torch.cat([counts, probs.detach().sum(0), probs.new_tensor([probs.shape[0]])])
+        all_reduce(stats, self._token_group)
+        load, prob_sums, tokens = stats[: self.num_experts], stats[self.num_experts : -1], stats[-1]
+        share = load / (tokens * self.top_k)
+        self.last_load = load
+        self.last_aux_loss = self.num_experts * (share * prob_sums / tokens).sum()
+        if self.balancing == "aux_loss_free" and self.training:
+            with torch.no_grad():
+                self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+        if self.balancing != "aux_loss" or not self.training or not torch.is_grad_enabled():
+            return None
+        # This rank's tokens' part of E·Σ f_e P_e, times the ranks the gradient is averaged over.
+        ranks = 1 if self._token_group is None else dist.get_world_size(self._token_group)
+        return self.num_experts * ranks * (share * probs.sum(0) / tokens).sum()
+
+    # ---------------------------------------------------------------- dispatch
+    def _experts(self, x_th: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+        """Each (token, expert) pair's expert output, ``[T * k, h]`` in ``top.flatten()`` order (TP-partial)."""
+        flat = top.flatten()
+        order = torch.argsort(flat, stable=True)
+        routed = x_th.index_select(0, order // self.top_k)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        local = self.num_local_experts
+        if self._ep_size > 1:
+            recv_counts = all_to_all_tokens(counts, [local] * self._ep_size, [local] * self._ep_size, self._ep_group)
+            send_splits = counts.view(self._ep_size, local).sum(1).tolist()
+            recv_splits = recv_counts.view(self._ep_size, local).sum(1).tolist()
+            routed = all_to_all_tokens(routed, recv_splits, send_splits, self._ep_group)
+            per_src = recv_counts.view(self._ep_size, local)
+            # Rows arrive grouped by source rank, each by expert: regroup by expert.
+            src = torch.repeat_interleave(
+                torch.arange(self._ep_size * local, device=flat.device) % local, per_src.flatten()
+            )
+            by_expert = torch.argsort(src, stable=True)
+            rows, sizes = routed.index_select(0, by_expert), per_src.sum(0).tolist()
+        else:
+            by_expert, rows, sizes = None, routed, counts.tolist()
+        outputs = []
+        first = self._ep_rank * local
+        for j, chunk in enumerate(rows.split(sizes)):
+            w: Any = self.experts[str(first + j)]
+            outputs.append(F.linear(F.silu(F.linear(chunk, w["gate"])) * F.linear(chunk, w["up"]), w["down"]))
+        out = torch.cat(outputs) if outputs else rows.new_zeros((0, self.hidden_size))
+        if by_expert is not None:
+            out = out.index_select(0, torch.argsort(by_expert))
+            out = all_to_all_tokens(out, send_splits, recv_splits, self._ep_group)
+        return out.index_select(0, torch.argsort(order))
+
+    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+        """``[b, s, h]`` (``[b, s / tp, h]`` under sequence parallelism) in and out."""
+        group = self._tp.group
+        probs, top, weights = self._route(x_bsh)
+        aux = self._balance(probs, top)
+        x_full = (
+            gather_from_sequence_parallel_region(x_bsh, group)
+            if self.sequence_parallel
+            else copy_to_model_parallel_region(x_bsh, group)
+        )
+        b, s, h = x_full.shape
+        pairs = self._experts(x_full.reshape(-1, h), top)  # [T * k, h], partial sums over TP
+        # The pairs are TP-partial, so each rank's gradient of the weights is too: sum it over TP.
+        weights = copy_to_model_parallel_region(weights, group)
+        routed = (pairs.view(-1, self.top_k, h) * weights.unsqueeze(-1).to(pairs.dtype)).sum(1).view(b, s, h)
+        out = (
+            reduce_scatter_to_sequence_parallel_region(routed, group)
+            if self.sequence_parallel
+            else reduce_from_model_parallel_region(routed, group)
+        )
+        if self.shared is not None:
+            out = out + self.shared(x_bsh)
+        if aux is not None:
+            out = _InjectAuxLoss.apply(out, aux, self.aux_loss_coefficient * self.aux_loss_scale)
+        return out

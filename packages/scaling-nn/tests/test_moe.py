@@ -1,0 +1,165 @@
+"""ParallelMoE: against a per-token reference in one process, and expert/tensor parallel against one process.
+
+"Within 1e-6 relative" as in nn_parity. Expert parallelism is checked the way a trainer
+uses it: every DP rank has its own tokens, the loss is the mean over DP ranks of each
+rank's loss (plus the auxiliary loss of the whole batch), dense gradients are averaged
+over DP and each expert's gradient is summed over the ranks holding that expert and
+divided by the DP size.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from scaling.nn import ParallelMoE, check_moe
+from scaling.testing import make_topology, run_distributed
+
+sys.path.insert(0, os.path.dirname(__file__))
+from nn_parity import close, full_tensor  # noqa: E402
+
+H, FFN, E = 16, 32, 4
+
+
+def _reference_output(moe, x):
+    """Per token: its top-k experts' SwiGLU outputs weighted by the (renormalised) scores."""
+    tokens = x.reshape(-1, H)
+    logits = tokens @ moe.router.T
+    scores = logits.softmax(-1) if moe.score_function == "softmax" else logits.sigmoid()
+    out = []
+    for t in range(tokens.shape[0]):
+        choice = scores[t].detach() + (moe.expert_bias if moe.balancing == "aux_loss_free" else 0)
+        top = choice.topk(moe.top_k).indices
+        w = scores[t, top]
+        if moe.normalize_top_k:
+            w = w / w.sum()
+        acc = torch.zeros(H)
+        for weight, e in zip(w, top.tolist()):
+            p = moe.experts[str(e)]
+            acc = acc + weight * F.linear(
+                F.silu(F.linear(tokens[t], p["gate"])) * F.linear(tokens[t], p["up"]), p["down"]
+            )
+        out.append(acc)
+    return torch.stack(out).view_as(x)
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("shared", [0, 1])
+def test_matches_a_per_token_reference(score_function, shared):
+    torch.manual_seed(0)
+    moe = ParallelMoE(H, FFN, E, top_k=2, score_function=score_function, num_shared_experts=shared)
+    x = torch.randn(2, 5, H)
+    y = moe(x)
+    expected = _reference_output(moe, x) + (moe.shared(x) if shared else 0)
+    close(y, expected, "moe output", rtol=1e-5)
+    load = moe.last_load
+    assert load.sum() == 2 * 5 * 2 and moe.last_aux_loss > 0
+
+
+def test_aux_loss_gradient_is_injected():
+    """With a main loss of zero gradient the router gets exactly d(coefficient · aux)/dW."""
+    torch.manual_seed(0)
+    moe = ParallelMoE(H, FFN, E, top_k=2, aux_loss_coefficient=0.5)
+    x = torch.randn(3, 4, H)
+    (moe(x) * 0).sum().backward()
+    # The aux loss by hand: E · Σ_e f_e · P_e, f from the (non-differentiable) top-k counts.
+    router = moe.router.detach().requires_grad_()
+    probs = (x.reshape(-1, H) @ router.T).softmax(-1)
+    f = torch.bincount(probs.topk(2).indices.flatten(), minlength=E) / (12 * 2)
+    aux = E * (f * probs.mean(0)).sum()
+    (aux * 0.5).backward()
+    close(moe.last_aux_loss, aux, "aux loss")
+    close(moe.router.grad, router.grad, "injected aux gradient")
+    moe.eval()  # no injection outside training
+    moe.zero_grad()
+    (moe(x) * 0).sum().backward()
+    assert not moe.router.grad.any()
+
+
+def test_aux_loss_free_bias_moves_towards_balance():
+    torch.manual_seed(0)
+    moe = ParallelMoE(H, FFN, E, top_k=1, balancing="aux_loss_free", bias_update_rate=0.1)
+    x = torch.randn(4, 8, H)
+    moe(x)
+    load = moe.last_load
+    assert torch.equal(moe.expert_bias, 0.1 * torch.sign(load.mean() - load))
+    expected = _reference_output(moe, x)  # routed with the bias as it is now (the call below moves it again)
+    close(moe(x), expected, "biased routing", rtol=1e-5)  # the bias picks, the scores weigh
+
+
+def _ep_parity(dp, tp, ep, sequence_parallel):
+    topo = make_topology(model_parallel_size=tp, data_parallel_size=dp, expert_parallel_size=ep)
+    d, t = topo.data_parallel_rank, topo.model_parallel_rank
+    kwargs = dict(top_k=2, num_shared_experts=1, aux_loss_coefficient=0.1)
+    torch.manual_seed(0)
+    moe = ParallelMoE(H, FFN, E, topology=topo, sequence_parallel=sequence_parallel, **kwargs)
+    torch.manual_seed(0)
+    ref = ParallelMoE(H, FFN, E, **kwargs)
+    g = torch.Generator().manual_seed(1)
+    x_all, grad_all = torch.randn(dp, 2, 8, H, generator=g), torch.randn(dp, 2, 8, H, generator=g)
+    x_ref = x_all.reshape(dp * 2, 8, H).requires_grad_()
+    y_ref = ref(x_ref)
+    (y_ref * grad_all.reshape(dp * 2, 8, H)).sum().div(dp).backward()  # the mean over DP ranks
+
+    def mine(full):  # this rank's tokens (its sequence-parallel slice)
+        return full[d].chunk(tp, dim=1)[t] if sequence_parallel else full[d]
+
+    x = mine(x_all).clone().requires_grad_()
+    y = moe(x)
+    (y * mine(grad_all)).sum().backward()
+    close(y, mine(y_ref.detach().view(dp, 2, 8, H)), "output")
+    close(x.grad / dp, mine(x_ref.grad.view(dp, 2, 8, H)), "input gradient")
+    close(moe.last_aux_loss, ref.last_aux_loss, "aux loss")
+    assert torch.equal(moe.last_load, ref.last_load)
+    assert sorted(moe.experts) == [
+        str(e) for e in range(topo.expert_parallel_rank * E // ep, (topo.expert_parallel_rank + 1) * E // ep)
+    ]
+    expert_group = topo.expert_data_parallel_group
+    ref_params = dict(ref.named_parameters())
+    for name, p in moe.named_parameters():
+        grad = p.grad.clone()
+        if get_meta(p).reduce_over_tp:
+            dist.all_reduce(grad, group=topo.model_parallel_group)
+        group = expert_group if get_meta(p).is_expert else topo.data_parallel_group
+        if group is not None:
+            dist.all_reduce(grad, group=group)
+        close(full_tensor(p, topo.model_parallel_group, grad / dp), ref_params[name].grad, f"grad {name}")
+    return True
+
+
+def get_meta(p):
+    from scaling.nn import get_parameter_meta
+
+    return get_parameter_meta(p)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("dp", "tp", "ep", "sequence_parallel"),
+    [
+        (2, 1, 2, False),
+        pytest.param(4, 1, 4, False, marks=pytest.mark.slow),
+        pytest.param(4, 1, 2, False, marks=pytest.mark.slow),  # experts replicated over 2 of the 4 DP ranks
+        pytest.param(2, 2, 2, True, marks=pytest.mark.slow),  # tp2 inside each expert, sequence parallel
+        pytest.param(2, 2, 1, False, marks=pytest.mark.slow),  # tp2 inside each expert, no EP
+    ],
+)
+def test_expert_parallel_matches_one_process(dp, tp, ep, sequence_parallel):
+    world = dp * tp
+    assert run_distributed(_ep_parity, world, dp, tp, ep, sequence_parallel, timeout_seconds=120) == [True] * world
+
+
+def test_bad_configuration_names_values_and_choices():
+    with pytest.raises(
+        ValueError, match=r"num_experts=6 is not divisible by expert_parallel_size=4; choose .* \[1, 2, 3, 6\]"
+    ):
+        check_moe(6, 2, 4, "softmax", "aux_loss")
+    with pytest.raises(ValueError, match=r"top_k=5 must be between 1 and num_experts=4"):
+        check_moe(4, 5, 1, "softmax", "aux_loss")
+    with pytest.raises(ValueError, match=r"score_function='relu'; choose one of \['softmax', 'sigmoid'\]"):
+        check_moe(4, 2, 1, "relu", "aux_loss")
+    with pytest.raises(ValueError, match=r"balancing='capacity'; choose one of"):
+        ParallelMoE(H, FFN, E, balancing="capacity")

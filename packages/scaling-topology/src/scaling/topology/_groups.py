@@ -1,0 +1,47 @@
+"""Which process groups a topology creates: a name and, for each rank, the ranks of its group."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scaling.topology._topology import Topology
+
+RanksOf = Callable[[int], list[int]]
+
+
+def group_specs(topo: Topology) -> list[tuple[str, RanksOf]]:
+    """``(name, ranks_of)`` for every group ``topo`` creates, in creation order (the same on every rank).
+
+    Groups that would equal another are left out; the ``Topology`` properties fall back to
+    that other group (or to None, "no communication", for a group of one rank).
+    """
+    shard, ep = topo.data_parallel_shard_size, topo.expert_parallel_size
+    dp, cp = topo.data_parallel_size, topo.context_parallel_size
+
+    def replica(r: int) -> tuple[int, int]:
+        c = topo.coordinates(r)
+        return c.dp, c.cp
+
+    specs: list[tuple[str, RanksOf]] = [
+        ("pp", lambda r: topo._ranks_along(r, "pp")),
+        ("dp", lambda r: topo._ranks_along(r, "dp")),
+        ("cp", lambda r: topo._ranks_along(r, "cp")),
+        ("tp", lambda r: topo._ranks_along(r, "tp")),
+        ("mp", lambda r: [x for x in range(topo.world_size) if replica(x) == replica(r)]),
+    ]
+    if dp > 1 and cp > 1:  # DP × CP, where it differs from both the DP and the CP group
+        specs.append(("dp_cp", lambda r: topo._dp_ranks_where(r, lambda d, c: 0)))
+    if topo.pipe_parallel_size > 1:  # a second pipe group (see pipe_parallel_result_group)
+        specs.append(("pp_result", lambda r: topo._ranks_along(r, "pp")))
+    if 1 < shard < dp:  # HSDP: consecutive DP ranks (with their CP ranks) shard, the groups replicate
+        specs.append(("dp_shard", lambda r: topo._dp_ranks_where(r, lambda d, c: d // shard)))
+        specs.append(("dp_replicate", lambda r: topo._dp_ranks_where(r, lambda d, c: (d % shard, c))))
+    if ep > 1:
+        # EP: consecutive DP ranks (same CP rank) split the experts; the ranks holding the
+        # same experts (every CP rank too) reduce their gradients.
+        specs.append(("ep", lambda r: topo._dp_ranks_where(r, lambda d, c: (d // ep, c))))
+        if dp * cp > ep:
+            specs.append(("edp", lambda r: topo._dp_ranks_where(r, lambda d, c: d % ep)))
+    return specs
