@@ -240,12 +240,6 @@ def _errors():
         RuntimeError, match=r"overlap_param_gather=True hooks into the model, and no model was attached"
     ):
         opt.step()  # before any gather is launched
-    # Expert parallelism is refused until the optimizer reduces expert gradients (issue 29).
-    ep = make_topology(data_parallel_size=2, expert_parallel_size=2)
-    expert = torch.nn.Parameter(torch.zeros(2))
-    ParameterMeta("experts.0.gate", (2,), is_expert=True).attach(expert)
-    with pytest.raises(ValueError, match=r"parameter 'experts.0.gate' is a mixture-of-experts expert's, and "):
-        Optimizer(config=OptimizerConfig(), parameter_groups=[group(expert)], topology=ep)
     return True
 
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from scaling.collectives import all_reduce
 from scaling.optim._comm import group_size
 from scaling.optim._compat import foreach_norm
+from scaling.optim._experts import ExpertGradients
 from scaling.optim._slots import ParamSlot
 from scaling.topology import Topology
 
@@ -45,6 +46,7 @@ def global_norm_squared(
     loss_non_finite: torch.Tensor,
     topology: Topology,
     sharded: bool,
+    experts: ExpertGradients | None = None,
 ) -> tuple[float, bool]:
     """The squared global L2 norm of ``grads`` and whether any rank saw a non-finite value.
 
@@ -56,32 +58,43 @@ def global_norm_squared(
         topology: for the model-pipe (TP × PP) and DP groups.
         sharded: True when DP ranks own disjoint gradient pieces (ZeRO >= 1); else the
             reduced gradients are DP replicas and only DP rank 0 contributes.
+        experts: the expert-parallel slots, counted on the first rank holding each expert.
 
     Returns:
         ``(norm_squared, non_finite)``, identical on every rank.
     """
     device = topology.device
-    counted = [g for s, g in zip(slots, grads) if s.counts_in_norm and g.numel()]
-    if counted:
-        # Per-tensor norms in the gradient's dtype (as clip_grad_norm_) in one multi-tensor
-        # call, squared and summed in fp64: an fp64 copy of every gradient would cost more
-        # than the update itself.
-        norms = foreach_norm(counted)
-        total = torch.stack([n.to(torch.float64) for n in norms]).square().sum()
-    else:
-        total = torch.zeros((), dtype=torch.float64, device=device)
+    expert_ids = {id(s) for s in experts.slots} if experts is not None else set()
+    dense = _norm_squared([g for s, g in zip(slots, grads) if s.counts_in_norm and id(s) not in expert_ids], device)
+    expert = _norm_squared([g for s, g in zip(slots, grads) if s.counts_in_norm and id(s) in expert_ids], device)
     non_finite = loss_non_finite.to(device=device, dtype=torch.float64).reshape(())
-    # Count non-finite values separately: a NaN is kept apart from the sum that the DP
+    # Count non-finite values separately: a NaN is kept apart from the sums that the DP
     # replicas zero out below, so every rank sees it.
-    vec = torch.stack([total, non_finite + (~torch.isfinite(total)).double()])
+    flag = non_finite + (~torch.isfinite(dense)).double() + (~torch.isfinite(expert)).double()
+    vec = torch.stack([dense, expert, flag])
     if group_size(topology.model_pipe_parallel_group) > 1:
         all_reduce(vec, topology.model_pipe_parallel_group)
     if topology.data_context_parallel_size > 1:
         # Count each gradient piece once: DP × CP replicas hold the same gradient (no
-        # ZeRO), and under HSDP the shard groups hold the same shards.
+        # ZeRO), and under HSDP the shard groups hold the same shards; an expert's
+        # gradient counts on the first rank holding it.
         first = topology.data_context_parallel_rank == 0
         if (not sharded and not first) or (sharded and topology.data_parallel_replicate_rank):
             vec[0] = 0.0
+        if experts is not None and not experts.counts_in_norm:
+            vec[1] = 0.0
         all_reduce(vec, topology.data_context_parallel_group)
-    norm_sq, flag = vec.tolist()
-    return norm_sq, bool(flag > 0) or not torch.isfinite(torch.tensor(norm_sq)).item()
+    dense_sq, expert_sq, flag_sum = vec.tolist()
+    norm_sq = dense_sq + expert_sq
+    return norm_sq, bool(flag_sum > 0) or not torch.isfinite(torch.tensor(norm_sq)).item()
+
+
+def _norm_squared(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squared L2 norms in fp64 (0 for none)."""
+    grads = [g for g in grads if g.numel()]
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    # Per-tensor norms in the gradient's dtype (as clip_grad_norm_) in one multi-tensor
+    # call, squared and summed in fp64: an fp64 copy of every gradient would cost more
+    # than the update itself.
+    return torch.stack([n.to(torch.float64) for n in foreach_norm(grads)]).square().sum()

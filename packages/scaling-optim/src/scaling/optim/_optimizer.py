@@ -13,6 +13,7 @@ import torch
 from scaling.optim._comm import all_reduce_, group_size
 from scaling.optim._compat import foreach_copy_, foreach_mul_
 from scaling.optim._config import OptimizerConfig
+from scaling.optim._experts import ExpertGradients
 from scaling.optim._grad_norm import global_norm_squared, mark_norm_owners
 from scaling.optim._loss_scaler import LossScaler
 from scaling.optim._offload import HostUpdate
@@ -129,12 +130,12 @@ class Optimizer:
                         f"parameter {name!r} is in groups {owner[id(param)]!r} and {group.name!r}; put it in one"
                     )
                 owner[id(param)] = group.name
-                if meta.is_expert and topology.expert_parallel_size > 1:
-                    # Their gradients need a sum over the ranks holding the expert, not the DP average.
+                if meta.is_expert and topology.expert_parallel_size > 1 and config.zero_stage > 0:
                     raise ValueError(
                         f"parameter {name!r} is a mixture-of-experts expert's, and topology.expert_parallel_size="
-                        f"{topology.expert_parallel_size}: scaling.optim does not reduce expert-parallel gradients "
-                        "yet (issue 29); train with expert_parallel_size=1, where experts are plain data-parallel"
+                        f"{topology.expert_parallel_size} with optimizer.zero_stage={config.zero_stage}: ZeRO does "
+                        "not shard expert-parallel parameters yet (issue 29); use zero_stage=0 with expert "
+                        "parallelism, or expert_parallel_size=1"
                     )
                 slot = ParamSlot(
                     name,
@@ -162,10 +163,16 @@ class Optimizer:
         self._host_update = HostUpdate()
         self.reducer: GradientReducer | None = None
         self._dp_reduced = False
+        # Expert parallelism: experts' gradients reduce over the ranks holding them (_experts.py).
+        ep = topology.expert_parallel_size > 1
+        self._experts = ExpertGradients(
+            [s for s in self.slots if ep and s.meta.is_expert], topology, config.allreduce_bucket_size
+        )
         if config.zero_stage < 3 and dp > 1:
             # ZeRO 0 all-reduces buckets; ZeRO 1 and 2 reduce-scatter them into the owned shards.
             mode = ("all_reduce", "shard", "shard_free")[config.zero_stage]
-            self.reducer = GradientReducer(self.slots, replicas, config.allreduce_bucket_size, mode)
+            dense = [s for s in self.slots if not (ep and s.meta.is_expert)]
+            self.reducer = GradientReducer(dense, replicas, config.allreduce_bucket_size, mode)
         self._shard_gather: ShardGather | None = None
         if config.zero_stage in (1, 2) and self._shard_world > 1:
             self._shard_gather = ShardGather(self.slots, replicas, config.allreduce_bucket_size)
@@ -219,6 +226,7 @@ class Optimizer:
         """Drop the gradients (``param.grad = None``) and any ZeRO-2 gradient shards."""
         if self.reducer is not None:
             self.reducer.discard()
+        self._experts.discard()
         if self._grad_scatter is not None:
             self._grad_scatter.discard()
         self._dp_reduced = False
@@ -270,6 +278,7 @@ class Optimizer:
         if not self._dp_reduced:  # DP averages, mostly overlapped with backward already
             if self.reducer is not None:
                 self.reducer.finish()
+            self._experts.finish()
             if self._grad_scatter is not None:
                 self._grad_scatter.finish()
         self._dp_reduced = True
@@ -318,7 +327,7 @@ class Optimizer:
         self.finish_parameter_gather()  # a module unused in forward may still be gathering
         grads = self._reduced_grads()
         norm_sq, non_finite = global_norm_squared(
-            self.slots, grads, self._loss_non_finite, self.topology, sharded=self._shard_world > 1
+            self.slots, grads, self._loss_non_finite, self.topology, self._shard_world > 1, self._experts
         )
         scale = self.loss_scaler.scale
         lrs = {g.name: g.scheduler.get_lr(self.step_count + 1) for g in self.parameter_groups}

@@ -1,0 +1,58 @@
+"""Expert parallelism in the optimizer: a ParallelMoE trained at ep2 (and ep2 over dp4) equals one process."""
+
+import pytest
+import torch
+
+from scaling.nn import ParallelMoE, attach_parameter_metas
+from scaling.optim import Optimizer, OptimizerConfig, OptimizerParamGroup, OptimizerParamGroupConfig
+from scaling.testing import assert_parity, make_topology, run_distributed
+
+H, FFN, E, STEPS, TOKENS = 8, 16, 4, 3, 6
+
+
+def _train(dp, ep):
+    """``STEPS`` AdamW steps with clipping; returns every parameter and the reported gradient norms."""
+    topo = make_topology(data_parallel_size=dp, expert_parallel_size=ep)
+    torch.manual_seed(0)
+    moe = attach_parameter_metas(
+        ParallelMoE(H, FFN, E, top_k=2, topology=topo, num_shared_experts=1, aux_loss_coefficient=0.1)
+    )
+    config = OptimizerConfig(method="adamw", gradient_clipping=0.05)
+    named = [(n, p, p.parameter_meta) for n, p in moe.named_parameters()]
+    group = OptimizerParamGroup(named, OptimizerParamGroupConfig(name="all", weight_decay=0.01))
+    optimizer = Optimizer(config=config, parameter_groups=[group], topology=topo)
+    g = torch.Generator().manual_seed(1)
+    norms = []
+    for _ in range(STEPS):
+        x, target = torch.randn(4, TOKENS, H, generator=g), torch.randn(4, TOKENS, H, generator=g)
+        rows = slice(topo.data_parallel_rank * 4 // dp, (topo.data_parallel_rank + 1) * 4 // dp)
+        optimizer.zero_grad()
+        optimizer.backward((moe(x[rows]) - target[rows]).pow(2).mean())
+        norms.append(optimizer.step().global_grad_norm)
+    return {n: p.detach().clone() for n, p in moe.named_parameters()}, norms
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("dp", "ep"), [(2, 2), pytest.param(4, 2, marks=pytest.mark.slow)])
+def test_expert_parallel_training_matches_one_process(dp, ep):
+    ((expected, expected_norms),) = run_distributed(_train, 1, 1, 1, timeout_seconds=120)
+    for params, norms in run_distributed(_train, dp, dp, ep, timeout_seconds=120):
+        assert_parity(norms, expected_norms, rtol=1e-5, name="gradient norms")
+        assert len([n for n in params if n.startswith("experts.")]) == 3 * E // ep  # this rank's experts only
+        for name, value in params.items():
+            assert_parity(value, expected[name], rtol=1e-5, atol=1e-7, name=name)
+
+
+def _zero_refused():
+    topo = make_topology(data_parallel_size=2, expert_parallel_size=2)
+    moe = attach_parameter_metas(ParallelMoE(H, FFN, E, topology=topo, num_shared_experts=1))
+    named = [(n, p, p.parameter_meta) for n, p in moe.named_parameters()]
+    group = OptimizerParamGroup(named, OptimizerParamGroupConfig(name="all"))
+    with pytest.raises(ValueError, match=r"with optimizer.zero_stage=1: ZeRO does not shard expert-parallel"):
+        Optimizer(config=OptimizerConfig(zero_stage=1), parameter_groups=[group], topology=topo)
+    return True
+
+
+@pytest.mark.distributed
+def test_zero_with_expert_parallelism_is_refused():
+    assert run_distributed(_zero_refused, 2, timeout_seconds=60) == [True, True]
