@@ -72,6 +72,30 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
             r"data.sequence_length=24 / topology.context_parallel_size=4 = 6 tokens per CP rank is not divisible by "
             r"topology.model_parallel_size=4",
         ),
+        (
+            ["topology.data_parallel_size=2", "topology.expert_parallel_size=2", "runner.nproc_per_node=2"],
+            r"topology.expert_parallel_size=2 needs mixture-of-experts blocks: set transformer_architecture.moe",
+        ),
+        (
+            [
+                "topology.data_parallel_size=4",
+                "topology.expert_parallel_size=4",
+                "runner.nproc_per_node=4",
+                "transformer_architecture.moe.num_experts=6",
+            ],
+            r"num_experts=6 is not divisible by expert_parallel_size=4; choose expert_parallel_size in \[1, 2, 3, 6\]",
+        ),
+        (
+            [
+                "topology.data_parallel_size=2",
+                "topology.expert_parallel_size=2",
+                "runner.nproc_per_node=2",
+                "transformer_architecture.moe.num_experts=4",
+                "optimizer.zero_stage=1",
+            ],
+            r"expert_parallel_size=2 with optimizer.zero_stage=1: ZeRO does not shard expert-parallel parameters yet",
+        ),
+        (["transformer_architecture.moe.top_k=9"], r"top_k=9 must be between 1 and num_experts=8"),
     ],
     ids=[
         "kv-heads",
@@ -87,6 +111,10 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
         "cp-a2a-heads",
         "cp-dropout",
         "cp-sp-seq-len",
+        "ep-without-moe",
+        "ep-experts",
+        "ep-zero",
+        "moe-top-k",
     ],
 )
 def test_bad_config_is_refused(capsys, tiny_corpus, tmp_path, overrides, match):

@@ -231,3 +231,45 @@ def test_cp2_checkpoint_resumes_at_cp1_and_cp4(tiny_corpus, reference_losses, tm
 def test_cp4_dp2_ring(tiny_corpus, reference_losses):
     cfg = tiny_config(tiny_corpus, cp=4, dp=2, steps=STEPS, optimizer={"zero_stage": 2})
     _check(run_distributed(train_worker, 8, cfg, timeout_seconds=300), reference_losses, "cp4·dp2 ring zero2")
+
+
+# Mixture of experts: block 1 of 2 is MoE (4 experts, top-2, one shared), auxiliary-loss balancing.
+MOE = {"moe": {"every": 2, "num_experts": 4, "top_k": 2, "num_shared_experts": 1}}
+
+
+@pytest.fixture(scope="module")
+def reference_losses_moe(tiny_corpus):
+    return _reference(tiny_corpus, MOE)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("sizes", "world"),
+    [
+        ({"dp": 2}, 2),
+        pytest.param({"dp": 2, "tp": 2}, 4, marks=pytest.mark.slow),
+        pytest.param({"dp": 4, "pp": 2}, 8, marks=pytest.mark.slow),  # experts over 2 of the 4 DP ranks
+    ],
+    ids=["dp2-ep2", "dp2-tp2-ep2-sp", "pp2-dp4-ep2"],
+)
+def test_moe_expert_parallel(tiny_corpus, reference_losses_moe, sizes, world):
+    cfg = tiny_config(tiny_corpus, steps=STEPS, topology={"expert_parallel_size": 2}, **sizes)
+    cfg["transformer_architecture"].update(MOE, sequence_parallel="tp" in sizes)
+    _check(run_distributed(train_worker, world, cfg, timeout_seconds=300), reference_losses_moe, f"moe {sizes}")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_moe_checkpoint_resumes_at_another_expert_parallel_size(tiny_corpus, reference_losses_moe, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    first = tiny_config(tiny_corpus, dp=2, steps=STEPS, topology={"expert_parallel_size": 2})
+    first["transformer_architecture"].update(MOE)
+    first["trainer"].update(save_dir=ckpt, save_interval=5, train_iterations=5)
+    run_distributed(train_worker, 2, first, timeout_seconds=180)
+    for dp, ep in ((1, 1), (4, 4)):
+        second = tiny_config(
+            tiny_corpus, dp=dp, steps=STEPS, topology={"expert_parallel_size": ep}, trainer={"load_dir": ckpt}
+        )
+        second["transformer_architecture"].update(MOE)
+        for rank, history in enumerate(run_distributed(train_worker, dp, second, timeout_seconds=240)):
+            assert_parity(losses(history), reference_losses_moe[5:], rtol=1e-5, name=f"rank {rank} resumed at ep{ep}")

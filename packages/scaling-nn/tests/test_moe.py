@@ -1,10 +1,10 @@
 """ParallelMoE: against a per-token reference in one process, and expert/tensor parallel against one process.
 
 "Within 1e-6 relative" as in nn_parity. Expert parallelism is checked the way a trainer
-uses it: every DP rank has its own tokens, the loss is the mean over DP ranks of each
-rank's loss (plus the auxiliary loss of the whole batch), dense gradients are averaged
-over DP and each expert's gradient is summed over the ranks holding that expert and
-divided by the DP size.
+uses it: every DP rank has its own micro-batch, the loss is the mean over DP ranks of each
+rank's loss plus each micro-batch's balancing loss; one process runs the same micro-batches
+one after the other. Dense gradients are averaged over DP and each expert's gradient is
+summed over the ranks holding that expert and divided by the DP size.
 """
 
 import os
@@ -100,9 +100,17 @@ def _ep_parity(dp, tp, ep, sequence_parallel):
     ref = ParallelMoE(H, FFN, E, **kwargs)
     g = torch.Generator().manual_seed(1)
     x_all, grad_all = torch.randn(dp, 2, 8, H, generator=g), torch.randn(dp, 2, 8, H, generator=g)
-    x_ref = x_all.reshape(dp * 2, 8, H).requires_grad_()
-    y_ref = ref(x_ref)
-    (y_ref * grad_all.reshape(dp * 2, 8, H)).sum().div(dp).backward()  # the mean over DP ranks
+    # One process runs the DP ranks' batches as micro-batches: each loss (and each
+    # micro-batch's balancing loss) weighs 1 / dp, as the DP mean does.
+    x_ref = x_all.clone().requires_grad_()
+    ref.aux_loss_scale = 1.0 / dp
+    outputs, aux, loads = [], [], []
+    for r in range(dp):
+        outputs.append(ref(x_ref[r]))
+        (outputs[-1] * grad_all[r]).sum().div(dp).backward()
+        aux.append(ref.last_aux_loss)
+        loads.append(ref.last_load)
+    y_ref = torch.stack(outputs)
 
     def mine(full):  # this rank's tokens (its sequence-parallel slice)
         return full[d].chunk(tp, dim=1)[t] if sequence_parallel else full[d]
@@ -110,10 +118,10 @@ def _ep_parity(dp, tp, ep, sequence_parallel):
     x = mine(x_all).clone().requires_grad_()
     y = moe(x)
     (y * mine(grad_all)).sum().backward()
-    close(y, mine(y_ref.detach().view(dp, 2, 8, H)), "output")
-    close(x.grad / dp, mine(x_ref.grad.view(dp, 2, 8, H)), "input gradient")
-    close(moe.last_aux_loss, ref.last_aux_loss, "aux loss")
-    assert torch.equal(moe.last_load, ref.last_load)
+    close(y, mine(y_ref.detach()), "output")
+    close(x.grad / dp, mine(x_ref.grad), "input gradient")
+    close(moe.last_aux_loss, aux[d], "aux loss")
+    assert torch.equal(moe.last_load, loads[d])
     assert sorted(moe.experts) == [
         str(e) for e in range(topo.expert_parallel_rank * E // ep, (topo.expert_parallel_rank + 1) * E // ep)
     ]

@@ -10,7 +10,7 @@ from scaling.testing import assert_parity, make_topology, run_distributed
 H, FFN, E, STEPS, TOKENS = 8, 16, 4, 3, 6
 
 
-def _train(dp, ep):
+def _train(dp, ep, micro):
     """``STEPS`` AdamW steps with clipping; returns every parameter and the reported gradient norms."""
     topo = make_topology(data_parallel_size=dp, expert_parallel_size=ep)
     torch.manual_seed(0)
@@ -23,11 +23,14 @@ def _train(dp, ep):
     optimizer = Optimizer(config=config, parameter_groups=[group], topology=topo)
     g = torch.Generator().manual_seed(1)
     norms = []
+    # One micro-batch per DP rank; one process runs them all, each weighing 1 / micro-batches.
+    mine = range(topo.data_parallel_rank * micro // dp, (topo.data_parallel_rank + 1) * micro // dp)
+    moe.aux_loss_scale = 1.0 / len(mine)
     for _ in range(STEPS):
-        x, target = torch.randn(4, TOKENS, H, generator=g), torch.randn(4, TOKENS, H, generator=g)
-        rows = slice(topo.data_parallel_rank * 4 // dp, (topo.data_parallel_rank + 1) * 4 // dp)
+        x, target = torch.randn(micro, 2, TOKENS, H, generator=g), torch.randn(micro, 2, TOKENS, H, generator=g)
         optimizer.zero_grad()
-        optimizer.backward((moe(x[rows]) - target[rows]).pow(2).mean())
+        for m in mine:
+            optimizer.backward((moe(x[m]) - target[m]).pow(2).mean() / len(mine))
         norms.append(optimizer.step().global_grad_norm)
     return {n: p.detach().clone() for n, p in moe.named_parameters()}, norms
 
@@ -35,8 +38,8 @@ def _train(dp, ep):
 @pytest.mark.distributed
 @pytest.mark.parametrize(("dp", "ep"), [(2, 2), pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_expert_parallel_training_matches_one_process(dp, ep):
-    ((expected, expected_norms),) = run_distributed(_train, 1, 1, 1, timeout_seconds=120)
-    for params, norms in run_distributed(_train, dp, dp, ep, timeout_seconds=120):
+    ((expected, expected_norms),) = run_distributed(_train, 1, 1, 1, dp, timeout_seconds=120)
+    for params, norms in run_distributed(_train, dp, dp, ep, dp, timeout_seconds=120):
         assert_parity(norms, expected_norms, rtol=1e-5, name="gradient norms")
         assert len([n for n in params if n.startswith("experts.")]) == 3 * E // ep  # this rank's experts only
         for name, value in params.items():

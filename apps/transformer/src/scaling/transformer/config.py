@@ -10,7 +10,7 @@ import torch
 from pydantic import Field, model_validator
 
 from scaling.config import BaseConfig
-from scaling.nn import check_context_parallel
+from scaling.nn import check_context_parallel, check_moe
 from scaling.optim import LearningRateSchedulerConfig, OptimizerConfig, check_sharding
 from scaling.runner import RunnerConfig
 from scaling.topology import TopologyConfig
@@ -24,6 +24,24 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class MoEConfig(BaseConfig):
+    """Mixture-of-experts feed-forward blocks (``scaling.nn.ParallelMoE``, SwiGLU experts)."""
+
+    every: int = Field(
+        1, ge=1, description="Block i (from 0) is MoE when (i + 1) % every == 0: 1 = every block, 2 = every other."
+    )
+    num_experts: int = Field(8, ge=1, description="Routed experts per MoE block; divisible by expert_parallel_size.")
+    top_k: int = Field(2, ge=1, description="Experts per token, <= num_experts.")
+    num_shared_experts: int = Field(0, ge=0, description="Experts every token goes through (DeepSeek's shared).")
+    ffn_size: int | None = Field(None, ge=1, description="Inner size of an expert; None = the dense MLP's.")
+    score_function: Literal["softmax", "sigmoid"] = Field("softmax", description="Router scores.")
+    balancing: Literal["aux_loss", "aux_loss_free", "none"] = Field(
+        "aux_loss", description="Load balancing: auxiliary loss, aux-loss-free per-expert bias, or none."
+    )
+    aux_loss_coefficient: float = Field(1e-2, ge=0.0, description="Weight of the auxiliary balancing loss.")
+    bias_update_rate: float = Field(1e-3, ge=0.0, description="Step of the aux-loss-free bias per forward.")
 
 
 class TransformerArchitectureConfig(BaseConfig):
@@ -79,6 +97,9 @@ class TransformerArchitectureConfig(BaseConfig):
     )
     document_masking: bool = Field(
         True, description="Attention stays within each packed document and positions restart at document starts."
+    )
+    moe: MoEConfig | None = Field(
+        None, description="Mixture-of-experts blocks (routed SwiGLU experts); None = every block dense."
     )
     context_parallel_method: Literal["ring", "all_to_all"] = Field(
         "ring",
@@ -302,6 +323,30 @@ class TransformerConfig(BaseConfig):
             raise ValueError(
                 f"data.sequence_length={self.data.sequence_length} exceeds transformer_architecture."
                 f"max_sequence_length={arch.max_sequence_length}; shorten the sequence or raise max_sequence_length"
+            )
+        if arch.moe is not None:
+            check_moe(
+                arch.moe.num_experts,
+                arch.moe.top_k,
+                self.topology.expert_parallel_size,
+                arch.moe.score_function,
+                arch.moe.balancing,
+            )
+            if (arch.moe.ffn_size or arch.ffn_size) % tp:
+                raise ValueError(
+                    f"transformer_architecture.moe.ffn_size={arch.moe.ffn_size or arch.ffn_size} is not divisible by "
+                    f"topology.model_parallel_size={tp}; choose a multiple of {tp}"
+                )
+            if self.topology.expert_parallel_size > 1 and self.optimizer.zero_stage > 0:
+                raise ValueError(
+                    f"topology.expert_parallel_size={self.topology.expert_parallel_size} with optimizer.zero_stage="
+                    f"{self.optimizer.zero_stage}: ZeRO does not shard expert-parallel parameters yet; use "
+                    "zero_stage=0 with expert parallelism, or expert_parallel_size=1"
+                )
+        elif self.topology.expert_parallel_size > 1:
+            raise ValueError(
+                f"topology.expert_parallel_size={self.topology.expert_parallel_size} needs mixture-of-experts "
+                "blocks: set transformer_architecture.moe, or expert_parallel_size=1"
             )
         cp, seq = self.topology.context_parallel_size, self.data.sequence_length
         if cp > 1:

@@ -26,6 +26,7 @@ from scaling.nn import (
     LayerNorm,
     LayerSpec,
     ParallelMLP,
+    ParallelMoE,
     ParallelSelfAttention,
     ParallelSwiGLUMLP,
     RMSNorm,
@@ -119,7 +120,11 @@ class TransformerBlock(BaseLayer[TransformerLayerIO, TransformerLayerIO]):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
     def __init__(
-        self, arch: TransformerArchitectureConfig, topology: Topology | None = None, rng_tracker: Any = None
+        self,
+        arch: TransformerArchitectureConfig,
+        topology: Topology | None = None,
+        rng_tracker: Any = None,
+        moe: bool = False,
     ) -> None:
         super().__init__()
         self.arch, self.rng_tracker = arch, rng_tracker
@@ -147,16 +152,36 @@ class TransformerBlock(BaseLayer[TransformerLayerIO, TransformerLayerIO]):
         )
         self.mlp_norm = make_norm(arch, topology)
         mlp_class = ParallelSwiGLUMLP if arch.mlp_type == "swiglu" else ParallelMLP
-        self.mlp = mlp_class(
-            arch.hidden_size,
-            arch.ffn_size,
-            bias=arch.bias,
-            topology=topology,
-            dtype=arch.dtype,
-            sequence_parallel=arch.sequence_parallel,
-            init_method=normal_init(arch.init_std),
-            output_init_method=output_init,
-        )
+        self.mlp: torch.nn.Module
+        if moe:
+            assert arch.moe is not None
+            self.mlp = ParallelMoE(
+                arch.hidden_size,
+                arch.moe.ffn_size or arch.ffn_size,
+                arch.moe.num_experts,
+                top_k=arch.moe.top_k,
+                topology=topology,
+                score_function=arch.moe.score_function,
+                num_shared_experts=arch.moe.num_shared_experts,
+                balancing=arch.moe.balancing,
+                aux_loss_coefficient=arch.moe.aux_loss_coefficient,
+                bias_update_rate=arch.moe.bias_update_rate,
+                sequence_parallel=arch.sequence_parallel,
+                dtype=arch.dtype,
+                init_method=normal_init(arch.init_std),
+                output_init_method=output_init,
+            )
+        else:
+            self.mlp = mlp_class(
+                arch.hidden_size,
+                arch.ffn_size,
+                bias=arch.bias,
+                topology=topology,
+                dtype=arch.dtype,
+                sequence_parallel=arch.sequence_parallel,
+                init_method=normal_init(arch.init_std),
+                output_init_method=output_init,
+            )
         self.dropout = _Dropout(arch.hidden_dropout, arch.sequence_parallel, rng_tracker)
 
     def block(
@@ -225,7 +250,11 @@ def layer_specs(
     else:
         first = LayerSpec(EmbeddingLayer, rng_tracker=rng_tracker, **common)
         last = LayerSpec(LMHeadLayer, **common)
-    blocks = [LayerSpec(TransformerBlock, rng_tracker=rng_tracker, **common) for _ in range(arch.num_layers)]
+    every = arch.moe.every if arch.moe is not None else 0
+    blocks = [
+        LayerSpec(TransformerBlock, rng_tracker=rng_tracker, moe=bool(every) and (i + 1) % every == 0, **common)
+        for i in range(arch.num_layers)
+    ]
     return [first, *blocks, last]
 
 
@@ -264,16 +293,22 @@ class TransformerLoss:
         return loss / (total_weight / self.cp_size), {}
 
 
-def num_parameters(arch: TransformerArchitectureConfig) -> int:
-    """Parameters of the whole model (tied embedding counted once)."""
+def num_parameters(arch: TransformerArchitectureConfig, active: bool = False) -> int:
+    """Parameters of the whole model (tied embedding counted once); ``active``: those one token uses
+    (with mixture-of-experts blocks: the router, its top-k and the shared experts)."""
     h, v, f, layers = arch.hidden_size, arch.vocab_size, arch.ffn_size, arch.num_layers
     d = h // arch.num_attention_heads
     attn = h * (arch.num_attention_heads + 2 * arch.kv_heads) * d + arch.num_attention_heads * d * h
     mlp = (3 if arch.mlp_type == "swiglu" else 2) * h * f
     embeddings = v * h * (1 if arch.tied_embeddings else 2)
-    return embeddings + layers * (attn + mlp + 2 * h) + h
+    mlps = layers * mlp
+    if arch.moe is not None:
+        moe, blocks = arch.moe, layers // arch.moe.every
+        experts = (moe.top_k if active else moe.num_experts) + moe.num_shared_experts
+        mlps += blocks * (moe.num_experts * h + experts * 3 * h * (moe.ffn_size or f) - mlp)
+    return embeddings + layers * (attn + 2 * h) + mlps + h
 
 
 def flops_per_token(arch: TransformerArchitectureConfig, sequence_length: int) -> float:
-    """Training FLOPs per token: ``6 N + 12 L H S`` (N parameters, L layers, H hidden, S sequence)."""
-    return 6.0 * num_parameters(arch) + 12.0 * arch.num_layers * arch.hidden_size * sequence_length
+    """Training FLOPs per token: ``6 N + 12 L H S`` (N active parameters, L layers, H hidden, S sequence)."""
+    return 6.0 * num_parameters(arch, active=True) + 12.0 * arch.num_layers * arch.hidden_size * sequence_length

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from scaling.nn import ParameterMeta
+from scaling.nn import ParallelMoE, ParameterMeta
 from scaling.optim import Optimizer, OptimizerParamGroup, OptimizerParamGroupConfig
 from scaling.pipeline import ParallelModule
 from scaling.runner import load_payload
@@ -39,7 +39,17 @@ class TransformerTrainer(BaseTrainer[TransformerContext]):
     """
 
     def train_step(self) -> dict[str, Any]:
+        moe_layers = [m for m in self.parallel_module.modules() if isinstance(m, ParallelMoE)]
+        # The injected balancing-loss gradient is scaled as the loss is: loss scale over micro-batches.
+        scale = self.optimizer.loss_scaler.scale / (self.context.config.topology.gradient_accumulation_steps or 1)
+        for layer in moe_layers:
+            layer.aux_loss_scale = scale
         metrics = super().train_step()
+        if moe_layers:  # this rank's MoE blocks, last micro-batch: balancing loss and max / mean expert load
+            aux = [float(m.last_aux_loss) for m in moe_layers if m.last_aux_loss is not None]
+            loads = [m.last_load for m in moe_layers if m.last_load is not None]
+            metrics["moe/aux_loss"] = sum(aux) / max(len(aux), 1)
+            metrics["moe/max_load_ratio"] = max((float(x.max() / x.mean()) for x in loads), default=0.0)
         config = self.context.config
         seq = config.data.sequence_length
         samples_per_second = metrics.get("runtime/samples_per_second", 0.0)

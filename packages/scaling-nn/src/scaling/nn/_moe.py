@@ -9,13 +9,15 @@ for sigmoid, as DeepSeek-V3 does), weight the experts' outputs.
 
 **Balancing.** ``"aux_loss"`` (Switch / Mixtral): ``E · Σ_e f_e · P_e`` with ``f_e`` the
 share of the k·T routing slots that went to expert ``e`` and ``P_e`` its mean routing
-probability, both over the tokens of every data- and context-parallel rank (so the loss,
-and its gradient, equal one process's on the whole batch). Its gradient is injected in
-the backward (scaled by ``aux_loss_coefficient``), so it needs no path to the model's
-loss and works on any pipeline stage. ``"aux_loss_free"`` (DeepSeek-V3): a per-expert bias
-added to the scores for the top-k choice only, moved after each training forward by
-``bias_update_rate`` towards the mean load (``b_e += rate · sign(mean - load_e)``, loads
-over every DP × CP rank). ``"none"``: neither.
+probability, over the micro-batch's tokens (every context-parallel rank's slice of them):
+what one process computes for the same micro-batch, so a data-parallel run sums the same
+per-micro-batch losses. Its gradient is injected in the backward (scaled by
+``aux_loss_coefficient · aux_loss_scale``), so it needs no path to the model's loss and
+works on any pipeline stage. ``"aux_loss_free"`` (DeepSeek-V3): a per-expert bias added
+to the scores for the top-k choice only, moved after each training forward by
+``bias_update_rate`` towards the mean load (``b_e += rate · sign(mean - load_e)``), the
+load summed over every DP × CP rank so that every replica keeps the same bias.
+``"none"``: neither.
 
 **Dispatch (dropless).** The T·k (token, expert) pairs are sorted by expert; with expert
 parallelism each rank holds ``E / ep`` experts and the pairs travel to their expert's rank
@@ -110,10 +112,10 @@ class ParallelMoE(torch.nn.Module):
         dtype: parameter dtype.
         init_method, output_init_method: initialisers of the up and down projections.
 
-    After each forward ``last_aux_loss`` (the unweighted auxiliary loss over every DP × CP
-    rank's tokens, detached) and ``last_load`` (``[E]`` tokens routed to each expert there)
-    hold what a trainer logs. ``aux_loss_scale`` multiplies the injected gradient (a
-    trainer sets it to its loss scale over its micro-batch count).
+    After each forward ``last_aux_loss`` (the unweighted auxiliary loss of the micro-batch,
+    detached) and ``last_load`` (``[E]`` routing slots each expert got in it) hold what a
+    trainer logs. ``aux_loss_scale`` multiplies the injected gradient (a trainer sets it to
+    its loss scale over its micro-batch count, as the main loss is scaled).
     """
 
     def __init__(
@@ -151,7 +153,8 @@ class ParallelMoE(torch.nn.Module):
         self.aux_loss_scale = 1.0
         self._ep_group = None if topology is None else topology.expert_parallel_group
         self._ep_size, self._ep_rank = ep, (0 if topology is None else topology.expert_parallel_rank)
-        self._token_group = None if topology is None else topology.data_context_parallel_group
+        self._cp_group = None if topology is None else topology.context_parallel_group
+        self._dp_group = None if topology is None else topology.data_context_parallel_group
         self.num_local_experts = num_experts // ep
         init, out_init = init_method or default_weight_init, output_init_method or init_method or default_weight_init
         # The router sees every token on every TP rank; under SP each rank routes its slice.
@@ -206,21 +209,22 @@ class ParallelMoE(torch.nn.Module):
         return probs, top, weights
 
     def _balance(self, probs: torch.Tensor, top: torch.Tensor) -> torch.Tensor | None:
-        """Load statistics over every DP × CP rank; the aux loss share of this rank (or None)."""
+        """Load statistics of the micro-batch (every CP rank's tokens); this rank's aux loss share (or None)."""
         counts = torch.bincount(top.flatten(), minlength=self.num_experts).to(torch.float32)
         stats = torch.cat([counts, probs.detach().sum(0), probs.new_tensor([probs.shape[0]])])
-        all_reduce(stats, self._token_group)
+        all_reduce(stats, self._cp_group)
         load, prob_sums, tokens = stats[: self.num_experts], stats[self.num_experts : -1], stats[-1]
         share = load / (tokens * self.top_k)
         self.last_load = load
         self.last_aux_loss = self.num_experts * (share * prob_sums / tokens).sum()
         if self.balancing == "aux_loss_free" and self.training:
             with torch.no_grad():
-                self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+                total = all_reduce(load.clone(), self._dp_group)  # every replica moves its bias alike
+                self.expert_bias += self.bias_update_rate * torch.sign(total.mean() - total)
         if self.balancing != "aux_loss" or not self.training or not torch.is_grad_enabled():
             return None
-        # This rank's tokens' part of E·Σ f_e P_e, times the ranks the gradient is averaged over.
-        ranks = 1 if self._token_group is None else dist.get_world_size(self._token_group)
+        # This rank's tokens' part of E·Σ f_e P_e, times the CP ranks the gradient is averaged over.
+        ranks = 1 if self._cp_group is None else dist.get_world_size(self._cp_group)
         return self.num_experts * ranks * (share * probs.sum(0) / tokens).sum()
 
     # ---------------------------------------------------------------- dispatch
