@@ -249,8 +249,9 @@ def reference_losses_moe(tiny_corpus):
         ({"dp": 2}, 2),
         pytest.param({"dp": 2, "tp": 2}, 4, marks=pytest.mark.slow),
         pytest.param({"dp": 4, "pp": 2}, 8, marks=pytest.mark.slow),  # experts over 2 of the 4 DP ranks
+        pytest.param({"dp": 2, "cp": 2}, 4, marks=pytest.mark.slow),  # balancing loss over the CP ranks' slices
     ],
-    ids=["dp2-ep2", "dp2-tp2-ep2-sp", "pp2-dp4-ep2"],
+    ids=["dp2-ep2", "dp2-tp2-ep2-sp", "pp2-dp4-ep2", "cp2-dp2-ep2"],
 )
 def test_moe_expert_parallel(tiny_corpus, reference_losses_moe, sizes, world):
     cfg = tiny_config(tiny_corpus, steps=STEPS, topology={"expert_parallel_size": 2}, **sizes)
