@@ -274,3 +274,22 @@ def test_moe_checkpoint_resumes_at_another_expert_parallel_size(tiny_corpus, ref
         second["transformer_architecture"].update(MOE)
         for rank, history in enumerate(run_distributed(train_worker, dp, second, timeout_seconds=240)):
             assert_parity(losses(history), reference_losses_moe[5:], rtol=1e-5, name=f"rank {rank} resumed at ep{ep}")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_aux_loss_free_balancing_keeps_every_expert_in_band(tiny_corpus):
+    """200 steps, 4 experts, top-1 in both blocks. The band: each step, every expert gets between
+    0.35 and 2 times its fair share (1/4) of the routing slots, over the last 50 steps; without
+    balancing one expert starves (below 0.1 of its fair share) on the same data."""
+    ratios = {}
+    for balancing in ("aux_loss_free", "none"):
+        cfg = tiny_config(tiny_corpus, steps=200)
+        cfg["trainer"]["log_interval"] = 1
+        cfg["transformer_architecture"]["moe"] = {"num_experts": 4, "top_k": 1, "balancing": balancing}
+        (history,) = run_distributed(train_worker, 1, cfg, timeout_seconds=600)
+        last = history[-50:]
+        ratios[balancing] = (min(m["moe/min_load_ratio"] for m in last), max(m["moe/max_load_ratio"] for m in last))
+    low, high = ratios["aux_loss_free"]
+    assert low >= 0.35 and high <= 2.0, ratios
+    assert ratios["none"][0] < 0.1, ratios

@@ -43,13 +43,14 @@ class TransformerTrainer(BaseTrainer[TransformerContext]):
         # The injected balancing-loss gradient is scaled as the loss is: loss scale over micro-batches.
         scale = self.optimizer.loss_scaler.scale / (self.context.config.topology.gradient_accumulation_steps or 1)
         for layer in moe_layers:
-            layer.aux_loss_scale = scale
+            layer.aux_loss_scale, layer.load_total = scale, None
         metrics = super().train_step()
-        if moe_layers:  # this rank's MoE blocks, last micro-batch: balancing loss and max / mean expert load
+        if moe_layers:  # this rank's MoE blocks: the last balancing loss; expert loads over the step
             aux = [float(m.last_aux_loss) for m in moe_layers if m.last_aux_loss is not None]
-            loads = [m.last_load for m in moe_layers if m.last_load is not None]
+            loads = [m.load_total for m in moe_layers if m.load_total is not None]
             metrics["moe/aux_loss"] = sum(aux) / max(len(aux), 1)
             metrics["moe/max_load_ratio"] = max((float(x.max() / x.mean()) for x in loads), default=0.0)
+            metrics["moe/min_load_ratio"] = min((float(x.min() / x.mean()) for x in loads), default=0.0)
         config = self.context.config
         seq = config.data.sequence_length
         samples_per_second = metrics.get("runtime/samples_per_second", 0.0)

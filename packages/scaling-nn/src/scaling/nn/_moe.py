@@ -114,7 +114,7 @@ class ParallelMoE(torch.nn.Module):
 
     After each forward ``last_aux_loss`` (the unweighted auxiliary loss of the micro-batch,
     detached) and ``last_load`` (``[E]`` routing slots each expert got in it) hold what a
-    trainer logs. ``aux_loss_scale`` multiplies the injected gradient (a trainer sets it to
+    trainer logs; ``load_total`` sums ``last_load`` until a trainer sets it to None (per step). ``aux_loss_scale`` multiplies the injected gradient (a trainer sets it to
     its loss scale over its micro-batch count, as the main loss is scaled).
     """
 
@@ -191,6 +191,7 @@ class ParallelMoE(torch.nn.Module):
         )
         self.last_aux_loss: torch.Tensor | None = None
         self.last_load: torch.Tensor | None = None
+        self.load_total: torch.Tensor | None = None
 
     # ----------------------------------------------------------------- routing
     def _route(self, x_bsh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -216,6 +217,7 @@ class ParallelMoE(torch.nn.Module):
         load, prob_sums, tokens = stats[: self.num_experts], stats[self.num_experts : -1], stats[-1]
         share = load / (tokens * self.top_k)
         self.last_load = load
+        self.load_total = load if self.load_total is None else self.load_total + load
         self.last_aux_loss = self.num_experts * (share * prob_sums / tokens).sum()
         if self.balancing == "aux_loss_free" and self.training:
             with torch.no_grad():
