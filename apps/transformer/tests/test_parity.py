@@ -293,3 +293,21 @@ def test_aux_loss_free_balancing_keeps_every_expert_in_band(tiny_corpus):
     low, high = ratios["aux_loss_free"]
     assert low >= 0.35 and high <= 2.0, ratios
     assert ratios["none"][0] < 0.1, ratios
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_aux_loss_free_bias_is_checkpointed(tiny_corpus, tmp_path):
+    """The bias steers routing: a run resumed from step 5 continues as the uninterrupted one."""
+    moe = {"moe": {"num_experts": 4, "top_k": 1, "balancing": "aux_loss_free", "bias_update_rate": 0.01}}
+    whole = tiny_config(tiny_corpus, steps=STEPS)
+    whole["transformer_architecture"].update(moe)
+    (uninterrupted,) = run_distributed(train_worker, 1, whole, timeout_seconds=180)
+    first = tiny_config(tiny_corpus, steps=STEPS, trainer={"save_dir": str(tmp_path), "save_interval": 5})
+    first["transformer_architecture"].update(moe)
+    first["trainer"]["train_iterations"] = 5
+    run_distributed(train_worker, 1, first, timeout_seconds=180)
+    second = tiny_config(tiny_corpus, steps=STEPS, trainer={"load_dir": str(tmp_path)})
+    second["transformer_architecture"].update(moe)
+    (resumed,) = run_distributed(train_worker, 1, second, timeout_seconds=180)
+    assert_parity(losses(resumed), losses(uninterrupted)[5:], rtol=1e-6, name="resumed aux-loss-free run")

@@ -128,6 +128,8 @@ def _ep_parity(dp, tp, ep, sequence_parallel):
     expert_group = topo.expert_data_parallel_group
     ref_params = dict(ref.named_parameters())
     for name, p in moe.named_parameters():
+        if not p.requires_grad:  # the aux-loss-free bias
+            continue
         grad = p.grad.clone()
         if get_meta(p).reduce_over_tp:
             dist.all_reduce(grad, group=topo.model_parallel_group)

@@ -159,8 +159,9 @@ class ParallelMoE(torch.nn.Module):
         init, out_init = init_method or default_weight_init, output_init_method or init_method or default_weight_init
         # The router sees every token on every TP rank; under SP each rank routes its slice.
         self.router = sharded_parameter((num_experts, hidden_size), init, tp, None, dtype, "router", sequence_parallel)
-        self.expert_bias: torch.Tensor
-        self.register_buffer("expert_bias", torch.zeros(num_experts, device=tp.device), persistent=True)
+        # A frozen parameter, not a buffer: checkpoints save parameters (aux-loss-free balancing moves it).
+        self.expert_bias = sharded_parameter((num_experts,), None, tp, None, torch.float32, "expert_bias")
+        self.expert_bias.requires_grad_(False)
         first = self._ep_rank * self.num_local_experts
         experts = {}
         for e in range(num_experts):  # every expert is drawn on every rank: the same values at every EP size
