@@ -132,3 +132,43 @@ def test_export_of_a_tampered_checkpoint_is_one_line_naming_the_file(tmp_path, c
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert err.startswith("scaling-transformer export-hf: CheckpointError: ")
     assert f"{shard}: sha256 differs from commit.json" in err
+
+
+def _tiny_mixtral(tmp_path):
+    config = transformers.MixtralConfig(
+        vocab_size=101,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        rope_theta=500.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    return model
+
+
+def test_mixtral_import_logits_and_export_roundtrip(tmp_path):
+    hf_model = _tiny_mixtral(tmp_path)
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    ours, config = load_model(tmp_path / "ours" / CHECKPOINT_SUBDIR)
+    moe = config.transformer_architecture.moe
+    assert (moe.num_experts, moe.top_k, moe.every, moe.ffn_size) == (4, 2, 1, 48)
+    ids = _ids()
+    with torch.no_grad():
+        expected = hf_model(ids).logits
+        torch.testing.assert_close(ours(ids), expected, rtol=1e-5, atol=1e-5)
+
+    assert main(["export-hf", str(tmp_path / "ours" / CHECKPOINT_SUBDIR), str(tmp_path / "back")]) == 0
+    back = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    prompt = ids[:1, :5]
+    hf_tokens = back.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)[0, 5:].tolist()
+    assert generate(ours, [prompt[0].tolist()], 10) == [hf_tokens]

@@ -1,4 +1,4 @@
-"""Hugging Face interop: Llama-architecture checkpoints (config.json + safetensors) in and out.
+"""Hugging Face interop: Llama and Mixtral checkpoints (config.json + safetensors) in and out.
 
 Name map (ours <- HF), ``N`` blocks, block ``i`` is our layer ``i + 1``:
 
@@ -11,6 +11,14 @@ Name map (ours <- HF), ``N`` blocks, block ``i`` is our layer ``i + 1``:
 - ``layers.{i+1}.mlp.{gate,up,down}_proj.weight`` <- ``mlp.{gate,up,down}_proj.weight``
 - ``layers.{N+1}.norm.weight`` <- ``model.norm.weight``;
   ``layers.{N+1}.embedding.weight`` <- ``lm_head.weight`` (absent when tied)
+
+Mixtral (every block a mixture of experts, softmax router, top-k renormalised): instead of
+the MLP,
+
+- ``layers.{i+1}.mlp.router`` <- ``model.layers.{i}.block_sparse_moe.gate.weight``
+- ``layers.{i+1}.mlp.experts.{e}.{gate,up,down}`` <- ``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``
+  (the checkpoint layout every transformers version reads and writes; transformers 5 fuses
+  the experts in memory only)
 """
 
 from __future__ import annotations
@@ -23,19 +31,37 @@ import torch
 
 from scaling.nn import named_parameters_with_meta, write_peft_adapter
 from scaling.trainer import checkpoint
-from scaling.transformer.config import TransformerArchitectureConfig, TransformerConfig
+from scaling.transformer.config import MoEConfig, TransformerArchitectureConfig, TransformerConfig
 from scaling.transformer.inference import TransformerLM, load_model
 
 CHECKPOINT_SUBDIR = "checkpoint"
 
 
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
+def _moe_from_hf(hf: dict[str, Any], source: Path) -> MoEConfig:
+    if hf.get("sliding_window") is not None or float(hf.get("router_jitter_noise") or 0.0) != 0.0:
+        raise ValueError(
+            f"{source}: sliding_window={hf.get('sliding_window')}, router_jitter_noise="
+            f"{hf.get('router_jitter_noise')} are not supported; only full attention and a noise-free router"
+        )
+    return MoEConfig(
+        every=1,
+        num_experts=hf["num_local_experts"],
+        top_k=hf["num_experts_per_tok"],
+        ffn_size=hf["intermediate_size"],
+        aux_loss_coefficient=float(hf.get("router_aux_loss_coef", 0.001)),
+    )
+
+
 def _arch_from_hf(hf: dict[str, Any], source: Path) -> TransformerArchitectureConfig:
     kind = hf.get("model_type")
     archs = hf.get("architectures") or []
-    if kind != "llama" or any(a != "LlamaForCausalLM" for a in archs):
+    if kind not in _ARCHITECTURES or any(a != _ARCHITECTURES[kind] for a in archs):
         raise ValueError(
-            f"{source}: model_type={kind!r}, architectures={archs} is not a Llama checkpoint; import-hf reads "
-            "model_type='llama' / LlamaForCausalLM only"
+            f"{source}: model_type={kind!r}, architectures={archs} is not a Llama or Mixtral checkpoint; "
+            "import-hf reads model_type='llama' / LlamaForCausalLM and 'mixtral' / MixtralForCausalLM"
         )
     # transformers >= 5 writes rope_parameters={"rope_theta", "rope_type"}; older versions rope_theta/rope_scaling.
     rope = dict(hf.get("rope_parameters") or {})
@@ -70,6 +96,7 @@ def _arch_from_hf(hf: dict[str, Any], source: Path) -> TransformerArchitectureCo
         max_sequence_length=hf.get("max_position_embeddings", 2048),
         bias=bool(hf.get("attention_bias", False)),
         tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        moe=_moe_from_hf(hf, source) if kind == "mixtral" else None,
     )
 
 
@@ -82,10 +109,22 @@ def _check_exportable(arch: TransformerArchitectureConfig) -> None:
         "qk_norm": (arch.qk_norm, False),
         "causal": (arch.causal, True),
     }
+    moe = arch.moe
+    if moe is not None:
+        wrong.update(
+            {
+                "moe.every": (moe.every, 1),
+                "moe.num_shared_experts": (moe.num_shared_experts, 0),
+                "moe.score_function": (moe.score_function, "softmax"),
+                # Mixtral's router has no bias: an aux-loss-free model would route differently.
+                "moe.balancing": ("aux_loss_free" if moe.balancing == "aux_loss_free" else "aux_loss", "aux_loss"),
+                "bias": (arch.bias, False),
+            }
+        )
     bad = {k: v for k, (v, want) in wrong.items() if v != want}
     if bad:
         raise ValueError(
-            f"export-hf writes the Llama architecture, which needs {', '.join(f'{k}={wrong[k][1]!r}' for k in bad)}; "
+            f"export-hf writes the Llama or Mixtral architecture, which needs {', '.join(f'{k}={wrong[k][1]!r}' for k in bad)}; "
             f"this model has {bad}"
         )
 
@@ -104,6 +143,13 @@ def _mapping(arch: TransformerArchitectureConfig) -> dict[str, str]:
         names[f"{ours}.input_norm.weight"] = f"{hf}.input_layernorm.weight"
         names[f"{ours}.attention.dense.weight"] = f"{hf}.self_attn.o_proj.weight"
         names[f"{ours}.mlp_norm.weight"] = f"{hf}.post_attention_layernorm.weight"
+        if arch.moe is not None:
+            moe = f"{hf}.block_sparse_moe"
+            names[f"{ours}.mlp.router"] = f"{moe}.gate.weight"
+            for e in range(arch.moe.num_experts):
+                for proj, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+                    names[f"{ours}.mlp.experts.{e}.{proj}"] = f"{moe}.experts.{e}.{w}.weight"
+            continue
         for proj in ("gate_proj", "up_proj", "down_proj"):
             names[f"{ours}.mlp.{proj}.weight"] = f"{hf}.mlp.{proj}.weight"
         if arch.bias:
@@ -142,7 +188,7 @@ def save_model(model: TransformerLM, config: TransformerConfig, checkpoint_dir: 
 
 
 def import_hf(hf_dir: str | Path, output_dir: str | Path) -> Path:
-    """Convert a Llama-architecture HF folder into ``output_dir/config.yml`` and ``output_dir/checkpoint``.
+    """Convert a Llama or Mixtral HF folder into ``output_dir/config.yml`` and ``output_dir/checkpoint``.
 
     Raises:
         ValueError: for another architecture or unsupported settings (named).
@@ -186,10 +232,11 @@ def import_hf(hf_dir: str | Path, output_dir: str | Path) -> Path:
 
 
 def export_hf(checkpoint: str | Path, output_dir: str | Path, config_path: str | Path | None = None) -> Path:
-    """Write a checkpoint of any layout as a Llama HF folder (``config.json``, ``model.safetensors``).
+    """Write a checkpoint of any layout as a Llama (or, with MoE blocks, Mixtral) HF folder (``config.json``,
+    ``model.safetensors``).
 
     Raises:
-        ValueError: when the architecture is not Llama-compatible (the fields are named).
+        ValueError: when the architecture is not Llama- or Mixtral-compatible (the fields are named).
     """
     from safetensors.torch import save_file
 
@@ -204,9 +251,10 @@ def export_hf(checkpoint: str | Path, output_dir: str | Path, config_path: str |
         for suffix in ("weight", "bias") if arch.bias else ("weight",):
             q, k, v = _split_qkv(params[f"layers.{i + 1}.attention.qkv.{suffix}"].detach(), arch)
             state.update({f"{p}.q_proj.{suffix}": q, f"{p}.k_proj.{suffix}": k, f"{p}.v_proj.{suffix}": v})
-    hf_config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    kind = "llama" if arch.moe is None else "mixtral"
+    hf_config: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[kind]],
+        "model_type": kind,
         "vocab_size": arch.vocab_size,
         "hidden_size": arch.hidden_size,
         "intermediate_size": arch.ffn_size,
@@ -224,6 +272,14 @@ def export_hf(checkpoint: str | Path, output_dir: str | Path, config_path: str |
         "tie_word_embeddings": arch.tied_embeddings,
         "torch_dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[arch.precision],
     }
+    if arch.moe is not None:
+        hf_config.update(
+            intermediate_size=arch.moe.ffn_size or arch.ffn_size,
+            num_local_experts=arch.moe.num_experts,
+            num_experts_per_tok=arch.moe.top_k,
+            router_aux_loss_coef=arch.moe.aux_loss_coefficient,
+            sliding_window=None,
+        )
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2))
