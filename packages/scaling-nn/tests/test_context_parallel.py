@@ -71,7 +71,7 @@ def _cp_errors(method):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("method", ["ring", "all_to_all"])
+@pytest.mark.parametrize("method", ["ring", pytest.param("all_to_all", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_context_parallel_attention_matches_one_process(method, cp):
     for rank_errors in run_distributed(_cp_errors, cp, method, timeout_seconds=120):
@@ -141,14 +141,11 @@ def _layer_parity(tp, method, sequence_parallel):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("method", ["ring", pytest.param("all_to_all", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ring", "all_to_all"])
 @pytest.mark.parametrize(
     ("world", "tp", "sequence_parallel"),
-    [
-        (2, 1, False),
-        pytest.param(4, 2, True, marks=pytest.mark.slow),
-        pytest.param(4, 1, False, marks=pytest.mark.slow),
-    ],
+    [(2, 1, False), (4, 2, True), (4, 1, False)],
 )
 def test_attention_layer_with_context_parallelism_matches_one_process(method, world, tp, sequence_parallel):
     assert run_distributed(_layer_parity, world, tp, method, sequence_parallel, timeout_seconds=120) == [True] * world

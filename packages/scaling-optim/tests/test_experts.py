@@ -36,7 +36,8 @@ def _train(dp, ep, micro):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("dp", "ep"), [(2, 2), pytest.param(4, 2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize(("dp", "ep"), [(2, 2), (4, 2)])
 def test_expert_parallel_training_matches_one_process(dp, ep):
     ((expected, expected_norms),) = run_distributed(_train, 1, 1, 1, dp, timeout_seconds=120)
     for params, norms in run_distributed(_train, dp, dp, ep, dp, timeout_seconds=120):
@@ -57,5 +58,6 @@ def _zero_refused():
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_zero_with_expert_parallelism_is_refused():
     assert run_distributed(_zero_refused, 2, timeout_seconds=60) == [True, True]

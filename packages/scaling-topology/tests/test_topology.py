@@ -154,7 +154,7 @@ GROUPS += ("model_pipe_parallel",)
         (2, 2, 1, 1, None),
         (1, 2, 2, 1, None),
         (2, 1, 2, 1, None),
-        (1, 1, 1, 2, None),
+        pytest.param(1, 1, 1, 2, None, marks=pytest.mark.slow),
         pytest.param(1, 2, 1, 2, None, marks=pytest.mark.slow),
         pytest.param(1, 2, 1, 2, 1, marks=pytest.mark.slow),
         pytest.param(2, 2, 2, 1, None, marks=pytest.mark.slow),
@@ -227,7 +227,8 @@ def _check_expert_groups(dp, cp, ep):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("dp", "cp", "ep"), [(4, 1, 2), pytest.param(2, 2, 2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize(("dp", "cp", "ep"), [(4, 1, 2), (2, 2, 2)])
 def test_expert_groups_on_real_ranks(dp, cp, ep):
     world = dp * cp
     layout = (1, dp, 1, cp)

@@ -23,8 +23,20 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+# The context-parallel layouts run in the slow tier (the quick tier stays under 2 minutes).
+QUICK = {"dp2_tp2", "pp2_dp2"}
+
+
+@pytest.mark.parametrize(
+    ("name", "layout"),
+    [
+        pytest.param(
+            name, layout, marks=() if layout in QUICK or (name, layout) == ("llama", "cp2_dp2") else pytest.mark.slow
+        )
+        for name in ("llama", "gpt2")
+        for layout in sorted(LAYOUTS)
+    ],
+)
 def test_layout_matches_one_process(name: str, layout: str) -> None:
     expected = reference_losses(name)
     results = run_distributed(train_worker, 4, name, LAYOUTS[layout], timeout_seconds=420)

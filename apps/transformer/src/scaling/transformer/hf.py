@@ -101,7 +101,7 @@ def _arch_from_hf(hf: dict[str, Any], source: Path) -> TransformerArchitectureCo
 
 
 def _check_exportable(arch: TransformerArchitectureConfig) -> None:
-    wrong = {
+    wrong: dict[str, tuple[object, object]] = {
         "mlp_type": (arch.mlp_type, "swiglu"),
         "norm": (arch.norm, "rmsnorm"),
         "rotary_percentage": (arch.rotary_percentage, 1.0),

@@ -223,7 +223,7 @@ class ParallelMoE(torch.nn.Module):
         if self.balancing == "aux_loss_free" and self.training:
             with torch.no_grad():
                 total = all_reduce(load.clone(), self._dp_group)  # every replica moves its bias alike
-                self.expert_bias += self.bias_update_rate * torch.sign(total.mean() - total)
+                self.expert_bias.add_(self.bias_update_rate * torch.sign(total.mean() - total))
         if self.balancing != "aux_loss" or not self.training or not torch.is_grad_enabled():
             return None
         # This rank's tokens' part of E·Σ f_e P_e, times the CP ranks the gradient is averaged over.

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from scaling.topology._topology import Topology
+from typing import Any
 
 RanksOf = Callable[[int], list[int]]
 
 
-def group_specs(topo: Topology) -> list[tuple[str, RanksOf]]:
-    """``(name, ranks_of)`` for every group ``topo`` creates, in creation order (the same on every rank).
+def group_specs(topo: Any) -> list[tuple[str, RanksOf]]:
+    """``(name, ranks_of)`` for every group the ``Topology`` ``topo`` creates, in creation order (the same on every rank).
 
     Groups that would equal another are left out; the ``Topology`` properties fall back to
     that other group (or to None, "no communication", for a group of one rank).
