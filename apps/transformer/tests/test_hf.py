@@ -39,23 +39,29 @@ def _ids():
     return torch.randint(0, 101, (2, 11), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_import_logits_and_export_roundtrip(tmp_path, tie):
-    hf_model = _tiny_llama(tmp_path, tie)
+def _roundtrip(tmp_path, hf_model):
+    """Import ``hf_model``'s folder, compare logits; export, reload with transformers, compare logits
+    and greedy tokens. Returns our model's config."""
     assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
-    ours, _ = load_model(tmp_path / "ours" / CHECKPOINT_SUBDIR)
+    ours, config = load_model(tmp_path / "ours" / CHECKPOINT_SUBDIR)
     ids = _ids()
     with torch.no_grad():
         expected = hf_model(ids).logits
         torch.testing.assert_close(ours(ids), expected, rtol=1e-5, atol=1e-5)
 
     assert main(["export-hf", str(tmp_path / "ours" / CHECKPOINT_SUBDIR), str(tmp_path / "back")]) == 0
-    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
+    back = type(hf_model).from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, expected, rtol=1e-5, atol=1e-5)
     prompt = ids[:1, :5]
     hf_tokens = back.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)[0, 5:].tolist()
     assert generate(ours, [prompt[0].tolist()], 10) == [hf_tokens]
+    return config
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_import_logits_and_export_roundtrip(tmp_path, tie):
+    _roundtrip(tmp_path, _tiny_llama(tmp_path, tie))
 
 
 def test_other_architecture_is_refused(tmp_path):
@@ -155,20 +161,5 @@ def _tiny_mixtral(tmp_path):
 
 
 def test_mixtral_import_logits_and_export_roundtrip(tmp_path):
-    hf_model = _tiny_mixtral(tmp_path)
-    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
-    ours, config = load_model(tmp_path / "ours" / CHECKPOINT_SUBDIR)
-    moe = config.transformer_architecture.moe
+    moe = _roundtrip(tmp_path, _tiny_mixtral(tmp_path)).transformer_architecture.moe
     assert (moe.num_experts, moe.top_k, moe.every, moe.ffn_size) == (4, 2, 1, 48)
-    ids = _ids()
-    with torch.no_grad():
-        expected = hf_model(ids).logits
-        torch.testing.assert_close(ours(ids), expected, rtol=1e-5, atol=1e-5)
-
-    assert main(["export-hf", str(tmp_path / "ours" / CHECKPOINT_SUBDIR), str(tmp_path / "back")]) == 0
-    back = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "back").eval()
-    with torch.no_grad():
-        torch.testing.assert_close(back(ids).logits, expected, rtol=1e-5, atol=1e-5)
-    prompt = ids[:1, :5]
-    hf_tokens = back.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)[0, 5:].tolist()
-    assert generate(ours, [prompt[0].tolist()], 10) == [hf_tokens]
