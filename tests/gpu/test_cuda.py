@@ -218,3 +218,16 @@ def test_zero3_with_cpu_offload_keeps_no_optimizer_state_on_the_device(gpu_corpu
     assert runs[True][0] == {("cpu", True)}  # pinned host memory: master copies and moments
     # The same fp32 update, run by the CPU's fused AdamW instead of the GPU's: equal to rounding.
     torch.testing.assert_close(runs[True][1], runs[False][1], rtol=1e-5, atol=0)
+
+
+def test_moe_transformer_trains_on_cuda_and_matches_cpu(gpu_corpus):
+    """Mixture-of-experts blocks (routing, sort, expert loop, balancing loss) on CUDA: fp32 losses track CPU's."""
+    moe = {"moe": {"every": 1, "num_experts": 4, "top_k": 2, "num_shared_experts": 1}}
+    cuda = losses(run_distributed(train_worker, 1, _transformer(gpu_corpus, 10, arch=moe), backend="nccl",
+                                  timeout_seconds=300)[0])  # fmt: skip
+    cpu_cfg = tiny_config(gpu_corpus, steps=10)
+    cpu_cfg["transformer_architecture"].update(moe)
+    cpu = losses(run_distributed(train_worker, 1, cpu_cfg, timeout_seconds=300)[0])
+    assert cuda[-1] < cuda[0], cuda
+    # A routing choice may flip on a near tie between devices: a tolerance, not parity.
+    torch.testing.assert_close(torch.tensor(cuda), torch.tensor(cpu), rtol=1e-2, atol=1e-3)
