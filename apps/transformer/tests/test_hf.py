@@ -16,23 +16,30 @@ from scaling.transformer.inference import load_model
 transformers = pytest.importorskip("transformers")
 
 
-def _tiny_llama(tmp_path, tie=False, vocab_size=101):
-    config = transformers.LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-6,
-        rope_theta=500.0,
-        tie_word_embeddings=tie,
-    )
+# The tiny shape both architectures share.
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    rope_theta=500.0,
+)
+
+
+def _saved(tmp_path, model_cls, config):
+    """A random ``model_cls(config)`` (seed 0), saved to ``tmp_path / "hf"``."""
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = model_cls(config).eval()
     model.save_pretrained(tmp_path / "hf", safe_serialization=True)
     return model
+
+
+def _tiny_llama(tmp_path, tie=False, vocab_size=101):
+    config = transformers.LlamaConfig(vocab_size=vocab_size, tie_word_embeddings=tie, **TINY)
+    return _saved(tmp_path, transformers.LlamaForCausalLM, config)
 
 
 def _ids():
@@ -141,23 +148,8 @@ def test_export_of_a_tampered_checkpoint_is_one_line_naming_the_file(tmp_path, c
 
 
 def _tiny_mixtral(tmp_path):
-    config = transformers.MixtralConfig(
-        vocab_size=101,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-6,
-        rope_theta=500.0,
-    )
-    torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(config).eval()
-    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
-    return model
+    config = transformers.MixtralConfig(vocab_size=101, num_local_experts=4, num_experts_per_tok=2, **TINY)
+    return _saved(tmp_path, transformers.MixtralForCausalLM, config)
 
 
 def test_mixtral_import_logits_and_export_roundtrip(tmp_path):
