@@ -39,6 +39,7 @@ frames themselves (header, payload layout, the cached per-channel ``Layout``) ar
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -160,7 +161,7 @@ class PipeTransport:
         """Receive the previous stage's output; tensors that required grad arrive as grad leaves."""
         return self.exchange(recv_forward=True)[0]
 
-    def send_backward(self, grads: list[torch.Tensor | None], *, wait: bool = True) -> None:
+    def send_backward(self, grads: Sequence[torch.Tensor | None], *, wait: bool = True) -> None:
         """Send the gradients of the received inputs (flatten order) to the previous stage."""
         self.exchange(send_backward=grads, wait_sends=wait)
 
@@ -172,7 +173,7 @@ class PipeTransport:
         """Send ``obj`` to the next stage while receiving gradients from it (1F1B steady state)."""
         return self.exchange(send_forward=obj, recv_backward=True)[1]
 
-    def send_backward_recv_forward(self, grads: list[torch.Tensor | None]) -> Any:
+    def send_backward_recv_forward(self, grads: Sequence[torch.Tensor | None]) -> Any:
         """Send gradients to the previous stage while receiving its next output."""
         return self.exchange(send_backward=grads, recv_forward=True)[0]
 
@@ -180,7 +181,7 @@ class PipeTransport:
         """Send ``obj`` to the next stage while receiving the previous stage's output (interleaved warm-up)."""
         return self.exchange(send_forward=obj, recv_forward=True)[0]
 
-    def send_backward_recv_backward(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    def send_backward_recv_backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Send gradients to the previous stage while receiving the next stage's (interleaved cool-down)."""
         return self.exchange(send_backward=grads, recv_backward=True)[1]
 
@@ -189,7 +190,7 @@ class PipeTransport:
         *,
         send_forward: Any = _NO_SEND,
         recv_forward: bool = False,
-        send_backward: list[torch.Tensor | None] | None = None,
+        send_backward: Sequence[torch.Tensor | None] | None = None,
         recv_backward: bool = False,
         wait_sends: bool = True,
     ) -> tuple[Any, Any]:

@@ -180,7 +180,8 @@ class StageExecutor:
         self.batches: dict[int, Any] = {}
         self.inputs: dict[tuple[int, int], Any] = {}
         self.outputs: dict[tuple[int, int], Any] = {}
-        self.grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}  # gradient w.r.t. each output
+        # gradient w.r.t. each output (None where the next stage had none to send)
+        self.grads_out: dict[tuple[int, int], list[torch.Tensor | None]] = {}
         self.grads_in: dict[tuple[int, int], list[torch.Tensor]] = {}  # gradient w.r.t. each input
         self.losses: dict[int, torch.Tensor] = {}
         self.metrics: dict[int, dict[str, Any]] = {}
@@ -246,7 +247,7 @@ class StageExecutor:
             out = loss / num  # gradient accumulation: the step's loss is the mean over micro-batches
         self.outputs[key] = out
 
-    def _roots(self, key: tuple[int, int]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    def _roots(self, key: tuple[int, int]) -> tuple[list[torch.Tensor], Sequence[torch.Tensor | None] | None]:
         vs = self._vs(key[1])
         if vs == self.last_vs:
             out = self.outputs[key]
