@@ -7,6 +7,7 @@ packed token data, and a BaseTrainer that also reports tokens/s, TFLOP/s and MFU
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -38,8 +39,13 @@ class TransformerTrainer(BaseTrainer[TransformerContext]):
     ``6 N + 12 L H S`` (N parameters, L layers, H hidden, S sequence length).
     """
 
+    @functools.cached_property
+    def _moe_layers(self) -> list[ParallelMoE]:
+        """This rank's mixture-of-experts blocks (found once: the model does not change)."""
+        return [m for m in self.parallel_module.modules() if isinstance(m, ParallelMoE)]
+
     def train_step(self) -> dict[str, Any]:
-        moe_layers = [m for m in self.parallel_module.modules() if isinstance(m, ParallelMoE)]
+        moe_layers = self._moe_layers
         # The injected balancing-loss gradient is scaled as the loss is: loss scale over micro-batches.
         scale = self.optimizer.loss_scaler.scale / (self.context.config.topology.gradient_accumulation_steps or 1)
         for layer in moe_layers:

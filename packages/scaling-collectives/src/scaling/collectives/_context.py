@@ -85,26 +85,17 @@ def _sequence_to_heads(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return received.transpose(0, 1).reshape(b, cp * n, s, d)
 
 
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _heads_to_sequence(x, group)
+class _SwapHeadsAndSequence(torch.autograd.Function):
+    """Heads -> sequence (``to_sequence``) or back; each direction's backward is the other."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _sequence_to_heads(grad, ctx.group), None
-
-
-class _SequenceToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _sequence_to_heads(x, group)
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, to_sequence: bool) -> torch.Tensor:
+        ctx.group, ctx.to_sequence = group, to_sequence
+        return (_heads_to_sequence if to_sequence else _sequence_to_heads)(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _heads_to_sequence(grad, ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return (_sequence_to_heads if ctx.to_sequence else _heads_to_sequence)(grad, ctx.group), None, None
 
 
 def scatter_heads_gather_sequence(x_bnsd: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -116,14 +107,14 @@ def scatter_heads_gather_sequence(x_bnsd: torch.Tensor, group: ProcessGroup | No
     """
     if group is None or group_size(group) == 1:
         return x_bnsd
-    return _HeadsToSequence.apply(x_bnsd, group)
+    return _SwapHeadsAndSequence.apply(x_bnsd, group, True)
 
 
 def gather_heads_scatter_sequence(x_bnsd: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """The inverse of :func:`scatter_heads_gather_sequence`: ``[b, n, cp * s, d]`` -> ``[b, cp * n, s, d]``."""
     if group is None or group_size(group) == 1:
         return x_bnsd
-    return _SequenceToHeads.apply(x_bnsd, group)
+    return _SwapHeadsAndSequence.apply(x_bnsd, group, False)
 
 
 def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup) -> torch.Tensor:

@@ -25,6 +25,7 @@ class ExpertGradients:
 
     def __init__(self, slots: Sequence[ParamSlot], topology: Topology, bucket_size_bytes: int) -> None:
         self.slots = list(slots)
+        self.ids = {id(s) for s in self.slots}
         self.ep = topology.expert_parallel_size
         group = topology.expert_data_parallel_group
         self.reducer = (

@@ -64,7 +64,7 @@ def global_norm_squared(
         ``(norm_squared, non_finite)``, identical on every rank.
     """
     device = topology.device
-    expert_ids = {id(s) for s in experts.slots} if experts is not None else set()
+    expert_ids = experts.ids if experts is not None else set()
     dense = _norm_squared([g for s, g in zip(slots, grads) if s.counts_in_norm and id(s) not in expert_ids], device)
     expert = _norm_squared([g for s, g in zip(slots, grads) if s.counts_in_norm and id(s) in expert_ids], device)
     non_finite = loss_non_finite.to(device=device, dtype=torch.float64).reshape(())
