@@ -85,16 +85,6 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
             ],
             r"num_experts=6 is not divisible by expert_parallel_size=4; choose expert_parallel_size in \[1, 2, 3, 6\]",
         ),
-        (
-            [
-                "topology.data_parallel_size=2",
-                "topology.expert_parallel_size=2",
-                "runner.nproc_per_node=2",
-                "transformer_architecture.moe.num_experts=4",
-                "optimizer.zero_stage=1",
-            ],
-            r"expert_parallel_size=2 with optimizer.zero_stage=1: ZeRO does not shard expert-parallel parameters yet",
-        ),
         (["transformer_architecture.moe.top_k=9"], r"top_k=9 must be between 1 and num_experts=8"),
     ],
     ids=[
@@ -113,7 +103,6 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
         "cp-sp-seq-len",
         "ep-without-moe",
         "ep-experts",
-        "ep-zero",
         "moe-top-k",
     ],
 )

@@ -250,8 +250,10 @@ def reference_losses_moe(tiny_corpus):
         pytest.param({"dp": 2, "tp": 2}, 4, marks=pytest.mark.slow),
         pytest.param({"dp": 4, "pp": 2}, 8, marks=pytest.mark.slow),  # experts over 2 of the 4 DP ranks
         pytest.param({"dp": 2, "cp": 2}, 4, marks=pytest.mark.slow),  # balancing loss over the CP ranks' slices
+        # ZeRO-3: dense parameters sharded over 4 ranks, each expert over the 2 holding it
+        pytest.param({"dp": 4, "optimizer": {"zero_stage": 3}}, 4, marks=pytest.mark.slow),
     ],
-    ids=["dp2-ep2", "dp2-tp2-ep2-sp", "pp2-dp4-ep2", "cp2-dp2-ep2"],
+    ids=["dp2-ep2", "dp2-tp2-ep2-sp", "pp2-dp4-ep2", "cp2-dp2-ep2", "dp4-ep2-zero3"],
 )
 def test_moe_expert_parallel(tiny_corpus, reference_losses_moe, sizes, world):
     cfg = tiny_config(tiny_corpus, steps=STEPS, topology={"expert_parallel_size": 2}, **sizes)
@@ -262,11 +264,14 @@ def test_moe_expert_parallel(tiny_corpus, reference_losses_moe, sizes, world):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_moe_checkpoint_resumes_at_another_expert_parallel_size(tiny_corpus, reference_losses_moe, tmp_path):
+    """Saved at dp4·ep2 with ZeRO-2 (each expert's optimizer state sharded over the 2 ranks holding it)."""
     ckpt = str(tmp_path / "ckpt")
-    first = tiny_config(tiny_corpus, dp=2, steps=STEPS, topology={"expert_parallel_size": 2})
+    first = tiny_config(
+        tiny_corpus, dp=4, steps=STEPS, topology={"expert_parallel_size": 2}, optimizer={"zero_stage": 2}
+    )
     first["transformer_architecture"].update(MOE)
     first["trainer"].update(save_dir=ckpt, save_interval=5, train_iterations=5)
-    run_distributed(train_worker, 2, first, timeout_seconds=180)
+    run_distributed(train_worker, 4, first, timeout_seconds=180)
     for dp, ep in ((1, 1), (4, 4)):
         second = tiny_config(
             tiny_corpus, dp=dp, steps=STEPS, topology={"expert_parallel_size": ep}, trainer={"load_dir": ckpt}
@@ -274,6 +279,21 @@ def test_moe_checkpoint_resumes_at_another_expert_parallel_size(tiny_corpus, ref
         second["transformer_architecture"].update(MOE)
         for rank, history in enumerate(run_distributed(train_worker, dp, second, timeout_seconds=240)):
             assert_parity(losses(history), reference_losses_moe[5:], rtol=1e-5, name=f"rank {rank} resumed at ep{ep}")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_moe_metrics_cover_every_pipeline_stage(tiny_corpus):
+    """Both blocks MoE, one per stage at pp2: every rank logs the metrics of both, as one process does."""
+    runs = {}
+    for pp in (1, 2):
+        cfg = tiny_config(tiny_corpus, pp=pp, steps=3)
+        cfg["transformer_architecture"]["moe"] = {"every": 1, "num_experts": 4, "top_k": 2}
+        runs[pp] = run_distributed(train_worker, pp, cfg, timeout_seconds=180)
+    (expected,) = runs[1]
+    for rank, history in enumerate(runs[2]):
+        for key in ("moe/aux_loss", "moe/max_load_ratio", "moe/min_load_ratio"):
+            assert_parity(history[-1][key], expected[-1][key], rtol=1e-5, name=f"rank {rank} {key}")
 
 
 @pytest.mark.distributed

@@ -10,17 +10,21 @@ from scaling.testing import assert_parity, make_topology, run_distributed
 H, FFN, E, STEPS, TOKENS = 8, 16, 4, 3, 6
 
 
-def _train(dp, ep, micro):
+def _train(dp, ep, micro, zero=0, balancing="aux_loss"):
     """``STEPS`` AdamW steps with clipping; returns every parameter and the reported gradient norms."""
     topo = make_topology(data_parallel_size=dp, expert_parallel_size=ep)
     torch.manual_seed(0)
     moe = attach_parameter_metas(
-        ParallelMoE(H, FFN, E, top_k=2, topology=topo, num_shared_experts=1, aux_loss_coefficient=0.1)
+        ParallelMoE(
+            H, FFN, E, top_k=2, topology=topo, num_shared_experts=1, aux_loss_coefficient=0.1, balancing=balancing
+        )
     )
-    config = OptimizerConfig(method="adamw", gradient_clipping=0.05)
-    named = [(n, p, p.parameter_meta) for n, p in moe.named_parameters()]
+    config = OptimizerConfig(method="adamw", gradient_clipping=0.05, zero_stage=zero)
+    named = [(n, p, p.parameter_meta) for n, p in moe.named_parameters() if p.requires_grad]
     group = OptimizerParamGroup(named, OptimizerParamGroupConfig(name="all", weight_decay=0.01))
-    optimizer = Optimizer(config=config, parameter_groups=[group], topology=topo)
+    optimizer = Optimizer(
+        config=config, parameter_groups=[group], topology=topo, zero3_modules=[moe] if zero == 3 else None
+    )
     g = torch.Generator().manual_seed(1)
     norms = []
     # One micro-batch per DP rank; one process runs them all, each weighing 1 / micro-batches.
@@ -32,32 +36,32 @@ def _train(dp, ep, micro):
         for m in mine:
             optimizer.backward((moe(x[m]) - target[m]).pow(2).mean() / len(mine))
         norms.append(optimizer.step().global_grad_norm)
-    return {n: p.detach().clone() for n, p in moe.named_parameters()}, norms
+    with optimizer.full_parameters():
+        return {n: p.detach().clone() for n, p in moe.named_parameters()}, norms
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize(("dp", "ep"), [(2, 2), (4, 2)])
-def test_expert_parallel_training_matches_one_process(dp, ep):
+@pytest.mark.parametrize(("dp", "ep", "zero"), [(2, 2, 0), (4, 2, 0), (4, 2, 1), (4, 2, 2), (4, 2, 3), (2, 2, 3)])
+def test_expert_parallel_training_matches_one_process(dp, ep, zero):
+    """ZeRO shards experts over the ranks holding them (at dp2·ep2 that is one rank: not sharded)."""
     ((expected, expected_norms),) = run_distributed(_train, 1, 1, 1, dp, timeout_seconds=120)
-    for params, norms in run_distributed(_train, dp, dp, ep, dp, timeout_seconds=120):
+    for params, norms in run_distributed(_train, dp, dp, ep, dp, zero, timeout_seconds=120):
         assert_parity(norms, expected_norms, rtol=1e-5, name="gradient norms")
         assert len([n for n in params if n.startswith("experts.")]) == 3 * E // ep  # this rank's experts only
         for name, value in params.items():
             assert_parity(value, expected[name], rtol=1e-5, atol=1e-7, name=name)
 
 
-def _zero_refused():
-    topo = make_topology(data_parallel_size=2, expert_parallel_size=2)
-    moe = attach_parameter_metas(ParallelMoE(H, FFN, E, topology=topo, num_shared_experts=1))
-    named = [(n, p, p.parameter_meta) for n, p in moe.named_parameters()]
-    group = OptimizerParamGroup(named, OptimizerParamGroupConfig(name="all"))
-    with pytest.raises(ValueError, match=r"with optimizer.zero_stage=1: ZeRO does not shard expert-parallel"):
-        Optimizer(config=OptimizerConfig(zero_stage=1), parameter_groups=[group], topology=topo)
-    return True
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_zero_with_expert_parallelism_is_refused():
-    assert run_distributed(_zero_refused, 2, timeout_seconds=60) == [True, True]
+def test_zero3_keeps_the_balancing_bias_moved_in_forward():
+    """The aux-loss-free bias is a frozen parameter moved in place during the forward: ZeRO-3 writes
+    it back into its shard before freeing it, so ZeRO-3 trains as ZeRO 0 does."""
+    plain = run_distributed(_train, 4, 4, 2, 4, 0, "aux_loss_free", timeout_seconds=120)
+    sharded = run_distributed(_train, 4, 4, 2, 4, 3, "aux_loss_free", timeout_seconds=120)
+    for (expected, expected_norms), (params, norms) in zip(plain, sharded):
+        assert expected["expert_bias"].abs().sum() > 0  # the bias moved
+        assert_parity(norms, expected_norms, rtol=1e-5, name="gradient norms")
+        for name, value in params.items():
+            assert_parity(value, expected[name], rtol=1e-5, atol=1e-7, name=name)

@@ -15,6 +15,7 @@ def test_public_api():
         "OptimizerParamGroup",
         "OptimizerParamGroupConfig",
         "OptimizerStepOutput",
+        "ShardSpace",
         "build_parameter_groups",
         "check_sharding",
     ]

@@ -222,6 +222,7 @@ def _check_expert_groups(dp, cp, ep):
         group = getattr(topo, f"{name}_group")
         out[name] = None if group is None else _members(group)
     out["ep_rank"] = topo.expert_parallel_rank
+    out["edp_rank"] = topo.expert_data_parallel_rank
     topo.destroy()
     return out
 
@@ -240,3 +241,4 @@ def test_expert_groups_on_real_ranks(dp, cp, ep):
         # ... and the ranks holding the same experts (every CP rank too) reduce their gradients.
         same = [r for r in range(world) if _expected(r, *layout)[1] % ep == d % ep]
         assert out["expert_data_parallel"] == (None if len(same) == 1 else same)
+        assert out["edp_rank"] == same.index(rank)  # its ZeRO shard index for the experts

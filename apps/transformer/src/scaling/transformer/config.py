@@ -337,17 +337,6 @@ class TransformerConfig(BaseConfig):
                     f"transformer_architecture.moe.ffn_size={arch.moe.ffn_size or arch.ffn_size} is not divisible by "
                     f"topology.model_parallel_size={tp}; choose a multiple of {tp}"
                 )
-            if self.topology.expert_parallel_size > 1 and self.optimizer.zero_stage > 0:
-                raise ValueError(
-                    f"topology.expert_parallel_size={self.topology.expert_parallel_size} with optimizer.zero_stage="
-                    f"{self.optimizer.zero_stage}: ZeRO does not shard expert-parallel parameters yet; use "
-                    "zero_stage=0 with expert parallelism, or expert_parallel_size=1"
-                )
-            if arch.moe.balancing == "aux_loss_free" and self.optimizer.zero_stage == 3:
-                raise ValueError(
-                    "transformer_architecture.moe.balancing='aux_loss_free' with optimizer.zero_stage=3: the bias "
-                    "moves during the forward, which ZeRO-3 would not keep; use zero_stage 0-2 or balancing='aux_loss'"
-                )
         elif self.topology.expert_parallel_size > 1:
             raise ValueError(
                 f"topology.expert_parallel_size={self.topology.expert_parallel_size} needs mixture-of-experts "

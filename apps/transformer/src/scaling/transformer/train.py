@@ -8,10 +8,13 @@ packed token data, and a BaseTrainer that also reports tokens/s, TFLOP/s and MFU
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from scaling.collectives import all_reduce
 from scaling.nn import ParallelMoE, ParameterMeta
 from scaling.optim import Optimizer, OptimizerParamGroup, OptimizerParamGroupConfig
 from scaling.pipeline import ParallelModule
@@ -51,13 +54,9 @@ class TransformerTrainer(BaseTrainer[TransformerContext]):
         for layer in moe_layers:
             layer.aux_loss_scale, layer.load_total = scale, None
         metrics = super().train_step()
-        if moe_layers:  # this rank's MoE blocks: the last balancing loss; expert loads over the step
-            aux = [float(m.last_aux_loss) for m in moe_layers if m.last_aux_loss is not None]
-            loads = [m.load_total for m in moe_layers if m.load_total is not None]
-            metrics["moe/aux_loss"] = sum(aux) / max(len(aux), 1)
-            metrics["moe/max_load_ratio"] = max((float(x.max() / x.mean()) for x in loads), default=0.0)
-            metrics["moe/min_load_ratio"] = min((float(x.min() / x.mean()) for x in loads), default=0.0)
         config = self.context.config
+        if config.transformer_architecture.moe is not None:
+            metrics.update(self._moe_metrics(moe_layers))
         seq = config.data.sequence_length
         samples_per_second = metrics.get("runtime/samples_per_second", 0.0)
         tokens_per_second = samples_per_second * seq
@@ -69,6 +68,33 @@ class TransformerTrainer(BaseTrainer[TransformerContext]):
         if peak:
             metrics["runtime/mfu"] = tflops / peak
         return metrics
+
+    def _moe_metrics(self, moe_layers: list[ParallelMoE]) -> dict[str, float]:
+        """The MoE blocks of every pipeline stage: their mean last balancing loss, and the largest and
+        smallest expert load over the step relative to the mean (two small all-reduces over the stages)."""
+        aux = [float(m.last_aux_loss) for m in moe_layers if m.last_aux_loss is not None]
+        ratios = [x / x.mean() for x in (m.load_total for m in moe_layers) if x is not None]
+        device = self.context.topology.device
+        sums = torch.tensor([sum(aux), len(aux)], dtype=torch.float64, device=device)
+        extremes = torch.tensor(
+            [
+                max((float(r.max()) for r in ratios), default=-math.inf),
+                -min((float(r.min()) for r in ratios), default=math.inf),
+            ],
+            dtype=torch.float64,
+            device=device,
+        )
+        topology = self.context.topology
+        if topology.pipe_parallel_size > 1:
+            all_reduce(sums, topology.pipe_parallel_group)
+            all_reduce(extremes, topology.pipe_parallel_group, dist.ReduceOp.MAX)
+        total, count = sums.tolist()
+        high, low = extremes.tolist()
+        return {
+            "moe/aux_loss": total / max(count, 1),
+            "moe/max_load_ratio": high if math.isfinite(high) else 0.0,
+            "moe/min_load_ratio": -low if math.isfinite(low) else 0.0,
+        }
 
 
 def parameter_groups(

@@ -10,6 +10,7 @@ from scaling.optim._loss_scaler import LossScaler
 from scaling.optim._lr_scheduler import LearningRateScheduler
 from scaling.optim._optimizer import Optimizer, OptimizerStepOutput
 from scaling.optim._param_group import OptimizerParamGroup, build_parameter_groups
+from scaling.optim._spaces import ShardSpace
 from scaling.optim._zero3 import check_sharding
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "OptimizerParamGroup",
     "OptimizerParamGroupConfig",
     "OptimizerStepOutput",
+    "ShardSpace",
     "build_parameter_groups",
     "check_sharding",
 ]

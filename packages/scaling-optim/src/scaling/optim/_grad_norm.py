@@ -10,7 +10,6 @@ import torch.distributed as dist
 from scaling.collectives import all_reduce
 from scaling.optim._comm import group_size
 from scaling.optim._compat import foreach_norm
-from scaling.optim._experts import ExpertGradients
 from scaling.optim._slots import ParamSlot
 from scaling.topology import Topology
 
@@ -41,51 +40,38 @@ def mark_norm_owners(slots: Sequence[ParamSlot], topology: Topology) -> None:
 
 
 def global_norm_squared(
-    slots: Sequence[ParamSlot],
-    grads: Sequence[torch.Tensor],
-    loss_non_finite: torch.Tensor,
-    topology: Topology,
-    sharded: bool,
-    experts: ExpertGradients | None = None,
+    parts: Sequence[tuple[Sequence[torch.Tensor], bool]], loss_non_finite: torch.Tensor, topology: Topology
 ) -> tuple[float, bool]:
-    """The squared global L2 norm of ``grads`` and whether any rank saw a non-finite value.
+    """The squared global L2 norm of the gradients and whether any rank saw a non-finite value.
 
     Args:
-        slots: the parameters, aligned with ``grads``.
-        grads: each slot's owned (DP-reduced, still loss-scaled) gradient.
+        parts: per kind of parameter (dense; experts under expert parallelism, see
+            ``_spaces.py``): this rank's owned, DP-reduced (still loss-scaled) gradients that
+            it counts over TP and PP, and whether it counts them over DP × CP (each shard
+            once; unsharded, the first replica).
         loss_non_finite: a 0-dim tensor, > 0 when a loss passed to ``backward`` on this
             rank was non-finite.
-        topology: for the model-pipe (TP × PP) and DP groups.
-        sharded: True when DP ranks own disjoint gradient pieces (ZeRO >= 1); else the
-            reduced gradients are DP replicas and only DP rank 0 contributes.
-        experts: the expert-parallel slots, counted on the first rank holding each expert.
+        topology: for the model-pipe (TP × PP) and DP × CP groups.
 
     Returns:
         ``(norm_squared, non_finite)``, identical on every rank.
     """
     device = topology.device
-    expert_ids = experts.ids if experts is not None else set()
-    dense = _norm_squared([g for s, g in zip(slots, grads) if s.counts_in_norm and id(s) not in expert_ids], device)
-    expert = _norm_squared([g for s, g in zip(slots, grads) if s.counts_in_norm and id(s) in expert_ids], device)
+    sums = [_norm_squared(list(grads), device) for grads, _ in parts]
     non_finite = loss_non_finite.to(device=device, dtype=torch.float64).reshape(())
     # Count non-finite values separately: a NaN is kept apart from the sums that the DP
     # replicas zero out below, so every rank sees it.
-    flag = non_finite + (~torch.isfinite(dense)).double() + (~torch.isfinite(expert)).double()
-    vec = torch.stack([dense, expert, flag])
+    flag = non_finite + sum((~torch.isfinite(x)).double() for x in sums)
+    vec = torch.stack([*sums, flag])
     if group_size(topology.model_pipe_parallel_group) > 1:
         all_reduce(vec, topology.model_pipe_parallel_group)
     if topology.data_context_parallel_size > 1:
-        # Count each gradient piece once: DP × CP replicas hold the same gradient (no
-        # ZeRO), and under HSDP the shard groups hold the same shards; an expert's
-        # gradient counts on the first rank holding it.
-        first = topology.data_context_parallel_rank == 0
-        if (not sharded and not first) or (sharded and topology.data_parallel_replicate_rank):
-            vec[0] = 0.0
-        if experts is not None and not experts.counts_in_norm:
-            vec[1] = 0.0
+        for i, (_, counts) in enumerate(parts):
+            if not counts:
+                vec[i] = 0.0
         all_reduce(vec, topology.data_context_parallel_group)
-    dense_sq, expert_sq, flag_sum = vec.tolist()
-    norm_sq = dense_sq + expert_sq
+    *squares, flag_sum = vec.tolist()
+    norm_sq = sum(squares)
     return norm_sq, bool(flag_sum > 0) or not torch.isfinite(torch.tensor(norm_sq)).item()
 
 

@@ -3,29 +3,26 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from scaling.optim._comm import all_reduce_, group_size
+from scaling.optim._comm import all_reduce_
 from scaling.optim._compat import foreach_copy_, foreach_mul_
 from scaling.optim._config import OptimizerConfig
-from scaling.optim._experts import ExpertGradients
 from scaling.optim._grad_norm import global_norm_squared, mark_norm_owners
 from scaling.optim._loss_scaler import LossScaler
 from scaling.optim._offload import HostUpdate
 from scaling.optim._param_group import OptimizerParamGroup
-from scaling.optim._reducer import GradientReducer
-from scaling.optim._shard_gather import ShardGather
 from scaling.optim._slots import ParamSlot
+from scaling.optim._spaces import ShardSpace, shard_spaces
 from scaling.optim._state import load_optimizer_state, optimizer_state
 from scaling.optim._update import UpdateItem, apply_updates, state_names
 from scaling.optim._weak import weak_hook
 from scaling.optim._zero3 import (
-    GradientScatter,
     ParameterGatherer,
     check_own_storage,
     check_sharding,
@@ -113,15 +110,11 @@ class Optimizer:
         self.loss_scaler = LossScaler(config.loss_scaler)
         self.step_count = 0
         check_sharding(config, topology.config)
-        # Gradients are averaged over the ranks holding the same parameters: DP × CP.
-        replicas = topology.data_context_parallel_group
-        dp = group_size(replicas)
-        # ZeRO shards over DP × CP, or over its shard groups under HSDP.
-        self._shard_group = topology.data_parallel_shard_group
-        self._shard_world = group_size(self._shard_group) if config.zero_stage >= 1 else 1
-        # Without ZeRO every DP rank owns the whole parameter.
-        self._dp_rank = topology.data_parallel_shard_rank if self._shard_world > 1 else 0
+        # Where gradients are averaged and ZeRO shards: over DP × CP (or HSDP shard groups)
+        # for dense parameters, over the ranks holding them for experts (_spaces.py).
+        self.spaces: list[ShardSpace] = shard_spaces(topology, config.zero_stage)
         self.slots: list[ParamSlot] = []
+        self._space_of: list[ShardSpace] = []
         owner: dict[int, str] = {}
         for gi, group in enumerate(self.parameter_groups):
             for name, param, meta in group.trainable():
@@ -130,24 +123,20 @@ class Optimizer:
                         f"parameter {name!r} is in groups {owner[id(param)]!r} and {group.name!r}; put it in one"
                     )
                 owner[id(param)] = group.name
-                if meta.is_expert and topology.expert_parallel_size > 1 and config.zero_stage > 0:
-                    raise ValueError(
-                        f"parameter {name!r} is a mixture-of-experts expert's, and topology.expert_parallel_size="
-                        f"{topology.expert_parallel_size} with optimizer.zero_stage={config.zero_stage}: ZeRO does "
-                        "not shard expert-parallel parameters yet (issue 29); use zero_stage=0 with expert "
-                        "parallelism, or expert_parallel_size=1"
-                    )
+                space = next(sp for sp in self.spaces if sp.holds(meta))
                 slot = ParamSlot(
                     name,
                     param,
                     meta,
                     gi,
-                    self._shard_world,
-                    self._dp_rank,
+                    space.world,
+                    space.rank,
                     config.master_weights,
                     state_names(config),
                     offload=config.cpu_offload,
                 )
+                space.add(len(self.slots), slot)
+                self._space_of.append(space)
                 self.slots.append(slot)
         mark_norm_owners(self.slots, topology)
         self._loss_non_finite = torch.zeros((), device=topology.device)
@@ -155,27 +144,15 @@ class Optimizer:
             for slot in self.slots:
                 check_own_storage(slot)
                 slot.param_shard = slot.flat_param()[slot.start : slot.end].clone()
+        #: ZeRO-3: the dense parameters' gatherer (the experts' is ``spaces[1].gatherer``).
         self.gatherer: ParameterGatherer | None = None
-        self._grad_scatter: GradientScatter | None = None
         self._hooks: list[Any] = []
         self._model_attached = False
         # ZeRO-3 with cpu_offload: the host update of the last step, running in a thread.
         self._host_update = HostUpdate()
-        self.reducer: GradientReducer | None = None
         self._dp_reduced = False
-        # Expert parallelism: experts' gradients reduce over the ranks holding them (_experts.py).
-        ep = topology.expert_parallel_size > 1
-        self._experts = ExpertGradients(
-            [s for s in self.slots if ep and s.meta.is_expert], topology, config.allreduce_bucket_size
-        )
-        if config.zero_stage < 3 and dp > 1:
-            # ZeRO 0 all-reduces buckets; ZeRO 1 and 2 reduce-scatter them into the owned shards.
-            mode = ("all_reduce", "shard", "shard_free")[config.zero_stage]
-            dense = [s for s in self.slots if not (ep and s.meta.is_expert)]
-            self.reducer = GradientReducer(dense, replicas, config.allreduce_bucket_size, mode)
-        self._shard_gather: ShardGather | None = None
-        if config.zero_stage in (1, 2) and self._shard_world > 1:
-            self._shard_gather = ShardGather(self.slots, replicas, config.allreduce_bucket_size)
+        for space in self.spaces:
+            space.start_reduction(config.zero_stage, config.allreduce_bucket_size)
         # Hooks last: a constructor that raises leaves no hook behind on the parameters.
         if zero3_modules is not None:
             self.attach_model(zero3_modules)
@@ -185,7 +162,8 @@ class Optimizer:
     @property
     def needs_model(self) -> bool:
         """Whether this optimizer hooks into the model (ZeRO-3, ``overlap_param_gather``)."""
-        return self.config.zero_stage == 3 or (self._shard_gather is not None and self.config.overlap_param_gather)
+        gathers = any(space.shard_gather is not None for space in self.spaces)
+        return self.config.zero_stage == 3 or (gathers and self.config.overlap_param_gather)
 
     def attach_model(self, model: torch.nn.Module | Sequence[torch.nn.Module]) -> None:
         """Hook into the model whose parameters this optimizer updates (once; later calls do nothing).
@@ -203,32 +181,30 @@ class Optimizer:
         if self._model_attached or not self.needs_model:
             return
         if self.config.zero_stage == 3:
-            gatherer = ParameterGatherer(
-                zero3_units(model),
-                self.slots,
-                self._shard_group,
-                reshard_after_forward=self.config.zero3_reshard_after_forward,
-            )
-            self.gatherer = gatherer
-            gatherer.before_gather = self._host_update.wait
-            self._grad_scatter = GradientScatter(
-                gatherer.layers, self._shard_group, self.topology.data_parallel_replicate_group
-            )
+            units = zero3_units(model)
+            for space in self.spaces:
+                gatherer = space.attach_zero3(units, self.config.zero3_reshard_after_forward)
+                gatherer.before_gather = self._host_update.wait
+            self.gatherer = self.spaces[0].gatherer
             for index, slot in enumerate(self.slots):
                 self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(index)))
-            gatherer.free_all()
-        elif self._shard_gather is not None:
-            self._hooks += self._shard_gather.wait_hooks(model)
+            for gatherer in self._gatherers():
+                gatherer.free_all()
+        else:
+            for space in self.spaces:
+                if space.shard_gather is not None:
+                    self._hooks += space.shard_gather.wait_hooks(model)
         self._model_attached = True
+
+    def _gatherers(self) -> list[ParameterGatherer]:
+        """ZeRO-3: each space's gatherer (dense, then experts); empty otherwise."""
+        return [space.gatherer for space in self.spaces if space.gatherer is not None]
 
     # ----------------------------------------------------------------- backward
     def zero_grad(self) -> None:
         """Drop the gradients (``param.grad = None``) and any ZeRO-2 gradient shards."""
-        if self.reducer is not None:
-            self.reducer.discard()
-        self._experts.discard()
-        if self._grad_scatter is not None:
-            self._grad_scatter.discard()
+        for space in self.spaces:
+            space.discard()
         self._dp_reduced = False
         for slot in self.slots:
             slot.param.grad = None
@@ -254,9 +230,9 @@ class Optimizer:
             # together (GradientScatter) and only the owned shards are kept; the parameter is
             # freed. A tied weight keeps its .grad for the sum over pipeline stages; the step
             # reduces it.
-            slot = optimizer.slots[index]
-            assert optimizer._grad_scatter is not None
-            optimizer._grad_scatter.grad_ready(slot)
+            slot, scatter = optimizer.slots[index], optimizer._space_of[index].scatter
+            assert scatter is not None
+            scatter.grad_ready(slot)
             if optimizer.config.zero3_reshard_after_forward:
                 free_storage(slot)
 
@@ -276,11 +252,8 @@ class Optimizer:
         per step.
         """
         if not self._dp_reduced:  # DP averages, mostly overlapped with backward already
-            if self.reducer is not None:
-                self.reducer.finish()
-            self._experts.finish()
-            if self._grad_scatter is not None:
-                self._grad_scatter.finish()
+            for space in self.spaces:
+                space.finish_reduction()
         self._dp_reduced = True
 
     def _check_attached(self) -> None:
@@ -302,8 +275,9 @@ class Optimizer:
             tp_grads = [s.param.grad for s in self.slots if s.meta.reduce_over_tp and s.param.grad is not None]
             all_reduce_(tp_grads, topo.model_parallel_group, bucket, average=False)
             return [s.owned_grad() for s in self.slots]
-        if self._grad_scatter is not None:  # tied weights (and parameters whose hook did not run)
-            self._grad_scatter.reduce_now([s for s in self.slots if s.param.grad is not None])
+        for space in self.spaces:  # ZeRO-3: tied weights (and parameters whose hook did not run)
+            if space.scatter is not None:
+                space.scatter.reduce_now([s for s in space.slots if s.param.grad is not None])
         grads = [s.owned_grad() for s in self.slots]
         # Summing over TP commutes with the DP reduce-scatter, so it runs on the shards.
         tp_grads = [g for s, g in zip(self.slots, grads) if s.meta.reduce_over_tp]
@@ -322,13 +296,15 @@ class Optimizer:
                 the loss scaler is off and ``non_finite_policy='fail'``.
         """
         self._check_attached()
-        if self.gatherer is not None:
-            self.gatherer.discard_pending()
+        for gatherer in self._gatherers():
+            gatherer.discard_pending()
         self.finish_parameter_gather()  # a module unused in forward may still be gathering
         grads = self._reduced_grads()
-        norm_sq, non_finite = global_norm_squared(
-            self.slots, grads, self._loss_non_finite, self.topology, self._shard_world > 1, self._experts
-        )
+        counted = [
+            ([grads[i] for i in space.indices if self.slots[i].counts_in_norm], space.counts_in_norm)
+            for space in self.spaces
+        ]
+        norm_sq, non_finite = global_norm_squared(counted, self._loss_non_finite, self.topology)
         scale = self.loss_scaler.scale
         lrs = {g.name: g.scheduler.get_lr(self.step_count + 1) for g in self.parameter_groups}
         if non_finite:
@@ -365,15 +341,7 @@ class Optimizer:
                     group.config.independent_weight_decay,
                 )
             )
-        if self._shard_gather is not None:
-            # ZeRO 1/2: each entry's gather runs while the next entry is updated, and
-            # with overlap_param_gather also while the next forward runs.
-            for entry, indices in enumerate(self._shard_gather.entries):
-                apply_updates(self.config, [items[i] for i in indices], self.step_count)
-                self._shard_gather.launch(entry)
-            if not self.config.overlap_param_gather:
-                self._shard_gather.finish()
-        elif self.gatherer is not None and self.config.cpu_offload:
+        if self.gatherer is not None and self.config.cpu_offload:
             # ZeRO-3 with offload: the host update and the copy into the device shards run in
             # a thread while the next forward starts; its first gather waits for them.
             step = self.step_count
@@ -384,7 +352,19 @@ class Optimizer:
 
             self._host_update.start(update)
         else:
-            apply_updates(self.config, items, self.step_count)
+            for space in self.spaces:
+                mine = [items[i] for i in space.indices]
+                gather = space.shard_gather
+                if gather is None:
+                    apply_updates(self.config, mine, self.step_count)
+                    continue
+                # ZeRO 1/2: each entry's gather runs while the next entry is updated, and
+                # with overlap_param_gather also while the next forward runs.
+                for entry, indices in enumerate(gather.entries):
+                    apply_updates(self.config, [mine[i] for i in indices], self.step_count)
+                    gather.launch(entry)
+                if not self.config.overlap_param_gather:
+                    gather.finish()
             self._write_back()
         self._clear_grad_shards()
         for group in self.parameter_groups:
@@ -401,22 +381,23 @@ class Optimizer:
         :meth:`state_dict`, :meth:`load_state_dict`, :meth:`full_parameters` and
         :meth:`step` call it themselves. A no-op otherwise.
         """
-        if self._shard_gather is not None:
-            self._shard_gather.finish()
+        for space in self.spaces:
+            if space.shard_gather is not None:
+                space.shard_gather.finish()
         self._host_update.wait()
 
     def _write_back(self) -> None:
-        """Copy updated master weights into the parameters (no ZeRO) or the ZeRO-3 shards."""
+        """Copy updated master weights into the parameters (unsharded) or the ZeRO-3 shards."""
         if self.gatherer is not None:
             # ZeRO-3: parameters stay sharded; the next forward gathers the new values.
             for slot in self.slots:
                 if slot.master is not None and slot.param_shard is not None:
                     slot.param_shard.copy_(slot.master)
             return
-        # Without ZeRO (ZeRO 1/2 gather in step(), see ShardGather). One multi-tensor copy
-        # (and cast) instead of a kernel per parameter: on a GPU, ~280 launches a step fewer
-        # at 0.87B parameters.
-        masters = [(slot.flat_param(), slot.master) for slot in self.slots if slot.master is not None]
+        # Unsharded slots (sharded ZeRO 1/2 ones gather in step(), see ShardGather). One
+        # multi-tensor copy (and cast) instead of a kernel per parameter: on a GPU, ~280
+        # launches a step fewer at 0.87B parameters.
+        masters = [(s.flat_param(), s.master) for s in self.slots if s.master is not None and s.shard_world == 1]
         if masters:
             foreach_copy_([p for p, _ in masters], [m for _, m in masters])
 
@@ -424,8 +405,8 @@ class Optimizer:
         for slot in self.slots:
             slot.grad_shard = None
         self._loss_non_finite.zero_()
-        if self.gatherer is not None:
-            self.gatherer.free_all()  # layers kept whole (zero3_reshard_after_forward=False) or unused
+        for gatherer in self._gatherers():
+            gatherer.free_all()  # layers kept whole (zero3_reshard_after_forward=False) or unused
 
     def _output(
         self, norm: float | None, clipped: float | None, lrs: dict[str, float], overflow: bool
@@ -450,7 +431,7 @@ class Optimizer:
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state keyed by ``meta.key`` (see :func:`optimizer_state`)."""
         self.finish_parameter_gather()
-        return optimizer_state(self, self._shard_group if self._shard_world > 1 else None)
+        return optimizer_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict` (same layout)."""
@@ -470,7 +451,7 @@ class Optimizer:
             RuntimeError: under ZeRO-3, a parameter is not whole.
         """
         self._host_update.wait()
-        frozen = self.gatherer.frozen if self.gatherer is not None else []
+        frozen = [slot for gatherer in self._gatherers() for slot in gatherer.frozen]
         for slot in [*self.slots, *frozen]:
             if slot.param_shard is None and slot.master is None:
                 continue  # the parameter is its own master
@@ -485,10 +466,14 @@ class Optimizer:
             if slot.master is not None:
                 slot.master.copy_(owned)
 
-    def full_parameters(self) -> AbstractContextManager[None]:
+    @contextmanager
+    def full_parameters(self) -> Iterator[None]:
         """Context in which every parameter is whole (ZeRO-3 gathers them; otherwise a no-op)."""
         self.finish_parameter_gather()
-        return self.gatherer.full_parameters() if self.gatherer is not None else nullcontext()
+        with ExitStack() as stack:
+            for gatherer in self._gatherers():
+                stack.enter_context(gatherer.full_parameters())
+            yield
 
     def __repr__(self) -> str:
         return (

@@ -15,13 +15,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from scaling.optim._comm import all_gather_chunks
 from scaling.optim._config import OptimizerConfig
 from scaling.optim._loss_scaler import LossScaler
 from scaling.optim._param_group import OptimizerParamGroup
 from scaling.optim._slots import ParamSlot
+from scaling.optim._spaces import ShardSpace
 from scaling.optim._zero3 import ParameterGatherer
 from scaling.topology import Topology
 
@@ -35,6 +35,7 @@ class StatefulOptimizer(Protocol):
     topology: Topology
     config: OptimizerConfig
     slots: list[ParamSlot]
+    spaces: list[ShardSpace]
     parameter_groups: list[OptimizerParamGroup]
     loss_scaler: LossScaler
     gatherer: ParameterGatherer | None
@@ -52,30 +53,34 @@ def _entries(slot: ParamSlot) -> dict[str, torch.Tensor]:
     return out
 
 
-def optimizer_state(opt: StatefulOptimizer, shard_group: dist.ProcessGroup | None) -> dict[str, Any]:
+def optimizer_state(opt: StatefulOptimizer) -> dict[str, Any]:
     """Counters, loss scaler, schedules and per-parameter DTensors (see the module docstring).
 
-    ``shard_group``: the data-parallel group the state is sharded over (ZeRO), else None.
+    Each kind of parameter's ZeRO shards are gathered over its shard group (``opt.spaces``).
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     topo = opt.topology
     mesh = topo.device_mesh["dp", "tp"]
-    chunks, outputs, owners = [], [], []
-    for slot in opt.slots:
-        for name, owned in _entries(slot).items():
-            full = torch.empty(
-                # On the topology's device: the gather runs on its backend (host state under cpu_offload).
-                slot.numel,
-                dtype=torch.float32 if name == "master" else owned.dtype,
-                device=topo.device,
-            )
-            padded = torch.zeros(slot.chunk, dtype=full.dtype, device=full.device)
-            padded[: slot.length].copy_(owned)
-            chunks.append(padded)
-            outputs.append(full)
-            owners.append((slot, name))
-    all_gather_chunks(chunks, outputs, shard_group, opt.config.allreduce_bucket_size)
+    owners, outputs = [], []
+    for space in opt.spaces:
+        chunks, fulls = [], []
+        for slot in space.slots:
+            for name, owned in _entries(slot).items():
+                full = torch.empty(
+                    # On the topology's device: the gather runs on its backend (host state under cpu_offload).
+                    slot.numel,
+                    dtype=torch.float32 if name == "master" else owned.dtype,
+                    device=topo.device,
+                )
+                padded = torch.zeros(slot.chunk, dtype=full.dtype, device=full.device)
+                padded[: slot.length].copy_(owned)
+                chunks.append(padded)
+                fulls.append(full)
+                owners.append((slot, name))
+        group = space.shard_group if space.world > 1 else None
+        all_gather_chunks(chunks, fulls, group, opt.config.allreduce_bucket_size)
+        outputs += fulls
     params: dict[str, dict[str, DTensor]] = {}
     for (slot, name), full in zip(owners, outputs):
         meta = slot.meta

@@ -9,7 +9,9 @@ and refilled, as FSDP1 does, so the rest of Scaling sees ordinary parameters.
 
 Lifecycle per layer (``modules`` in forward order; a parameter belongs to the innermost
 module that holds it, and a weight tied between two layers to both). Frozen parameters
-(LoRA's base weights) are sharded, gathered and freed alike; they are not updated:
+(LoRA's base weights) are sharded, gathered and freed alike; they are not updated by
+the optimizer, but one changed in place while whole (a mixture-of-experts router's
+balancing bias; its version counter tells) is written back into its shard when freed:
 
 - forward pre-hook: make the layer whole (waiting for its prefetch if one runs), start
   the async all-gather of the next layer (prefetch);
@@ -110,7 +112,10 @@ class ParameterGatherer:
         modules: the layers, in forward order; each parameter of a layer that the
             optimizer trains is gathered for that layer.
         slots: the optimizer's slots (with ``param_shard`` set).
-        group: the data-parallel group the shards are spread over.
+        group: the data-parallel group the shards are spread over (None: one rank).
+        reshard_after_forward: free each layer after its forward (else at the step).
+        takes_frozen: which frozen parameters of the layers this gatherer shards (by
+            their meta; the expert ones go to the experts' gatherer under EP).
     """
 
     def __init__(
@@ -119,6 +124,7 @@ class ParameterGatherer:
         slots: Sequence[ParamSlot],
         group: ProcessGroup | None,
         reshard_after_forward: bool = True,
+        takes_frozen: Callable[[ParameterMeta], bool] = lambda meta: True,
     ) -> None:
         by_param = {id(s.param): s for s in slots}
         self.group = group
@@ -129,8 +135,8 @@ class ParameterGatherer:
         self.frozen: list[ParamSlot] = []
         for params in owned:
             for p in params:
-                if id(p) not in by_param and not p.requires_grad:
-                    meta = _meta_of(p, f"frozen.{len(self.frozen)}")
+                meta = _meta_of(p, f"frozen.{len(self.frozen)}")
+                if id(p) not in by_param and not p.requires_grad and takes_frozen(meta):
                     slot = ParamSlot(meta.key, p, meta, -1, world, rank, False, ())
                     check_own_storage(slot)
                     slot.param_shard = slot.flat_param()[slot.start : slot.end].clone()
@@ -140,6 +146,9 @@ class ParameterGatherer:
             [by_param[id(p)] for p in params if id(p) in by_param] for params in owned
         ]
         frozen_ids = {id(s) for s in self.frozen}
+        # A frozen parameter's version counter when last made whole: a change means an
+        # in-place update (gathering writes through .data, which leaves the counter alone).
+        self._versions: dict[int, int] = {}
         self._frozen_of: list[list[ParamSlot]] = [[s for s in layer if id(s) in frozen_ids] for layer in self.layers]
         covered = {id(s) for layer in self.layers for s in layer}
         missing = [s.name for s in slots if id(s) not in covered]
@@ -169,6 +178,9 @@ class ParameterGatherer:
         slots = self.layers[index]
         send = torch.cat([s.padded_chunk(s.param_shard) for s in slots])  # type: ignore[arg-type]
         world = group_size(self.group)
+        if world == 1:  # nothing to gather (an expert held by one rank)
+            self._pending[index] = (None, send, send.numel())
+            return
         recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
         work = all_gather_single(recv, send, group=self.group, async_op=True)
         self._pending[index] = (work, recv, send.numel())
@@ -181,7 +193,8 @@ class ParameterGatherer:
         if index not in self._pending:
             return
         work, recv, width = self._pending.pop(index)
-        work.wait()
+        if work is not None:
+            work.wait()
         grid = recv.view(-1, width)
         offset = 0
         for slot in self.layers[index]:
@@ -191,22 +204,35 @@ class ParameterGatherer:
                 storage.resize_(nbytes)
             full = grid[:, offset : offset + slot.chunk].reshape(-1)[: slot.numel]
             slot.param.data.view(-1).copy_(full)
+            if slot.group_index < 0:
+                self._versions[id(slot)] = slot.param._version
             offset += slot.chunk
 
     def discard_pending(self) -> None:
         """Finish and drop prefetches not consumed (their shards are about to change)."""
         for work, _, _ in self._pending.values():
-            work.wait()
+            if work is not None:
+                work.wait()
         self._pending.clear()
+
+    def _keep_in_place_update(self, slot: ParamSlot) -> None:
+        """Write a frozen parameter changed in place while whole back into its shard."""
+        version = self._versions.pop(id(slot), None)
+        if version is not None and version != slot.param._version and slot.param_shard is not None:
+            slot.param_shard.copy_(slot.flat_param()[slot.start : slot.end])
 
     def free(self, index: int) -> None:
         for slot in self.layers[index]:
+            if _is_whole(slot) and slot.group_index < 0:
+                self._keep_in_place_update(slot)
             free_storage(slot)
 
     def free_frozen(self, index: int) -> None:
         """Free layer ``index``'s frozen parameters (its backward is done)."""
         if self.reshard_after_forward:
             for slot in self._frozen_of[index]:
+                if _is_whole(slot):
+                    self._keep_in_place_update(slot)
                 free_storage(slot)
 
     def gather_all(self) -> None:
@@ -287,6 +313,8 @@ class GradientScatter:
         layers: the slots of each layer (the gatherer's ``layers``).
         group: the group the shards are spread over (DP, or its shard group under HSDP).
         replicate_group: HSDP: the replicas of this rank's shard; None without HSDP.
+        divisor: the average over the shard and replicate groups is divided by this too
+            (the expert-parallel size for experts: their mean is over all of DP × CP).
     """
 
     MAX_IN_FLIGHT = 2
@@ -296,10 +324,11 @@ class GradientScatter:
         layers: Sequence[Sequence[ParamSlot]],
         group: ProcessGroup | None,
         replicate_group: ProcessGroup | None = None,
+        divisor: int = 1,
     ) -> None:
         self.group, self.world = group, group_size(group)
         self.replicate_group = replicate_group
-        self.average_over = self.world * group_size(replicate_group)
+        self.average_over = self.world * group_size(replicate_group) * divisor
         seen: set[int] = set()
         self.units: list[list[ParamSlot]] = []
         for layer in layers:

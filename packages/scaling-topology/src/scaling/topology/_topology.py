@@ -143,6 +143,13 @@ class Topology:
         return self.data_context_parallel_size // self.expert_parallel_size
 
     @property
+    def expert_data_parallel_rank(self) -> int:
+        """This rank's place among the ranks holding the same experts (its ZeRO shard index for them)."""
+        return (self.data_parallel_rank // self.expert_parallel_size) * self.context_parallel_size + (
+            self.context_parallel_rank
+        )
+
+    @property
     def data_parallel_shard_size(self) -> int:
         """DP ranks that shard among themselves (HSDP); ``data_parallel_size`` without HSDP.
 

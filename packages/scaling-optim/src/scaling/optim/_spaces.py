@@ -1,0 +1,154 @@
+"""Where each kind of parameter's gradient is averaged and its optimizer storage sharded.
+
+A *dense* parameter is held by every DP × CP rank of its (pp, tp): its gradient is
+averaged over ``topology.data_context_parallel_group`` and ZeRO shards it over
+``topology.data_parallel_shard_group`` (all of DP × CP, or an HSDP shard group whose
+replicas all-reduce the shards).
+
+An *expert* parameter (``ParameterMeta.is_expert``) under ``expert_parallel_size = ep > 1``
+is held only by the DP × CP / ep ranks of its ``topology.expert_data_parallel_group``,
+and its gradient there already sums the contributions of every token of its
+expert-parallel group (the token all-to-all's backward brings them home). The
+DP × CP mean is then the sum over the ranks holding it divided by DP × CP: the average
+over that group divided by ``ep``. ZeRO shards it over that same group (HSDP does not
+apply to experts: they are split ``ep`` ways already).
+
+A :class:`ShardSpace` is one of these; the optimizer keeps one per kind and gives each
+its own reducer (ZeRO 0-2), shard gather (ZeRO 1-2) or ZeRO-3 gatherer and scatter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from scaling.nn import ParameterMeta
+from scaling.optim._comm import group_size
+from scaling.optim._reducer import GradientReducer
+from scaling.optim._shard_gather import ShardGather
+from scaling.optim._slots import ParamSlot
+from scaling.optim._zero3 import GradientScatter, ParameterGatherer
+from scaling.topology import Topology
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+
+@dataclass(eq=False)
+class ShardSpace:
+    """One kind of parameter: the ranks holding it, its ZeRO shards, and the machinery reducing them.
+
+    Attributes:
+        kind: ``"dense"`` or ``"expert"``.
+        replicas: the ranks holding the same parameters; gradients are averaged there.
+        shard_group: the ranks ZeRO shards over (the replicas, or an HSDP shard group).
+        replicate_group: HSDP: the replicas of this rank's shard; else None.
+        world: number of ZeRO shards (1 without ZeRO or with one rank).
+        rank: this rank's shard index.
+        divisor: the average over ``replicas`` is divided by this as well (``ep`` for experts).
+        counts_in_norm: whether this rank adds the space's owned gradients to the global
+            norm (every shard once, or, unsharded, the first replica only).
+        experts_apart: (dense space) expert parameters live in a space of their own.
+        indices: positions of the space's slots in the optimizer's slot list.
+    """
+
+    kind: str
+    replicas: ProcessGroup | None
+    shard_group: ProcessGroup | None
+    replicate_group: ProcessGroup | None
+    world: int
+    rank: int
+    divisor: int
+    counts_in_norm: bool
+    experts_apart: bool = False
+    indices: list[int] = field(default_factory=list)
+    slots: list[ParamSlot] = field(default_factory=list)
+    reducer: GradientReducer | None = None
+    shard_gather: ShardGather | None = None
+    gatherer: ParameterGatherer | None = None
+    scatter: GradientScatter | None = None
+
+    def holds(self, meta: ParameterMeta) -> bool:
+        """Whether a parameter with ``meta`` belongs here (frozen ones included)."""
+        if self.kind == "expert":
+            return meta.is_expert
+        return not (meta.is_expert and self.experts_apart)
+
+    def add(self, index: int, slot: ParamSlot) -> None:
+        self.indices.append(index)
+        self.slots.append(slot)
+
+    def start_reduction(self, zero_stage: int, bucket_size_bytes: int) -> None:
+        """Create the backward-overlapped reducer (ZeRO 0-2) and the shard gather (ZeRO 1-2)."""
+        if zero_stage < 3 and self.slots and group_size(self.replicas) > 1:
+            # ZeRO 0 all-reduces buckets; ZeRO 1 and 2 reduce-scatter them into the owned shards.
+            mode = ("all_reduce", "shard", "shard_free")[zero_stage]
+            assert self.replicas is not None
+            self.reducer = GradientReducer(self.slots, self.replicas, bucket_size_bytes, mode)
+        if zero_stage in (1, 2) and self.world > 1 and self.slots:
+            assert self.shard_group is not None
+            self.shard_gather = ShardGather(self.slots, self.shard_group, bucket_size_bytes)
+
+    def attach_zero3(self, modules: list[torch.nn.Module], reshard_after_forward: bool) -> ParameterGatherer:
+        """ZeRO-3: gather and free this space's parameters (frozen ones included) per layer."""
+        self.gatherer = ParameterGatherer(
+            modules, self.slots, self.shard_group, reshard_after_forward=reshard_after_forward, takes_frozen=self.holds
+        )
+        self.scatter = GradientScatter(self.gatherer.layers, self.shard_group, self.replicate_group, self.divisor)
+        return self.gatherer
+
+    def discard(self) -> None:
+        """Drop reductions in flight (``zero_grad``)."""
+        if self.reducer is not None:
+            self.reducer.discard()
+        if self.scatter is not None:
+            self.scatter.discard()
+
+    def finish_reduction(self) -> None:
+        """Wait for the reduction overlapped with backward; the gradients then hold the DP × CP mean."""
+        if self.reducer is not None:
+            self.reducer.finish()
+        if self.scatter is not None:
+            self.scatter.finish()  # divides by the whole DP × CP itself
+        elif self.divisor > 1:
+            for slot in self.slots:
+                grad = slot.grad_shard if slot.grad_shard is not None else slot.param.grad
+                if grad is not None:
+                    grad.div_(self.divisor)
+
+
+def shard_spaces(topology: Topology, zero_stage: int) -> list[ShardSpace]:
+    """The dense space and, with expert parallelism, the expert space (see the module docstring)."""
+    shard_group = topology.data_parallel_shard_group
+    world = group_size(shard_group) if zero_stage >= 1 else 1
+    dense = ShardSpace(
+        "dense",
+        topology.data_context_parallel_group,
+        shard_group,
+        topology.data_parallel_replicate_group,
+        world,
+        topology.data_parallel_shard_rank if world > 1 else 0,
+        1,
+        counts_in_norm=topology.data_parallel_replicate_rank == 0
+        if world > 1
+        else topology.data_context_parallel_rank == 0,
+    )
+    if topology.expert_parallel_size == 1:
+        return [dense]
+    group = topology.expert_data_parallel_group
+    world = group_size(group) if zero_stage >= 1 else 1
+    rank = topology.expert_data_parallel_rank
+    expert = ShardSpace(
+        "expert",
+        group,
+        group,
+        None,
+        world,
+        rank if world > 1 else 0,
+        topology.expert_parallel_size,
+        counts_in_norm=world > 1 or rank == 0,
+    )
+    dense.experts_apart = True
+    return [dense, expert]
