@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from scaling.nn import CompileConfig, Float8Config, compile_layers, enable_float8
 from scaling.optim import Optimizer
 from scaling.pipeline import ParallelModule
 from scaling.topology import Topology
@@ -101,7 +102,9 @@ class Bench:
     topo: Topology
     device: torch.device
     optimizer: Optimizer  # ours, for profiling its share of the step
-    ref_optimizer: torch.optim.AdamW
+    ref_optimizer: torch.optim.AdamW | None
+    module: ParallelModule
+    ref_model: RefModel | None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -142,8 +145,19 @@ def card_peak_tflops(device: torch.device) -> float | None:
     return next((v for k, v in BF16_PEAK_TFLOPS.items() if k in name), None)
 
 
-def build(a: argparse.Namespace) -> Bench:
-    """Our model, optimizer and loss and the reference, with one shared batch."""
+def build(
+    a: argparse.Namespace,
+    topo: Topology | None = None,
+    compile: CompileConfig | None = None,
+    fp8: Float8Config | None = None,
+    reference: bool = True,
+) -> Bench:
+    """Our model, optimizer and loss and the reference, with one shared batch.
+
+    ``topo``: reuse an initialised topology (a second copy of ours in the same process);
+    ``compile`` / ``fp8``: our layers compiled / with float8 linears; ``reference=False``:
+    no reference model (its ``reference()`` then raises).
+    """
     if a.threads > 0 and a.device == "cpu":
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)
@@ -162,27 +176,33 @@ def build(a: argparse.Namespace) -> Bench:
             "data": {"sequence_length": a.seq},
         }
     )  # fmt: skip
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    topo = Topology(cfg.topology, 0).initialize_distributed(f"file://{tempfile.mkdtemp()}/rdzv")
+    if topo is None:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        topo = Topology(cfg.topology, 0).initialize_distributed(f"file://{tempfile.mkdtemp()}/rdzv")
     module = ParallelModule(layer_specs(arch, topo), topo, seed=1)
+    if fp8 is not None:
+        enable_float8(module, fp8)
+    if compile is not None:
+        compile_layers(module.layers.values(), compile)
     optimizer = Optimizer(config=cfg.optimizer, parameter_groups=parameter_groups(module, cfg), topology=topo)
     loss_fn = TransformerLoss(arch.vocab_size, topo)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g)
     batch = TransformerBatch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), None, None).to(device)
 
-    ref = RefModel(arch).to(device, arch.dtype)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
+    ref = RefModel(arch).to(device, arch.dtype) if reference else None
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, weight_decay=0.01, foreach=True) if ref else None
 
     def ours() -> None:
         train_step(module, [batch], optimizer, loss_fn)
 
-    def reference() -> None:
+    def run_reference() -> None:
+        assert ref is not None and ref_opt is not None, "built with reference=False"
         ref_opt.zero_grad(set_to_none=True)
         ref(batch.input_token_ids, batch.target_token_ids).backward()
         ref_opt.step()
 
-    return Bench(ours, reference, arch, topo, device, optimizer, ref_opt)
+    return Bench(ours, run_reference, arch, topo, device, optimizer, ref_opt, module, ref)
 
 
 def _timed(step: Callable[[], None], device: torch.device) -> tuple[float, float]:

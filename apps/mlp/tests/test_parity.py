@@ -57,3 +57,21 @@ def test_zero3_matches_one_process(reference_losses, tp, pp, dp, optimizer, shar
     cfg["topology"]["data_parallel_shard_size"] = shard
     for rank, history in enumerate(run_distributed(train_worker, tp * pp * dp, cfg, timeout_seconds=300)):
         assert_parity(losses(history), reference_losses, rtol=1e-5, name=f"rank {rank} ZeRO-3 losses at {optimizer}")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_compiled_3d_layout_matches_one_process(reference_losses):
+    """training.compile: each layer compiled (aot_eager backend), the TP regions at graph breaks; with
+    evaluation every 10 steps (a no-grad forward compiles its own graphs)."""
+    cfg = small_config(
+        2,
+        2,
+        2,
+        steps=STEPS,
+        training={"compile": {"enabled": True, "backend": "aot_eager"}},
+        trainer={"eval_interval": 10},
+    )
+    for rank, history in enumerate(run_distributed(train_worker, 8, cfg, timeout_seconds=300)):
+        assert_parity(losses(history), reference_losses, rtol=1e-5, name=f"rank {rank} compiled losses")
+        assert [m for m in history if "training/loss" in m][-1]["compile/graphs"] > 0

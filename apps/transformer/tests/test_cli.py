@@ -86,6 +86,18 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
             r"num_experts=6 is not divisible by expert_parallel_size=4; choose expert_parallel_size in \[1, 2, 3, 6\]",
         ),
         (["transformer_architecture.moe.top_k=9"], r"top_k=9 must be between 1 and num_experts=8"),
+        (
+            [
+                "topology.model_parallel_size=2",
+                "runner.nproc_per_node=2",
+                "transformer_architecture.hidden_size=128",
+                "transformer_architecture.intermediate_size=200",
+                "training.fp8.enabled=true",
+                "training.fp8.min_features=16",
+            ],
+            r"fp8: layer 'block.mlp.gate_proj' has local weight shape \[100, 128\]; float8 products need sizes "
+            r"that are multiples of 16. Keep it in high precision: add the regex mlp\\.gate_proj to fp8.exclude",
+        ),
     ],
     ids=[
         "kv-heads",
@@ -104,6 +116,7 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
         "ep-without-moe",
         "ep-experts",
         "moe-top-k",
+        "fp8-shape",
     ],
 )
 def test_bad_config_is_refused(capsys, tiny_corpus, tmp_path, overrides, match):

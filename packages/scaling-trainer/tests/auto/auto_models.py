@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from scaling.nn import CompileConfig
 from scaling.trainer.auto import deferred_init, generate_plan, materialize, parallelize
 
 VOCAB, SEQ = 64, 8
@@ -85,11 +88,18 @@ def reference_losses(name: str) -> list[float]:
     return losses
 
 
-def train_worker(name: str, constraints: dict) -> list[float]:
+def train_worker(name: str, constraints: dict, compile: Any = False) -> list[float]:
     cls, config = MODELS[name]
     model = deferred_init(cls, config())
     plan = generate_plan(model, {**constraints, "global_batch_size": GLOBAL_BATCH, "seed": 7})
-    model, optimizer, scheduler, loader = parallelize(plan, model, optimizer_fn, lr_scheduler_fn, TokenDataset())
+    model, optimizer, scheduler, loader = parallelize(
+        plan,
+        model,
+        optimizer_fn,
+        lr_scheduler_fn,
+        TokenDataset(),
+        compile=CompileConfig(**compile) if compile else False,
+    )
     losses = []
     for _, batch in zip(range(STEPS), loader):
         optimizer.zero_grad()

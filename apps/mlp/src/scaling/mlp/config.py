@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from scaling.config import BaseConfig
+from scaling.nn import CompileConfig
 from scaling.optim import LearningRateSchedulerConfig, OptimizerConfig, check_sharding
 from scaling.runner import RunnerConfig
 from scaling.topology import TopologyConfig
@@ -30,6 +31,9 @@ class MLPTrainingConfig(BaseConfig):
     static_shapes: bool = Field(
         False,
         description="Activation shapes are the same for every micro-batch (Megatron-LM's default): pipeline hand-offs then carry no header after the first; a changed shape raises on the sending stage. False = shapes may vary.",
+    )
+    compile: CompileConfig = Field(
+        default_factory=CompileConfig, description="torch.compile each layer (regional compilation)."
     )
 
 

@@ -34,6 +34,7 @@ def build_trainer(config: MLPConfig, topology: Topology) -> BaseTrainer[MLPConte
         topology=topology,
         seed=config.trainer.seed,
         static_shapes=config.training.static_shapes,
+        compile=config.training.compile,
     )
 
     parameter_groups = [

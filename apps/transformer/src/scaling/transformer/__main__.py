@@ -25,8 +25,10 @@ DEFAULT_CONFIG = Path(__file__).with_name("config.yml")
 def load_config(path: str | Path, overrides: list[str]) -> TransformerConfig:
     """Validate the config, the process count and the data before anything launches."""
     from scaling.transformer.data import open_tokens
+    from scaling.transformer.model import check_fp8
 
     config = TransformerConfig.from_file(path, overrides=overrides)
+    check_fp8(config)
     runner = config.runner
     if runner.runner_type == "local" and runner.hosts is None and runner.hostsfile is None:
         if runner.nproc_per_node != config.topology.world_size:

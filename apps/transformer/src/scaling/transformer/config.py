@@ -10,7 +10,7 @@ import torch
 from pydantic import Field, model_validator
 
 from scaling.config import BaseConfig
-from scaling.nn import check_context_parallel, check_moe
+from scaling.nn import CompileConfig, Float8Config, check_context_parallel, check_moe
 from scaling.optim import LearningRateSchedulerConfig, OptimizerConfig, check_sharding
 from scaling.runner import RunnerConfig
 from scaling.topology import TopologyConfig
@@ -216,6 +216,15 @@ class TransformerTrainingConfig(BaseConfig):
     )
     peak_tflops_per_device: float | None = Field(
         None, gt=0.0, description="Dense peak TFLOP/s of one device in this precision, for MFU; None = no MFU."
+    )
+    compile: CompileConfig = Field(
+        default_factory=CompileConfig,
+        description="torch.compile each layer (regional compilation; identical blocks share one graph).",
+    )
+    fp8: Float8Config = Field(
+        default_factory=Float8Config,
+        description="Float8 products in the blocks' column- and row-parallel linears (attention projections, MLP); "
+        "embeddings, LM head, MoE router and experts stay in transformer_architecture.precision.",
     )
     groups: list[TrainingGroupConfig] = Field(
         default_factory=list,

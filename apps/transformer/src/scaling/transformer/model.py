@@ -32,11 +32,12 @@ from scaling.nn import (
     RMSNorm,
     TiedLayerSpec,
     VocabParallelEmbedding,
+    check_float8,
     checkpoint_layer,
     vocab_parallel_cross_entropy,
 )
 from scaling.topology import Topology
-from scaling.transformer.config import TransformerArchitectureConfig
+from scaling.transformer.config import TransformerArchitectureConfig, TransformerConfig
 from scaling.transformer.data import TransformerBatch
 
 TIED_KEY = "embedding"
@@ -312,3 +313,21 @@ def num_parameters(arch: TransformerArchitectureConfig, active: bool = False) ->
 def flops_per_token(arch: TransformerArchitectureConfig, sequence_length: int) -> float:
     """Training FLOPs per token: ``6 N + 12 L H S`` (N active parameters, L layers, H hidden, S sequence)."""
     return 6.0 * num_parameters(arch, active=True) + 12.0 * arch.num_layers * arch.hidden_size * sequence_length
+
+
+def check_fp8(config: TransformerConfig) -> None:
+    """Refuse ``training.fp8`` where it cannot run (device, torch version, a block's linear sizes at
+    this TP size), before anything launches: the CLI calls it with the other checks."""
+    fp8 = config.training.fp8
+    if not fp8.enabled:
+        return
+    arch, topology = config.transformer_architecture, config.topology
+    with torch.device("meta"):  # shapes only
+        blocks = torch.nn.ModuleDict({"block": TransformerBlock(arch, None, moe=False)})
+        if arch.moe is not None:
+            blocks["moe_block"] = TransformerBlock(arch, None, moe=True)
+    cuda = topology.device == "cuda" or (
+        topology.device == "auto" and topology.backend != "gloo" and torch.cuda.is_available()
+    )
+    assert topology.model_parallel_size is not None
+    check_float8(blocks, fp8, topology.model_parallel_size, torch.device("cuda" if cuda else "cpu"))

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from scaling.collectives import all_reduce
-from scaling.nn import ParallelMoE, ParameterMeta
+from scaling.nn import ParallelMoE, ParameterMeta, enable_float8
 from scaling.optim import Optimizer, OptimizerParamGroup, OptimizerParamGroupConfig
 from scaling.pipeline import ParallelModule
 from scaling.runner import load_payload
@@ -148,7 +148,10 @@ def build_trainer(config: TransformerConfig, topology: Topology) -> TransformerT
         num_virtual_stages=config.training.num_virtual_stages,
         seed=config.trainer.seed,
         static_shapes=config.training.static_shapes,
+        compile=config.training.compile,
     )
+    # Float8 products in the blocks' linears (the embedding and head layers have none).
+    enable_float8(parallel_module, config.training.fp8)
     apply_finetuning(
         [(int(i), layer) for i, layer in parallel_module.layers.items()],
         config.finetuning,

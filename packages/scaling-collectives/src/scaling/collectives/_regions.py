@@ -91,7 +91,9 @@ class _ReduceScatter(torch.autograd.Function):
 
 
 def _is_identity(group: ProcessGroup | None) -> bool:
-    return group is None or _ops.group_size(group) == 1
+    # group.size() rather than _ops.group_size: Dynamo reads it as a constant, and _ops is
+    # kept out of compiled graphs (scaling.nn.compile_layer), so a call there would break one.
+    return group is None or group.size() == 1
 
 
 def _check_dim(x: torch.Tensor, dim: int, fn: str) -> int:

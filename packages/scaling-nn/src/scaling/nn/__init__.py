@@ -3,12 +3,15 @@
 from scaling.nn._adapters import BottleneckAdapter, apply_bottleneck_adapters, mark_only_bias_trainable
 from scaling.nn._attention import ParallelSelfAttention, check_context_parallel, valid_model_parallel_sizes
 from scaling.nn._checkpoint import checkpoint_layer, checkpoint_sequential_layers, tracker_checkpoint_context
+from scaling.nn._compile import CompileConfig, CompileMonitor, compile_layer, compile_layers
 from scaling.nn._context_parallel import (
     TokenLayout,
     all_to_all_attention,
     ring_attention,
 )
 from scaling.nn._embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy, vocab_range
+from scaling.nn._float8 import Float8Config, float8_linear, float8_supported
+from scaling.nn._float8_layers import check_float8, enable_float8
 from scaling.nn._init import LayerInputError
 from scaling.nn._layer import (
     BaseLayer,
@@ -39,6 +42,9 @@ __all__ = [
     "BaseLayer",
     "BottleneckAdapter",
     "ColumnParallelLinear",
+    "CompileConfig",
+    "CompileMonitor",
+    "Float8Config",
     "KVCache",
     "LayerInputError",
     "LayerNorm",
@@ -60,10 +66,16 @@ __all__ = [
     "apply_lora",
     "attach_parameter_metas",
     "check_context_parallel",
+    "check_float8",
     "check_moe",
     "checkpoint_layer",
     "checkpoint_sequential_layers",
+    "compile_layer",
+    "compile_layers",
+    "enable_float8",
     "export_peft_adapter",
+    "float8_linear",
+    "float8_supported",
     "get_parameter_meta",
     "load_peft_adapter",
     "lora_modules",

@@ -52,6 +52,10 @@ def checkpoint_layer(layer: Callable[..., Any], *inputs: Any, rng_tracker: Any =
     """
     if not torch.is_grad_enabled():
         return layer(*inputs)
+    if torch.compiler.is_compiling():
+        # Inside a compiled layer Dynamo traces checkpoint with the default context only; the
+        # compiled graph draws its own dropout masks (see scaling.nn.compile_layer).
+        return checkpoint(layer, *inputs, use_reentrant=False)
     return checkpoint(layer, *inputs, use_reentrant=False, context_fn=tracker_checkpoint_context(rng_tracker))
 
 

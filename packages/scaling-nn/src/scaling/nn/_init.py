@@ -99,7 +99,9 @@ def sharded_parameter(
         full = full.chunk(tp.size, dim=parallel_dim)[tp.rank]
     # A storage of its own: a row shard is a view of ``full``, which would otherwise stay alive
     # (tp times the memory) and share its storage (which ZeRO-3 frees between uses).
-    param = torch.nn.Parameter(full.to(dtype=dtype, device=tp.device).clone(memory_format=torch.contiguous_format))
+    # Under ``torch.device("meta")`` (shapes only: deferred init, config checks) it stays on meta.
+    device = full.device if full.is_meta else tp.device
+    param = torch.nn.Parameter(full.to(dtype=dtype, device=device).clone(memory_format=torch.contiguous_format))
     ParameterMeta(
         local_name=local_name,
         logical_shape=tuple(int(s) for s in logical_shape),

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from scaling.collectives import (
     copy_to_model_parallel_region,
@@ -19,6 +18,7 @@ from scaling.collectives import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_model_parallel_region,
 )
+from scaling.nn._float8 import Float8Config, float8_linear
 from scaling.nn._init import (
     InitMethod,
     LayerInputError,
@@ -71,6 +71,8 @@ class ColumnParallelLinear(torch.nn.Module):
         self.out_features = out_features
         self.parallel_output = parallel_output
         self.sequence_parallel = sequence_parallel
+        #: Float8 products (set by :func:`~scaling.nn.enable_float8`); None = the parameter dtype.
+        self.float8: Float8Config | None = None
         self.weight = sharded_parameter(
             (out_features, in_features), init_method or default_weight_init, self._tp, 0, dtype, "weight"
         )
@@ -99,7 +101,7 @@ class ColumnParallelLinear(torch.nn.Module):
             x = gather_from_sequence_parallel_region(x, group)
         else:
             x = copy_to_model_parallel_region(x, group)
-        y = F.linear(x, self.weight, self.bias)
+        y = float8_linear(x, self.weight, self.bias, self.float8)
         if not self.parallel_output:
             y = gather_from_model_parallel_region(y, group)
         return y
@@ -154,6 +156,8 @@ class RowParallelLinear(torch.nn.Module):
         self.out_features = out_features
         self.parallel_input = parallel_input
         self.sequence_parallel = sequence_parallel
+        #: Float8 products (set by :func:`~scaling.nn.enable_float8`); None = the parameter dtype.
+        self.float8: Float8Config | None = None
         self.weight = sharded_parameter(
             (out_features, in_features), init_method or default_weight_init, self._tp, 1, dtype, "weight"
         )
@@ -178,7 +182,7 @@ class RowParallelLinear(torch.nn.Module):
             raise LayerInputError(self._input_error(x))
         if not self.parallel_input:
             x = scatter_to_model_parallel_region(x, group)
-        y = F.linear(x, self.weight)
+        y = float8_linear(x, self.weight, None, self.float8)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, group)
         else:

@@ -109,26 +109,36 @@ def document_ids_and_positions(
     """Per-token document index and position-in-document (``[b, s]`` each) of packed sequences.
 
     ``cu_seqlens`` holds cumulative document lengths over the flattened ``b * s`` tokens,
-    as in flash-attention's varlen API: ``[0, len_0, len_0 + len_1, ..., b * s]``.
+    as in flash-attention's varlen API: ``[0, len_0, len_0 + len_1, ..., b * s]``. Computed
+    on ``cu_seqlens``' device without a host sync (a compiled layer traces it whole); the
+    validation reads the values on the host, so it runs eagerly only.
 
     Raises:
         ValueError: when ``cu_seqlens`` does not start at 0, end at ``b * s``, increase,
-            or a document crosses a row of the batch.
+            or a document crosses a row of the batch (not checked inside a compiled layer).
     """
-    cu = cu_seqlens.detach().to("cpu", torch.long).reshape(-1)
+    cu = cu_seqlens.detach().reshape(-1).long()
     total = batch_size * seq_len
-    boundaries = set(cu.tolist())
+    if not torch.compiler.is_compiling():
+        _check_cu_seqlens(cu, batch_size, seq_len)
+    tokens = torch.arange(total, device=cu.device)
+    # The document of token t: how many boundaries after the first are <= t (empty documents skipped).
+    doc = torch.searchsorted(cu[1:], tokens, right=True)
+    positions = tokens - cu[doc]
+    return doc.view(batch_size, seq_len), positions.view(batch_size, seq_len)
+
+
+def _check_cu_seqlens(cu: torch.Tensor, batch_size: int, seq_len: int) -> None:
+    values = cu.tolist()
+    total = batch_size * seq_len
+    boundaries = set(values)
     crossing = [r * seq_len for r in range(1, batch_size) if r * seq_len not in boundaries]
-    if cu.numel() < 2 or cu[0] != 0 or cu[-1] != total or bool((cu[1:] < cu[:-1]).any()) or crossing:
+    increasing = all(a <= b for a, b in zip(values, values[1:]))
+    if len(values) < 2 or values[0] != 0 or values[-1] != total or not increasing or crossing:
         raise ValueError(
-            f"cu_seqlens={cu.tolist()} must increase from 0 to batch_size * seq_len = {total} and contain "
+            f"cu_seqlens={values} must increase from 0 to batch_size * seq_len = {total} and contain "
             f"every row start (multiples of seq_len={seq_len}); rows crossed by a document: {crossing}"
         )
-    lengths = cu[1:] - cu[:-1]
-    doc = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    positions = torch.arange(total) - cu[:-1][doc]
-    device = cu_seqlens.device
-    return doc.view(batch_size, seq_len).to(device), positions.view(batch_size, seq_len).to(device)
 
 
 def packed_attention_mask(doc_ids_bs: torch.Tensor, causal: bool) -> torch.Tensor:

@@ -10,7 +10,15 @@ import torch
 import torch.distributed as dist
 
 from scaling.collectives import all_reduce, broadcast
-from scaling.nn import ColumnParallelLinear, LayerInputError, ParameterMeta, get_parameter_meta, set_layer_index
+from scaling.nn import (
+    ColumnParallelLinear,
+    CompileConfig,
+    LayerInputError,
+    ParameterMeta,
+    compile_layers,
+    get_parameter_meta,
+    set_layer_index,
+)
 from scaling.pipeline._executor import (
     InstructionTimings,
     LossBackward,
@@ -57,6 +65,9 @@ class ParallelModule(torch.nn.Module):
             hand-off; a changed shape then raises ``ValueError`` on the sending stage.
             Training and evaluation steps keep separate shapes. Default ``False``: shapes
             may change between micro-batches.
+        compile: compile each layer's forward with ``torch.compile`` (a
+            :class:`~scaling.nn.CompileConfig`, or True for its defaults); identical
+            layers share one compiled graph. Default: eager.
 
     Raises:
         ValueError: unknown schedule, virtual stages without interleaving, or a bad partition.
@@ -79,6 +90,7 @@ class ParallelModule(torch.nn.Module):
         num_virtual_stages: int = 1,
         seed: int | None = None,
         static_shapes: bool = False,
+        compile: CompileConfig | bool = False,
     ) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
@@ -118,6 +130,9 @@ class ParallelModule(torch.nn.Module):
             for i in r:
                 self.layers[str(i)] = self._build_layer(i, seed)
         self._tie_local_copies()
+        #: How each layer's forward is compiled (``torch.compile`` per layer; see scaling.nn.compile_layer).
+        self.compile_config = compile if isinstance(compile, CompileConfig) else CompileConfig(enabled=compile)
+        compile_layers(self.layers.values(), self.compile_config)
         self._loss_hint = self._split_output_hint()
         self._tied_groups = self._make_tied_groups()
         self._sync_tied_initialisation()

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from scaling.collectives import all_reduce, get_recorder
 from scaling.data import BaseDataset, DataLoader
+from scaling.trainer._compiled import CompileLog
 from scaling.trainer._config import TrainerConfig
 from scaling.trainer._context import BaseContext
 from scaling.trainer._profiler import ProfilerConfig, StepProfiler, num_tokens, peak_memory_mib, progress_bar
@@ -113,6 +114,7 @@ class BaseTrainer(Generic[ContextT]):
             num_workers=config.dataloader_num_workers,
             pin_memory=topology.device.type == "cuda",
         )
+        self.compile_log = CompileLog(parallel_module, topology.global_rank, topology.device)
         self.checkpointer = TrainerCheckpointer(self)
         self.history: list[dict[str, Any]] = []
         self._running_max_loss: float | None = None
@@ -152,6 +154,7 @@ class BaseTrainer(Generic[ContextT]):
             "runtime/peak_memory_mib": peak,
             **self._utilization(samples_per_second),
             "training/loss_spike": self._is_spike(loss),
+            **self.compile_log.step_metrics(self.context.iterations),
         }
         return {k: v for k, v in metrics.items() if v is not None}
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from scaling.collectives import all_reduce
-from scaling.nn import ParameterMeta, get_parameter_meta
+from scaling.nn import CompileConfig, ParameterMeta, compile_layers, get_parameter_meta
 from scaling.topology import Topology, TopologyConfig
 from scaling.trainer.auto._context import enable as enable_context_parallel
 from scaling.trainer.auto._context import sliced
@@ -50,6 +50,8 @@ class ParallelModel(torch.nn.Module):
         self.module, self.plan, self.topology = module, plan, topology
         self.pipeline = pipeline
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None  # fp16: set by the optimizer
+        #: How the blocks are compiled (``parallelize(compile=...)``).
+        self.compile_config = CompileConfig()
 
     def forward(self, batch: Any) -> Any:
         if self.pipeline is not None:
@@ -154,6 +156,7 @@ def parallelize(
     *,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     topology: Topology | None = None,
+    compile: CompileConfig | bool = False,
 ) -> tuple[ParallelModel, ParallelOptimizer, Any, DataLoader | None]:
     """Make ``model`` nD-parallel per ``plan``; the returned objects run the plain loop.
 
@@ -175,6 +178,9 @@ def parallelize(
         collate_fn: the loader's ``collate_fn``.
         topology: an initialised topology (default: built from the plan's sizes on the
             running default process group).
+        compile: compile each block of this stage with ``torch.compile`` (a
+            :class:`~scaling.nn.CompileConfig`, or True for its defaults), as torchtitan
+            compiles each transformer block; the whole model when it has no blocks.
 
     Returns:
         ``(model, optimizer, scheduler, data_loader)``.
@@ -206,6 +212,9 @@ def parallelize(
     if plan.context_parallel_size > 1:
         enable_context_parallel(model)
     wrapped = ParallelModel(model, plan, topology, pipeline)
+    wrapped.compile_config = compile if isinstance(compile, CompileConfig) else CompileConfig(enabled=compile)
+    units = wrapped.layer_modules()
+    compile_layers(units[1:] or units, wrapped.compile_config)
     optimizer = ParallelOptimizer(optimizer_fn(model), wrapped)
     scheduler = lr_scheduler_fn(optimizer.optimizer) if lr_scheduler_fn is not None else None
     loader = None

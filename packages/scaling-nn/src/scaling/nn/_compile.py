@@ -1,0 +1,131 @@
+"""Regional compilation: ``torch.compile`` on each layer's ``forward``, as torchtitan compiles each block.
+
+Each layer's ``forward`` is replaced by its compiled form, so the module's hooks (ZeRO-3's
+gather and free, the trainer's) stay outside the compiled region and run eagerly. Layers
+of one class and shape share one compiled graph: Dynamo treats a module's parameters as
+inputs, so the second identical layer hits the first one's cache entry, and compile time
+does not grow with depth. Compilation is lazy: the first forward of each distinct layer
+compiles it (the warm-up step).
+
+Collectives inside a layer (tensor and sequence parallelism, context parallelism, expert
+dispatch) go through ``scaling.collectives``' recorded calls, which Dynamo does not trace:
+the graph breaks around each, they run eagerly, and the code between them is compiled.
+Parity with eager is kept (the tests check it); the fusion lost at a break is the price.
+
+:class:`CompileMonitor` counts what Dynamo compiled and the guard failures that made it
+recompile, so a trainer can say when a layer recompiled and why.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+
+from scaling.config import BaseConfig
+
+
+class CompileConfig(BaseConfig):
+    """``torch.compile`` of each layer (regional compilation)."""
+
+    enabled: bool = Field(False, description="Compile each layer's forward with torch.compile.")
+    backend: str = Field(
+        "inductor", description="torch.compile backend: 'inductor' (CPU C++ or GPU Triton code), 'aot_eager', ..."
+    )
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = Field(
+        None, description="Inductor mode; None = 'default'."
+    )
+    fullgraph: bool = Field(
+        False,
+        description="Refuse graph breaks inside a layer. Layers with collectives (TP, CP, EP) break at each, so "
+        "leave it False unless every layer is free of them.",
+    )
+    dynamic: bool | None = Field(
+        None, description="Dynamic shapes: None = Dynamo decides (static first, dynamic after a shape change)."
+    )
+
+
+# The modules of scaling.collectives that communicate or keep the collective record; the
+# region functions (_regions, _context) stay traceable, so with one rank (group None or of
+# size 1) they compile away, and with more the autograd function calling one of these
+# runs eagerly at a graph break.
+_EAGER_MODULES = ("_ops", "_recorder", "_diagnosis", "_p2p_diagnosis", "_pipe", "_broadcast", "_frames")
+
+
+def _keep_collectives_eager() -> None:
+    """Dynamo skips the communicating modules of ``scaling.collectives``: a call into one breaks
+    the graph and runs eagerly.
+
+    Without this Dynamo would trace into the recorded collectives' bookkeeping and, after
+    a break inside one, compile resumption fragments of it. ``trace_rules.add`` is Dynamo's
+    own registry of skipped modules (private, present in every torch of the matrix).
+    """
+    from torch._dynamo import trace_rules
+
+    for name in _EAGER_MODULES:
+        trace_rules.add(f"scaling.collectives.{name}")
+
+
+def compile_layer(module: torch.nn.Module, config: CompileConfig) -> None:
+    """Replace ``module.forward`` by its compiled form (hooks stay eager); a no-op unless enabled."""
+    if not config.enabled:
+        return
+    _keep_collectives_eager()
+    # The class's forward function, bound to the module: Dynamo keys its cache by the code
+    # object, so layers of one class share entries (and the recompile limit counts per class),
+    # and a recompilation names the class's forward.
+    compiled = torch.compile(
+        type(module).forward,
+        backend=config.backend,
+        mode=config.mode,
+        fullgraph=config.fullgraph,
+        dynamic=config.dynamic,
+    )
+    module.forward = types.MethodType(compiled, module)
+
+
+def compile_layers(modules: Iterable[torch.nn.Module], config: CompileConfig) -> None:
+    """:func:`compile_layer` on each module."""
+    for module in modules:
+        compile_layer(module, config)
+
+
+class CompileMonitor:
+    """What Dynamo compiled in this process since the last :meth:`poll`.
+
+    Reads Dynamo's own process-wide counters (``torch._dynamo.utils``): the number of
+    graphs compiled, and the guard failure behind each recompilation (a shape or dtype
+    change, a new module state).
+    """
+
+    def __init__(self) -> None:
+        self._graphs = 0
+        self._seen: dict[Any, int] = {}
+        self.poll()
+
+    @staticmethod
+    def _state() -> tuple[int, Any]:
+        from torch._dynamo.utils import counters, guard_failures
+
+        return int(counters["stats"]["unique_graphs"]), guard_failures
+
+    @property
+    def graphs(self) -> int:
+        """Graphs compiled in this process so far."""
+        return self._state()[0]
+
+    def poll(self) -> tuple[int, list[str]]:
+        """``(graphs compiled since the last poll, the guard failures that recompiled one)``."""
+        graphs, failures = self._state()
+        new = graphs - self._graphs
+        self._graphs = graphs
+        reasons = []
+        for code, items in list(failures.items()):
+            seen = self._seen.get(code, 0)
+            name = getattr(code, "co_qualname", getattr(code, "co_name", str(code)))
+            reasons += [f"{name}: {reason}" for reason in items[seen:]]
+            self._seen[code] = len(items)
+        return new, reasons

@@ -1,0 +1,133 @@
+"""FP8 linear layers: the matrix multiplies of column- and row-parallel linears in float8.
+
+Each product ``a @ b`` casts both operands to float8 with a scale that maps their largest
+magnitude onto the format's largest finite value, multiplies with ``torch._scaled_mm``
+(float8 inputs, fp32 accumulation, output in the activation dtype) and undoes the scales
+there: the recipe of torchao's float8 training and Transformer Engine's current scaling.
+
+- Forward ``y = x W^T``: ``x`` and ``W`` in e4m3 (more mantissa).
+- Backward ``dx = dy W`` and ``dW = dy^T x``: ``dy`` in e5m2 (more range, the default for
+  tensorwise scaling) or e4m3 (rowwise, as torchao's rowwise recipe); ``x`` and ``W`` are
+  re-cast from the high-precision copies autograd saved, scaled along the new products'
+  rows and columns.
+- Scaling ``"tensorwise"``: one scale per operand. ``"rowwise"``: one per row of the left
+  operand and per column of the right one (never along the reduced dimension), which
+  keeps an outlier row from flattening the others.
+
+Master weights, gradients and optimizer state stay in their own precision: only the
+products run in float8. ``torch._scaled_mm`` runs on CPU in recent torch (so the numerics
+are tested here) and on CUDA GPUs of compute capability 8.9 and up; every operand
+dimension must be a multiple of 16. Why our own and not torchao's ``Float8Linear``: see
+docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+
+from scaling.config import BaseConfig
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+_FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
+
+
+class Float8Config(BaseConfig):
+    """Which linear layers compute in float8, and how."""
+
+    enabled: bool = Field(False, description="Column- and row-parallel linears multiply in float8.")
+    scaling: Literal["tensorwise", "rowwise"] = Field(
+        "tensorwise", description="One scale per operand, or per row / column of each product's operands."
+    )
+    grad_format: Literal["e5m2", "e4m3"] | None = Field(
+        None, description="Float8 format of output gradients; None = e5m2 for tensorwise, e4m3 for rowwise."
+    )
+    exclude: list[str] = Field(
+        default_factory=list,
+        description="Regexes (re.search) over module names kept in high precision, e.g. ['attention'].",
+    )
+    min_features: int = Field(
+        128,
+        ge=16,
+        description="Layers whose local input or output size is below this stay in high precision: small "
+        "products gain nothing from float8 and lose accuracy.",
+    )
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return _FORMATS[self.grad_format or ("e5m2" if self.scaling == "tensorwise" else "e4m3")]
+
+
+def _scale(t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` cast to ``dtype`` with its amax (over all, or along ``dim``) at the format's max; and the inverse scale."""
+    amax = t.detach().abs().float()
+    amax = amax.amax() if dim is None else amax.amax(dim=dim, keepdim=True)
+    scale = torch.finfo(dtype).max / amax.clamp(min=1e-12)
+    quantized = (t.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype)
+    return quantized, scale.reciprocal()
+
+
+def float8_mm(
+    a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype, rowwise: bool, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``a [m, k] @ b [k, n]`` in float8: ``a`` scaled per row (or whole), ``b`` per column (or whole)."""
+    a8, a_inv = _scale(a, a_dtype, -1 if rowwise else None)
+    b8, b_inv = _scale(b, b_dtype, 0 if rowwise else None)
+    # _scaled_mm takes the left operand row-major and the right one column-major.
+    return torch._scaled_mm(a8.contiguous(), b8.t().contiguous().t(), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
+
+
+class _Float8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, config: Float8Config) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.config = config
+        x2 = x.reshape(-1, x.shape[-1])
+        y = float8_mm(x2, weight.t(), E4M3, E4M3, config.scaling == "rowwise", x.dtype)
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, weight = ctx.saved_tensors
+        config: Float8Config = ctx.config
+        rowwise = config.scaling == "rowwise"
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = float8_mm(g2, weight, config.grad_dtype, E4M3, rowwise, grad.dtype).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            x2 = x.reshape(-1, x.shape[-1])
+            grad_w = float8_mm(g2.t(), x2, config.grad_dtype, E4M3, rowwise, weight.dtype)
+        return grad_x, grad_w, None
+
+
+def float8_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: Float8Config | None
+) -> torch.Tensor:
+    """``x W^T + b`` with the product in float8 under ``config`` (``F.linear`` when None)."""
+    if config is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    y = _Float8Linear.apply(x, weight, config)
+    return y + bias if bias is not None else y
+
+
+def float8_supported(device: torch.device) -> str | None:
+    """None when float8 matrix multiplies run on ``device`` with this torch; else why not."""
+    if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+        return f"torch {torch.__version__} has no float8 matrix multiply (torch._scaled_mm)"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            return f"the GPU's compute capability is {major}.{minor}; float8 needs 8.9 (Ada, Hopper) or newer"
+        return None
+    try:
+        one = torch.ones(16, 16, device=device).to(E4M3)
+        unit = torch.ones((), device=device)
+        torch._scaled_mm(one, one.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError) as err:
+        return f"torch {torch.__version__} cannot multiply float8 on {device.type} ({str(err).splitlines()[0]})"
+    return None

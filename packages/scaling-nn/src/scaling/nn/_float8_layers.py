@@ -1,0 +1,78 @@
+"""Which layers multiply in float8 (see ``_float8.py`` for the products): the rule and its checks."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from scaling.nn._float8 import Float8Config, float8_supported
+from scaling.nn._linear import ColumnParallelLinear, RowParallelLinear
+
+
+def _chosen(model: torch.nn.Module, config: Float8Config, tp: int) -> Iterator[tuple[str, Any, int, int]]:
+    """``(name, linear, out_local, in_local)`` of each linear that ``config`` puts in float8 (at TP size ``tp``).
+
+    A column-parallel linear splits its output over TP, a row-parallel one its input.
+    """
+    for name, module in model.named_modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        out_size, in_size = module.weight.shape
+        if isinstance(module, ColumnParallelLinear):
+            out_size //= tp
+        else:
+            in_size //= tp
+        if any(re.search(p, name) for p in config.exclude) or min(out_size, in_size) < config.min_features:
+            continue
+        if out_size % 16 or in_size % 16:
+            raise ValueError(
+                f"fp8: layer {name!r} has local weight shape [{out_size}, {in_size}]; float8 products need "
+                f"sizes that are multiples of 16. Keep it in high precision: add the regex "
+                f"{re.escape('.'.join(name.split('.')[-2:]))} to fp8.exclude (or raise fp8.min_features above its "
+                "size)"
+            )
+        yield name, module, out_size, in_size
+
+
+def check_float8(model: torch.nn.Module, config: Float8Config, tensor_parallel_size: int, device: torch.device) -> None:
+    """Refuse a float8 setup that cannot run, before any process group starts.
+
+    Args:
+        model: the model (or one of each distinct layer) built unsplit, e.g. on the meta device.
+        config: the float8 settings (nothing is checked unless enabled).
+        tensor_parallel_size: the TP size the layers will be split over.
+        device: where training runs.
+
+    Raises:
+        ValueError: float8 does not run on ``device`` with this torch, or a chosen layer's
+            local sizes are not multiples of 16 (named, with its shape and the fix).
+    """
+    if not config.enabled:
+        return
+    why = float8_supported(device)
+    if why is not None:
+        raise ValueError(f"fp8.enabled=true: {why}; set fp8.enabled=false to train in bf16")
+    for _ in _chosen(model, config, tensor_parallel_size):
+        pass
+
+
+def enable_float8(model: torch.nn.Module, config: Float8Config) -> list[str]:
+    """Make the column- and row-parallel linears of ``model`` (built, TP-local) multiply in float8.
+
+    Layers matching ``config.exclude`` or with a local size below ``config.min_features``
+    keep their precision. A no-op unless ``config.enabled``. Returns the chosen layers' names.
+
+    Raises:
+        ValueError: as :func:`check_float8`.
+    """
+    if not config.enabled:
+        return []
+    check_float8(torch.nn.Module(), config, 1, next(model.parameters()).device)
+    chosen = []
+    for name, linear, _, _ in list(_chosen(model, config, 1)):
+        linear.float8 = config
+        chosen.append(name)
+    return chosen

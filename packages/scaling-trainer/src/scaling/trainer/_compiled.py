@@ -1,0 +1,44 @@
+"""What the step log says about compilation (a module whose ``compile_config.enabled`` is set).
+
+Each step adds ``compile/graphs`` (graphs Dynamo compiled so far, the largest count of any
+rank) and ``compile/recompiles`` (recompilations in this step, largest of any rank), and
+every recompilation is logged as a warning on the rank where it happened, with Dynamo's
+reason (the guard that failed: a shape, dtype or module-state change). The first step's
+compilations are the warm-up; a recompile later is what a user wants to see.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scaling.collectives import all_reduce
+from scaling.nn import CompileConfig, CompileMonitor
+
+logger = logging.getLogger("scaling.trainer")
+
+
+class CompileLog:
+    """Compilation metrics and recompile warnings for ``module`` (nothing when it is not compiled)."""
+
+    def __init__(self, module: Any, rank: int, device: torch.device) -> None:
+        config = getattr(module, "compile_config", None)
+        enabled = isinstance(config, CompileConfig) and config.enabled
+        self.monitor = CompileMonitor() if enabled else None
+        self.rank, self.device = rank, device
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """This step's ``compile/*`` metrics (one small all-reduce over every rank), or ``{}``."""
+        if self.monitor is None:
+            return {}
+        _, reasons = self.monitor.poll()
+        for reason in reasons:
+            logger.warning("rank %d, step %d: a compiled layer recompiled: %s", self.rank, step, reason)
+        counts = torch.tensor([self.monitor.graphs, len(reasons)], dtype=torch.float64, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            all_reduce(counts, dist.group.WORLD, op=dist.ReduceOp.MAX)
+        graphs, recompiles = counts.tolist()
+        return {"compile/graphs": graphs, "compile/recompiles": recompiles}
