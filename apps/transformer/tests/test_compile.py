@@ -2,10 +2,11 @@
 
 Each layout runs 10 steps compiled and is held to the eager one-process run of the same
 model within 1e-5 relative per step (fp32; every eager layout matches it, see
-test_parity.py). Inductor (C++ on CPU) compiles the TP run and the ZeRO-3 run; the other
-layouts use the ``aot_eager`` backend, which runs the same Dynamo capture, graph breaks
-at the collectives and AOTAutograd forward/backward split, without code generation (the
-composition is what these test; inductor's kernels are tested on the first two).
+test_parity.py). Inductor (C++ on CPU) compiles the ZeRO-3 run; the other layouts use the
+``aot_eager`` backend, which runs the same Dynamo capture, graph breaks at the collectives
+and AOTAutograd forward/backward split, without code generation: the composition is what
+these test, at a fraction of CI's compile time (inductor's code: the ZeRO-3 case here and
+bench/compile_step.py).
 """
 
 import pytest
@@ -17,50 +18,50 @@ STEPS = 10
 LORA = {"method": "lora", "rank": 4}
 
 
-def _reference(corpus, finetuning=None):
+def _reference(corpus, finetuning=None, arch=None):
     cfg = tiny_config(corpus, steps=STEPS, finetuning=finetuning or {})
+    cfg["transformer_architecture"].update(arch or {})
     (history,) = run_distributed(train_worker, 1, cfg, timeout_seconds=120)
     return losses(history)
 
 
+MOE = {"moe": {"every": 2, "num_experts": 4, "top_k": 2, "num_shared_experts": 1}}
+
+
 @pytest.fixture(scope="module")
 def eager_losses(tiny_corpus):
-    return {"none": _reference(tiny_corpus), "lora": _reference(tiny_corpus, LORA)}
+    return {
+        "none": _reference(tiny_corpus),
+        "lora": _reference(tiny_corpus, LORA),
+        "moe": _reference(tiny_corpus, arch=MOE),
+    }
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("sizes", "world", "backend", "ac", "lora"),
+    ("sizes", "world", "backend", "ac", "variant"),
     [
-        ({"dp": 2, "tp": 2}, 4, "inductor", False, False),
-        ({"dp": 2, "tp": 2}, 4, "aot_eager", True, False),
-        ({"pp": 2, "dp": 2}, 4, "aot_eager", False, False),
-        ({"pp": 2, "dp": 2}, 4, "aot_eager", True, False),
-        ({"dp": 2, "pp": 2, "tp": 2}, 8, "aot_eager", False, False),
-        ({"dp": 2, "pp": 2, "tp": 2}, 8, "aot_eager", True, True),
-        ({"dp": 2, "optimizer": {"zero_stage": 3}}, 2, "inductor", False, False),
+        ({"dp": 2, "tp": 2}, 4, "aot_eager", False, "none"),
+        ({"pp": 2, "dp": 2, "optimizer": {"zero_stage": 1}}, 4, "aot_eager", True, "none"),
+        ({"dp": 2, "pp": 2, "tp": 2}, 8, "aot_eager", True, "lora"),
+        ({"dp": 2, "optimizer": {"zero_stage": 3}}, 2, "inductor", False, "none"),
+        ({"cp": 2}, 2, "aot_eager", False, "none"),  # ring attention at graph breaks
+        ({"dp": 2, "topology": {"expert_parallel_size": 2}}, 2, "aot_eager", False, "moe"),
     ],
-    ids=[
-        "dp2-tp2-sp-inductor",
-        "dp2-tp2-sp-ac",
-        "pp2-dp2",
-        "pp2-dp2-ac",
-        "dp2-pp2-tp2-sp",
-        "dp2-pp2-tp2-sp-ac-lora",
-        "dp2-zero3-inductor",
-    ],
+    ids=["dp2-tp2-sp", "pp2-dp2-zero1-ac", "dp2-pp2-tp2-sp-ac-lora", "dp2-zero3-inductor", "cp2", "dp2-ep2-moe"],
 )
-def test_compiled_run_matches_eager(tiny_corpus, eager_losses, sizes, world, backend, ac, lora):
+def test_compiled_run_matches_eager(tiny_corpus, eager_losses, sizes, world, backend, ac, variant):
     cfg = tiny_config(tiny_corpus, steps=STEPS, training={"compile": {"enabled": True, "backend": backend}}, **sizes)
     cfg["transformer_architecture"].update(
         sequence_parallel="tp" in sizes, activation_checkpointing="every_layer" if ac else "none"
     )
-    if lora:
+    if variant == "lora":
         cfg["finetuning"] = LORA
-    expected = eager_losses["lora" if lora else "none"]
+    if variant == "moe":
+        cfg["transformer_architecture"].update(MOE)
     for rank, history in enumerate(run_distributed(train_worker, world, cfg, timeout_seconds=600)):
-        assert_parity(losses(history), expected, rtol=1e-5, name=f"rank {rank} compiled {sizes}")
+        assert_parity(losses(history), eager_losses[variant], rtol=1e-5, name=f"rank {rank} compiled {sizes}")
         assert history[-1]["compile/graphs"] > 0  # it did compile
 
 
@@ -91,30 +92,31 @@ def test_identical_blocks_compile_one_graph(tiny_corpus):
 FP8_ARCH = {"hidden_size": 64, "intermediate_size": 128, "precision": "bf16"}
 
 
-def _fp8_run(corpus, tp, fp8, compile=None):
+def _fp8_run(corpus, tp, fp8, compile=None, ac="none"):
     training = {"fp8": {"enabled": fp8, "min_features": 16}}
     if compile:
         training["compile"] = {"enabled": True, "backend": compile}
     cfg = tiny_config(corpus, tp=tp, steps=200, training=training)
-    cfg["transformer_architecture"].update(FP8_ARCH)
+    cfg["transformer_architecture"].update(FP8_ARCH, activation_checkpointing=ac)
+    cfg["topology"].update(global_batch_size=4)  # 2 micro-batches a step: 200 steps in CI's time
     return losses(run_distributed(train_worker, tp, cfg, timeout_seconds=600)[0])
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_fp8_training_tracks_bf16(tiny_corpus):
-    """200 steps on the bundled corpus, FP8 (tensorwise) at tp1 and, compiled (aot_eager), at tp2
-    against bf16 at tp1.
+    """200 steps on the bundled corpus, FP8 (tensorwise) at tp1 with activation checkpointing and,
+    compiled (aot_eager), at tp2, against bf16 at tp1.
 
     Tolerance: every step within 5 % of the bf16 loss, and the mean of the last 50 steps within
     1 %. Why: e4m3 keeps 3 mantissa bits (a relative rounding of 2^-4 on each operand of each
     product), which perturbs every step's update a little; the perturbations average out
-    rather than compound, so the curves stay together (measured: at most 2.3 % on one step,
-    0.3-0.4 % over the last 50) while a broken cast or scale shows at once.
+    rather than compound, so the curves stay together (measured: at most 2.5 % on one step,
+    0.07-0.19 % over the last 50) while a broken cast or scale shows at once.
     """
     bf16 = _fp8_run(tiny_corpus, 1, False)
-    assert sum(bf16[-50:]) / 50 < 0.7 * bf16[0]  # it trains
-    for tp, compile in ((1, None), (2, "aot_eager")):
-        fp8 = _fp8_run(tiny_corpus, tp, True, compile)
+    assert sum(bf16[-50:]) / 50 < 0.8 * bf16[0]  # it trains
+    for tp, compile, ac in ((1, None, "every_layer"), (2, "aot_eager", "none")):
+        fp8 = _fp8_run(tiny_corpus, tp, True, compile, ac)
         assert_parity(fp8, bf16, rtol=0.05, name=f"fp8 tp{tp} per-step losses")
         assert abs(sum(fp8[-50:]) - sum(bf16[-50:])) <= 0.01 * sum(bf16[-50:]), f"tp{tp}: last-50 mean drifts"

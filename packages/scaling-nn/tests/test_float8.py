@@ -91,7 +91,9 @@ def test_enable_float8_picks_large_layers_and_keeps_small_or_excluded_ones():
 
 def test_a_layer_not_a_multiple_of_16_is_refused_naming_it():
     model = torch.nn.Sequential(ColumnParallelLinear(40, 24))
-    with pytest.raises(ValueError, match=r"layer '0' has local weight shape \[24, 40\].*add the regex 0 to fp8.exclude"):
+    with pytest.raises(
+        ValueError, match=r"layer '0' has local weight shape \[24, 40\].*add the regex 0 to fp8.exclude"
+    ):
         check_float8(model, Float8Config(enabled=True, min_features=16), 1, torch.device("cpu"))
     # at tp2 the column-parallel output is split: 48 -> 24 per rank
     model = torch.nn.Sequential(ColumnParallelLinear(64, 48))

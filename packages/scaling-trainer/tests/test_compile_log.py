@@ -39,3 +39,23 @@ def test_recompiles_are_logged_with_the_reason(caplog):
     (record,) = [r for r in caplog.records if "recompiled" in r.getMessage()]
     assert record.getMessage().startswith("rank 0, step 3: a compiled layer recompiled: Tiny.forward: ")
     assert "size mismatch" in record.getMessage()
+
+
+class Printing(Tiny):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        print("", end="")  # Dynamo cannot trace print: the graph breaks here
+        return y.relu()
+
+
+def test_graph_breaks_are_counted_and_logged(caplog):
+    module = Printing()
+    compile_layer(module, module.compile_config)
+    torch._dynamo.reset()
+    log = CompileLog(module, 0, torch.device("cpu"))
+    with caplog.at_level(logging.INFO, logger="scaling.trainer"):
+        module(torch.randn(2, 4))
+        metrics = log.step_metrics(1)
+    assert metrics["compile/graph_breaks"] >= 1
+    (record,) = [r for r in caplog.records if "graph break" in r.getMessage()]
+    assert "print" in record.getMessage()

@@ -104,13 +104,30 @@ class CompileMonitor:
     def __init__(self) -> None:
         self._graphs = 0
         self._seen: dict[Any, int] = {}
+        self._breaks: set[str] = set()
         self.poll()
+        self.new_graph_breaks()
 
     @staticmethod
     def _state() -> tuple[int, Any]:
         from torch._dynamo.utils import counters, guard_failures
 
         return int(counters["stats"]["unique_graphs"]), guard_failures
+
+    @property
+    def graph_breaks(self) -> int:
+        """Distinct reasons Dynamo broke a graph for (code between breaks runs compiled, the call at one eagerly)."""
+        from torch._dynamo.utils import counters
+
+        return len(counters["graph_break"])
+
+    def new_graph_breaks(self) -> list[str]:
+        """Each graph-break reason not seen by an earlier call: its first two lines (what and why)."""
+        from torch._dynamo.utils import counters
+
+        new = [r for r in counters["graph_break"] if r not in self._breaks]
+        self._breaks.update(new)
+        return [" ".join(line.strip() for line in r.strip().splitlines()[:2]) for r in new]
 
     @property
     def graphs(self) -> int:
