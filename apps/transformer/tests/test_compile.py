@@ -10,8 +10,10 @@ bench/compile_step.py).
 """
 
 import pytest
+import torch
 from transformer_testlib import losses, tiny_config, train_worker
 
+from scaling.nn import float8_supported
 from scaling.testing import assert_parity, run_distributed
 
 STEPS = 10
@@ -104,6 +106,7 @@ def _fp8_run(corpus, tp, fp8, compile=None, ac="none"):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.skipif(float8_supported(torch.device("cpu")) is not None, reason="no float8 products on CPU here")
 def test_fp8_training_tracks_bf16(tiny_corpus):
     """200 steps on the bundled corpus, FP8 (tensorwise) at tp1 with activation checkpointing and,
     compiled (aot_eager), at tp2, against bf16 at tp1.

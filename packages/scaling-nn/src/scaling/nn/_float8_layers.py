@@ -52,11 +52,11 @@ def check_float8(model: torch.nn.Module, config: Float8Config, tensor_parallel_s
     """
     if not config.enabled:
         return
+    for _ in _chosen(model, config, tensor_parallel_size):  # the shapes first: they do not depend on the machine
+        pass
     why = float8_supported(device)
     if why is not None:
         raise ValueError(f"fp8.enabled=true: {why}; set fp8.enabled=false to train in bf16")
-    for _ in _chosen(model, config, tensor_parallel_size):
-        pass
 
 
 def enable_float8(model: torch.nn.Module, config: Float8Config) -> list[str]:
