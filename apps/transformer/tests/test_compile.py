@@ -108,8 +108,8 @@ def _fp8_run(corpus, tp, fp8, compile=None, ac="none"):
 @pytest.mark.slow
 @pytest.mark.skipif(float8_supported(torch.device("cpu")) is not None, reason="no float8 products on CPU here")
 def test_fp8_training_tracks_bf16(tiny_corpus):
-    """200 steps on the bundled corpus, FP8 (tensorwise) at tp1 with activation checkpointing and,
-    compiled (aot_eager), at tp2, against bf16 at tp1.
+    """200 steps on the bundled corpus, FP8 (tensorwise) at tp1 compiled (aot_eager) with activation
+    checkpointing and at tp2, against bf16 at tp1.
 
     Tolerance: every step within 5 % of the bf16 loss, and the mean of the last 50 steps within
     1 %. Why: e4m3 keeps 3 mantissa bits (a relative rounding of 2^-4 on each operand of each
@@ -119,7 +119,7 @@ def test_fp8_training_tracks_bf16(tiny_corpus):
     """
     bf16 = _fp8_run(tiny_corpus, 1, False)
     assert sum(bf16[-50:]) / 50 < 0.8 * bf16[0]  # it trains
-    for tp, compile, ac in ((1, None, "every_layer"), (2, "aot_eager", "none")):
+    for tp, compile, ac in ((1, "aot_eager", "every_layer"), (2, None, "none")):
         fp8 = _fp8_run(tiny_corpus, tp, True, compile, ac)
         assert_parity(fp8, bf16, rtol=0.05, name=f"fp8 tp{tp} per-step losses")
         assert abs(sum(fp8[-50:]) - sum(bf16[-50:])) <= 0.01 * sum(bf16[-50:]), f"tp{tp}: last-50 mean drifts"
