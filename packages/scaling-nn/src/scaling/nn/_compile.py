@@ -18,6 +18,7 @@ recompile, so a trainer can say when a layer recompiled and why.
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -55,13 +56,15 @@ class CompileConfig(BaseConfig):
 _EAGER_MODULES = ("_ops", "_recorder", "_diagnosis", "_p2p_diagnosis", "_pipe", "_broadcast", "_frames")
 
 
+@functools.cache
 def _keep_collectives_eager() -> None:
     """Dynamo skips the communicating modules of ``scaling.collectives``: a call into one breaks
     the graph and runs eagerly.
 
     Without this Dynamo would trace into the recorded collectives' bookkeeping and, after
     a break inside one, compile resumption fragments of it. ``trace_rules.add`` is Dynamo's
-    own registry of skipped modules (private, present in every torch of the matrix).
+    own registry of skipped modules (private, present in every torch of the matrix). Once
+    per process: each registration rebuilds Dynamo's skip pattern.
     """
     from torch._dynamo import trace_rules
 

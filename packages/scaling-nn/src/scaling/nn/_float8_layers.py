@@ -50,13 +50,19 @@ def check_float8(model: torch.nn.Module, config: Float8Config, tensor_parallel_s
         ValueError: float8 does not run on ``device`` with this torch, or a chosen layer's
             local sizes are not multiples of 16 (named, with its shape and the fix).
     """
-    if not config.enabled:
-        return
-    for _ in _chosen(model, config, tensor_parallel_size):  # the shapes first: they do not depend on the machine
-        pass
+    if config.enabled:
+        _chosen_checked(model, config, tensor_parallel_size, device)
+
+
+def _chosen_checked(
+    model: torch.nn.Module, config: Float8Config, tp: int, device: torch.device
+) -> list[tuple[str, Any, int, int]]:
+    """:func:`_chosen` as a list, then the machine's support (the shapes first: they do not depend on it)."""
+    chosen = list(_chosen(model, config, tp))
     why = float8_supported(device)
     if why is not None:
         raise ValueError(f"fp8.enabled=true: {why}; set fp8.enabled=false to train in bf16")
+    return chosen
 
 
 def enable_float8(model: torch.nn.Module, config: Float8Config) -> list[str]:
@@ -70,9 +76,7 @@ def enable_float8(model: torch.nn.Module, config: Float8Config) -> list[str]:
     """
     if not config.enabled:
         return []
-    check_float8(torch.nn.Module(), config, 1, next(model.parameters()).device)
-    chosen = []
-    for name, linear, _, _ in list(_chosen(model, config, 1)):
+    chosen = _chosen_checked(model, config, 1, next(model.parameters()).device)
+    for _, linear, _, _ in chosen:
         linear.float8 = config
-        chosen.append(name)
-    return chosen
+    return [name for name, _, _, _ in chosen]

@@ -216,23 +216,26 @@ class ParameterGatherer:
         self._pending.clear()
 
     def _keep_in_place_update(self, slot: ParamSlot) -> None:
-        """Write a frozen parameter changed in place while whole back into its shard."""
+        """Write a frozen parameter changed in place while whole back into its shard.
+
+        Its version is recorded while it is whole (from the gather to this call), so a
+        parameter freed already has none.
+        """
         version = self._versions.pop(id(slot), None)
         if version is not None and version != slot.param._version and slot.param_shard is not None:
             slot.param_shard.copy_(slot.flat_param()[slot.start : slot.end])
 
     def free(self, index: int) -> None:
+        for slot in self._frozen_of[index]:
+            self._keep_in_place_update(slot)
         for slot in self.layers[index]:
-            if _is_whole(slot) and slot.group_index < 0:
-                self._keep_in_place_update(slot)
             free_storage(slot)
 
     def free_frozen(self, index: int) -> None:
         """Free layer ``index``'s frozen parameters (its backward is done)."""
         if self.reshard_after_forward:
             for slot in self._frozen_of[index]:
-                if _is_whole(slot):
-                    self._keep_in_place_update(slot)
+                self._keep_in_place_update(slot)
                 free_storage(slot)
 
     def gather_all(self) -> None:
