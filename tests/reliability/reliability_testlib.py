@@ -51,7 +51,9 @@ def launch(cfg: dict[str, Any], out: Path, faults: list[dict[str, Any]] | None =
     """Run fault_train.py on every rank of ``cfg`` through ``runner_main`` (local torchrun)."""
     out.mkdir(parents=True, exist_ok=True)
     runner = RunnerConfig(script=SCRIPT, nproc_per_node=_nproc(cfg), teardown_timeout_s=10)
-    return runner_main(runner, {"config": cfg, "out_dir": str(out), "faults": faults or [], **payload})
+    return runner_main(
+        runner, {"config": cfg, "out_dir": str(out), "faults": faults or [], **payload}, exit_on_failure=False
+    )
 
 
 def _pooled_rank(cfg: dict[str, Any], out: str, faults: list[dict[str, Any]]) -> str | None:

@@ -44,7 +44,7 @@ def test_secrets_appear_nowhere_yet_reach_the_worker(tmp_path):
 
     dry = start_cli(path, tmp_path / "dry", "--dry-run", env=env)
     assert dry.wait(timeout=120) == 0, (tmp_path / "dry" / "runner.err").read_text()
-    assert "torch.distributed.run" in (tmp_path / "dry" / "runner.out").read_text()
+    assert "scaling.runner.torchrun" in (tmp_path / "dry" / "runner.out").read_text()
     run = start_cli(path, tmp_path / "run", env=env)
     try:
         assert run.wait(timeout=600) == 0, (tmp_path / "run" / "runner.err").read_text()[-3000:]

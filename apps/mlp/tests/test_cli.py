@@ -85,7 +85,9 @@ def test_a_tampered_checkpoint_is_named_in_the_runners_summary(tmp_path, capfd):
     shard.write_bytes(bytes(data))
     capfd.readouterr()
     assert main([str(tmp_path / "c.yml"), f"trainer.load_dir={tmp_path / 'ckpt'}", "trainer.train_iterations=4"]) == 1
-    summary = [line for line in capfd.readouterr().err.splitlines() if line.startswith("scaling-run: rank 0")]
+    summary = [
+        line for line in capfd.readouterr().err.splitlines() if line.startswith("scaling-run: first failure: rank 0")
+    ]
     assert len(summary) == 1, summary
     assert "exited with code 1: " in summary[0] and "CheckpointError: checkpoint " in summary[0]
     assert f"{shard}: sha256 differs from commit.json" in summary[0]

@@ -26,7 +26,7 @@ SCALING_RUN = str(Path(sys.executable).parent / "scaling-run")
 
 
 def torchrun(python, nnodes, nproc, endpoint, run_id, script="/app/train.py", args=()):
-    return [python, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
+    return [python, "-m", "scaling.runner.torchrun", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
             "--max-restarts", "0", script, *args]  # fmt: skip
 
@@ -55,7 +55,7 @@ def docker_cfg(**kw):
 
 
 def expected_docker(nnodes=2, endpoint="node1:29500"):
-    return ["run", "--rm", "--network", "host", "--ipc", "host", "--gpus", "all",
+    return ["run", "--rm", "--network", "host", "--ipc", "host", "--label", "scaling.run_id=rid", "--gpus", "all",
             "-v", "/data/a b;touch SENTINEL:/data", "-e", f"PLAIN={EVIL}", "-e", f"SCALING_PAYLOAD={inline(PAYLOAD)}",
             "-e", "HF_TOKEN", "-e", "WANDB_API_KEY", "--shm-size=1g", "img:1",
             *torchrun("python", nnodes, 2, endpoint, "rid")]  # fmt: skip
@@ -158,24 +158,30 @@ def test_sbatch_script_and_its_srun(shims, secrets_env, monkeypatch):
         slurm_config={"num_nodes": 2, "partition": "gpu", "gpus_per_node": 4, "extra_args": ["--qos=high"]},
     )  # fmt: skip
     assert runner_main(cfg, PAYLOAD) == 0
-    [sbatch] = read()
+    sbatch, scontrol = read()
     script_path = str(secrets_env / "runs" / "rid" / "job.sbatch")
-    assert sbatch["argv"] == ["--wait", script_path]
+    assert sbatch["argv"] == ["--parsable", script_path]
+    assert scontrol["argv"] == ["-o", "show", "job", "77"]  # the waiter polls the job it submitted
     script = sbatch["script"]
     assert_no_secret(script)
     assert script.startswith(
         "#!/bin/bash\n#SBATCH --job-name=scaling\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n"
     )
-    assert "#SBATCH --partition=gpu\n#SBATCH --gpus-per-node=4\n#SBATCH --qos=high\n" in script
+    job_out = secrets_env / "runs" / "rid" / "job.out"
+    assert (
+        f"#SBATCH --partition=gpu\n#SBATCH --gpus-per-node=4\n#SBATCH --output={job_out}\n#SBATCH --qos=high\n"
+        in script
+    )
     # Run the script as a batch host would, with the allocation's variables set.
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "node-[a-b]")
     monkeypatch.setenv("SHIM_FIRST_NODE", "node-a")
+    monkeypatch.setenv("SHIM_NODE_ADDR", "10.1.2.3")  # the master is the first node's NodeAddr
     monkeypatch.delenv("WANDB_API_KEY")
     subprocess.run(["bash", script_path], check=True)
     srun = [r for r in read() if r["name"] == "srun"][-1]
     assert srun["argv"] == ["--nodes", "2", "--ntasks-per-node", "1", "--kill-on-bad-exit=1"] + torchrun(
-        sys.executable, 2, 4, "node-a:29500", "scaling-77", args=["--note", EVIL]
+        sys.executable, 2, 4, "10.1.2.3:29500", "scaling-77", args=["--note", EVIL]
     )
     assert srun["env"]["PLAIN"] == EVIL
     assert load_payload({PAYLOAD_PATH_ENV: srun["env"]["SCALING_PAYLOAD_PATH"]}) == PAYLOAD
@@ -195,7 +201,7 @@ def test_srun_inside_an_allocation(shims, secrets_env, monkeypatch):
     assert srun["env"]["WANDB_API_KEY"] == SECRET
 
 
-def test_failed_command_exit_code_is_returned(shims, secrets_env, capfd):
+def test_failed_command_exit_code_is_raised_or_returned(shims, secrets_env, capfd):
     shims("srun")
     (secrets_env / "shim-bin" / "srun").write_text("#!/bin/sh\nexit 5\n")
     cfg = RunnerConfig(runner_type="slurm", script="/app/train.py", master_addr="n", slurm_config={"num_nodes": 1})
@@ -203,7 +209,10 @@ def test_failed_command_exit_code_is_returned(shims, secrets_env, capfd):
 
     os.environ["SLURM_JOB_ID"] = "1"
     try:
-        assert runner_main(cfg, {}) == 5
+        with pytest.raises(SystemExit) as stopped:
+            runner_main(cfg, {})
+        assert stopped.value.code == 5
+        assert runner_main(cfg, {}, exit_on_failure=False) == 5
     finally:
         del os.environ["SLURM_JOB_ID"]
     assert "no rank reported a failure; launch exit codes [5]" in capfd.readouterr().err

@@ -1,67 +1,71 @@
-"""Reading torchrun's failure report: which rank failed, how, and with which exception."""
+"""Failure reports: torchelastic's records become one JSON line per rank, read back by the runner."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
 
-from scaling.runner._failures import FailureParser
+from scaling.runner._failures import REPORT_PREFIX, FailureParser, RankFailure, first_failure, worst_exit_code
+from scaling.runner.torchrun import failure_records
 
-REPORT = """\
-torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
-============================================================
-train.py FAILED
-------------------------------------------------------------
-Failures:
-  <NO_OTHER_FAILURES>
-------------------------------------------------------------
-Root Cause (first observed failure):
-[0]:
-  time      : 2026-11-26_10:58:37
-  host      : node-01
-  rank      : 3 (local_rank: 1)
-  exitcode  : 1 (pid: 13592)
-  error_file: /tmp/torchelastic_g5/attempt_0/1/error.json
-  traceback : Traceback (most recent call last):
-    File "/x/errors/__init__.py", line 367, in wrapper
-      return f(*args, **kwargs)
-    File "/x/train.py", line 5, in main
-      raise CheckpointError("...")
-  scaling.trainer.checkpoint._errors.CheckpointError: checkpoint ckpt/step_00000010 failed verification:
-    ckpt/step_00000010/__1_0.distcp: sha256 differs from commit.json (corrupted or modified)
-
-============================================================
-"""
+MESSAGE = "checkpoint ckpt/step_00000010 failed verification:\n  __1_0.distcp: sha256 differs from commit.json"
 
 
-@pytest.mark.parametrize("prefix", ["", "node-01: "])
-def test_the_root_cause_carries_its_exception_in_one_line(prefix):
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _error_file(tmp_path, monkeypatch) -> str:
+    # What a worker wrapped by torchelastic's ``record`` writes when it raises.
+    path = str(tmp_path / "error.json")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", path)
+    try:
+        raise CheckpointError(MESSAGE)
+    except CheckpointError as exc:
+        ErrorHandler().record_exception(exc)
+    return path
+
+
+def test_torchelastic_failures_become_report_lines_and_back(tmp_path, monkeypatch):
+    raised = ProcessFailure(local_rank=1, pid=13592, exitcode=1, error_file=_error_file(tmp_path, monkeypatch))
+    killed = ProcessFailure(local_rank=0, pid=4711, exitcode=-9, error_file="<N/A>")
+    killed.timestamp = raised.timestamp + 1  # observed after the one that raised
+    error = ChildFailedError("train.py", {3: raised, 2: killed})
+    lines = [REPORT_PREFIX + json.dumps(r) + "\n" for r in failure_records(error.failures, "node-01")]
     parser = FailureParser()
-    for line in REPORT.splitlines(keepends=True):
-        parser.feed(prefix + line)
-    parser.close()
-    (failure,) = parser.failures.values()
-    assert (failure.rank, failure.local_rank, failure.host, failure.exitcode, failure.root_cause) == (
-        3, 1, "node-01", 1, True,
-    )  # fmt: skip
-    assert failure.describe() == (
-        "rank 3 (local_rank 1 on node-01, pid 13592) exited with code 1: scaling.trainer.checkpoint._errors."
-        "CheckpointError: checkpoint ckpt/step_00000010 failed verification: ckpt/step_00000010/__1_0.distcp: "
-        "sha256 differs from commit.json (corrupted or modified)"
+    for line in ["some output\n", *[f"node-01: {line}" for line in lines]]:  # as pdsh prefixes them
+        assert parser.feed(line) == line.startswith("node-01: ")
+    root, other = parser.failures[3], parser.failures[2]
+    assert (root.rank, root.local_rank, root.host, root.exitcode, root.root_cause) == (3, 1, "node-01", 1, True)
+    assert root.describe() == (
+        "rank 3 (local_rank 1 on node-01, pid 13592) exited with code 1: CheckpointError: checkpoint "
+        "ckpt/step_00000010 failed verification: __1_0.distcp: sha256 differs from commit.json"
     )
+    assert other.message is None and not other.root_cause
+    assert other.describe() == "rank 2 (local_rank 0 on node-01, pid 4711) was killed by signal 9 (SIGKILL)"
+    assert first_failure(list(parser.failures.values())) == root
+    assert worst_exit_code(list(parser.failures.values()), [1]) == 1  # the root cause's, not the stopped rank's
 
 
-def test_a_killed_rank_has_no_message():
+def test_first_failure_is_the_earliest_root_cause_across_nodes():
+    lost_peer = RankFailure(
+        0, 0, "node1", 1, 10, root_cause=True, message="RuntimeError: Connection closed", timestamp=6
+    )
+    origin = RankFailure(1, 0, "node2", 3, 11, root_cause=True, timestamp=5)
+    assert first_failure([lost_peer, origin]) == origin
+    assert worst_exit_code([lost_peer, origin], [1, 1]) == 3
+    same_second = RankFailure(1, 0, "node2", -9, 11, root_cause=True, timestamp=6)
+    assert first_failure([lost_peer, same_second]) == same_second  # within a second: the worse code
+
+
+@pytest.mark.parametrize("line", [REPORT_PREFIX + '{"rank": 1, "local_ra', REPORT_PREFIX + '{"rank": 1}'])
+def test_a_cut_or_foreign_report_line_is_shown_not_read(line):
     parser = FailureParser()
-    for line in [
-        "  host      : node-02\n",
-        "  rank      : 0 (local_rank: 0)\n",
-        "  exitcode  : -9 (pid: 4711) (SIGKILL)\n",
-        "  error_file: <N/A>\n",
-        "  traceback : Signal 9 (SIGKILL) received by PID 4711\n",
-        "============================================================\n",
-    ]:
-        parser.feed(line)
-    parser.close()
-    (failure,) = parser.failures.values()
-    assert failure.message is None
-    assert failure.describe() == "rank 0 (local_rank 0 on node-02, pid 4711) was killed by signal 9 (SIGKILL)"
+    assert parser.feed(line) is False and not parser.failures
+
+
+def test_no_report_means_the_launch_codes_decide():
+    assert worst_exit_code([], [0, 5, -15]) == 143

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -57,22 +59,42 @@ def test_local_eight_processes_train(worker_script, tmp_path, monkeypatch):
     run_and_check(worker_script, tmp_path, monkeypatch, 8)
 
 
+# The walkthrough's run script ends with a bare ``runner_main(...)``: a failed run must still
+# end that process non-zero, naming the first failing rank and its error's last line.
+_RUN_SCRIPT = """
+import json, sys
+from scaling.runner import RunnerConfig, runner_main
+cfg = RunnerConfig(script=sys.argv[1], nproc_per_node=4)
+runner_main(cfg, payload=json.loads(sys.argv[2]))
+"""
+
+
 @pytest.mark.slow
-def test_kill_9_of_one_rank_is_reported(worker_script, tmp_path, capfd):
+@pytest.mark.parametrize("fault", ["raise", "kill"])
+def test_a_failed_rank_ends_the_run_script_non_zero(worker_script, tmp_path, fault):
     payload = {"out_dir": str(tmp_path), "steps": 2, "lr": 0.3, "hang": True}
-    cfg = RunnerConfig(script=worker_script, nproc_per_node=4)
-    result: list[int] = []
-    runner = threading.Thread(target=lambda: result.append(runner_main(cfg, payload)), daemon=True)
-    runner.start()
-    deadline = time.monotonic() + 120
-    while not all((tmp_path / f"rank{r}.json").exists() for r in range(4)):
-        assert time.monotonic() < deadline and runner.is_alive(), "ranks did not all start"
-        time.sleep(0.2)
-    victim = read_ranks(tmp_path, 4)[2]["pid"]
-    os.kill(victim, signal.SIGKILL)
-    runner.join(timeout=60)
-    assert not runner.is_alive(), "runner did not return within 60 s of kill -9"
-    assert result == [128 + signal.SIGKILL]
-    err = capfd.readouterr().err
-    assert "scaling-run: rank 2 (local_rank 2 on " in err
-    assert f"pid {victim}) was killed by signal 9 (SIGKILL)" in err
+    if fault == "raise":
+        payload.update(raise_rank=2, raise_message="the checkpoint is corrupt")
+    runner = subprocess.Popen(
+        [sys.executable, "-c", _RUN_SCRIPT, worker_script, json.dumps(payload)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"rank{r}.json").exists() for r in range(4)):
+            assert time.monotonic() < deadline and runner.poll() is None, "ranks did not all start"
+            time.sleep(0.2)
+        victim = read_ranks(tmp_path, 4)[2]["pid"]
+        if fault == "kill":
+            os.kill(victim, signal.SIGKILL)
+        _, err = runner.communicate(timeout=90)
+    finally:
+        runner.kill()
+    first = f"scaling-run: first failure: rank 2 (local_rank 2 on {socket.gethostname()}, pid {victim}) "
+    if fault == "kill":
+        assert runner.returncode == 128 + signal.SIGKILL, err[-3000:]
+        assert first + "was killed by signal 9 (SIGKILL)\n" in err, err[-3000:]
+    else:
+        assert runner.returncode == 1, err[-3000:]
+        assert first + "exited with code 1: RuntimeError: rank 2 gave up: the checkpoint is corrupt\n" in err
+    assert "SCALING_RANK_FAILURE" not in err  # the reports are read, not shown

@@ -3,7 +3,7 @@ one all-reduce, then data-parallel training of y = w * x + b for a few steps.
 
 Every rank writes ``rank<R>.json`` (its ranks, parent pid, trained parameters, selected
 environment variables) into ``payload["out_dir"]``. With ``payload["hang"]`` the ranks then
-keep all-reducing until killed, for the failure tests.
+keep all-reducing until killed, and ``payload["raise_rank"]`` raises there, for the failure tests.
 """
 
 from __future__ import annotations
@@ -87,6 +87,8 @@ def main() -> None:
     out = Path(payload["out_dir"])
     (out / f"rank{rank}.json.tmp").write_text(json.dumps(record))
     os.replace(out / f"rank{rank}.json.tmp", out / f"rank{rank}.json")
+    if payload.get("raise_rank") == rank:
+        raise RuntimeError(f"rank {rank} gave up: {payload['raise_message']}")
     if payload.get("hang"):
         beat = torch.ones(1)
         while True:  # real collectives until a rank is killed; then gloo errors out on the peers
@@ -99,7 +101,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(main)()  # an exception lands in TORCHELASTIC_ERROR_FILE, which the runner reports
     # Everything this rank writes is closed by now: skip the interpreter's teardown (see the top).
     sys.stdout.flush()
     sys.stderr.flush()

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"scaling.mlp: invalid config: {exc}", file=sys.stderr)
         return 2
-    return runner_main(config.runner, payload=config.as_dict())
+    return runner_main(config.runner, payload=config.as_dict(), exit_on_failure=False)
 
 
 if __name__ == "__main__":

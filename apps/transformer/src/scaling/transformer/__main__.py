@@ -67,7 +67,7 @@ def _train(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"scaling-transformer: invalid config: {exc}", file=sys.stderr)
         return 2
-    return runner_main(config.runner, payload=config.as_dict())
+    return runner_main(config.runner, payload=config.as_dict(), exit_on_failure=False)
 
 
 def _preprocess(args: argparse.Namespace) -> int:

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         data = apply_overrides(data, args.overrides)
         config = RunnerConfig.from_dict(data["runner"])
-        return runner_main(config, payload=data, dry_run=args.dry_run)
+        return runner_main(config, payload=data, dry_run=args.dry_run, exit_on_failure=False)
     except (ValidationError, ValueError, TypeError) as exc:
         print(f"scaling-run: {exc}", file=sys.stderr)
         return 2

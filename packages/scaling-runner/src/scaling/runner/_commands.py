@@ -31,6 +31,8 @@ class Launch:
         env: variables added to this machine's environment for the command (may hold secrets).
         node_commands: ``(node, command)`` pairs: what each node runs, for the dry-run print.
         files: ``(path, content)`` pairs written before the command starts (an sbatch script).
+        follow: a file the command's real output goes to (a SLURM job's), shown and read
+            while the command runs as if it were the command's stderr.
     """
 
     label: str
@@ -38,6 +40,7 @@ class Launch:
     env: Mapping[str, str] = field(default_factory=dict)
     node_commands: tuple[tuple[str, str], ...] = ()
     files: tuple[tuple[str, str], ...] = ()
+    follow: str | None = None
 
     def describe(self) -> str:
         """A printable description with every secret value masked."""
@@ -54,10 +57,11 @@ class Launch:
 
 
 def torchrun_argv(python: str, config: RunnerConfig, nnodes: int, nproc: int, endpoint: str, run_id: str) -> list[str]:
-    """``python -m torch.distributed.run`` with c10d rendezvous at ``endpoint``."""
+    """torchrun (``python -m scaling.runner.torchrun``: torchrun's agent, reporting failed ranks as JSON lines)
+    with c10d rendezvous at ``endpoint``."""
     script = config.require_script()
     return [
-        python, "-m", "torch.distributed.run",
+        python, "-m", "scaling.runner.torchrun",
         "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
         "--max-restarts", str(config.max_restarts),
@@ -65,12 +69,18 @@ def torchrun_argv(python: str, config: RunnerConfig, nnodes: int, nproc: int, en
     ]  # fmt: skip
 
 
-def docker_argv(config: RunnerConfig, env: Mapping[str, str], secret_names: list[str], inner: list[str]) -> list[str]:
-    """``docker run --network host`` around ``inner``; secrets are passed by name only (``-e NAME``)."""
+def docker_argv(
+    config: RunnerConfig, run_id: str, env: Mapping[str, str], secret_names: list[str], inner: list[str]
+) -> list[str]:
+    """``docker run --network host`` around ``inner``; secrets are passed by name only (``-e NAME``).
+
+    The container carries the label ``scaling.run_id=<run_id>``:
+    ``docker stop $(docker ps -q --filter label=scaling.run_id=<run_id>)`` stops a run's containers.
+    """
     dc = config.docker_config
     assert dc is not None  # guaranteed by RunnerConfig validation for pdsh_docker
     argv = ["sudo"] if dc.sudo else []
-    argv += ["docker", "run", "--rm", "--network", "host", "--ipc", "host"]
+    argv += [dc.command, "run", "--rm", "--network", "host", "--ipc", "host", "--label", f"scaling.run_id={run_id}"]
     if dc.gpus is not None:
         argv += ["--gpus", dc.gpus]
     for host_path, container_path in dc.mounts:
@@ -104,7 +114,7 @@ def build_launches(
             inner = torchrun_argv(
                 config.docker_config.python_executable, config, 1, config.nproc_per_node, endpoint, run_id
             )
-            argv = docker_argv(config, node_env, sorted(secret_fwd), inner)
+            argv = docker_argv(config, run_id, node_env, sorted(secret_fwd), inner)
             return [Launch("docker on this machine", tuple(argv), {})]
         argv = torchrun_argv(python, config, 1, config.nproc_per_node, endpoint, run_id)
         return [Launch(f"local: {config.nproc_per_node} processes", tuple(argv), {**config.env, **payload_env})]
@@ -115,7 +125,7 @@ def build_launches(
         if config.runner_type == "pdsh_docker":
             assert config.docker_config is not None
             inner = torchrun_argv(config.docker_config.python_executable, config, len(hosts), slots, endpoint, run_id)
-            remote = "exec " + shlex.join(docker_argv(config, node_env, sorted(secret_fwd), inner))
+            remote = "exec " + shlex.join(docker_argv(config, run_id, node_env, sorted(secret_fwd), inner))
         else:
             env_words = [f"{k}={v}" for k, v in node_env.items()]
             remote = f"cd {shlex.quote(config.workdir or os.getcwd())} && exec " + shlex.join(

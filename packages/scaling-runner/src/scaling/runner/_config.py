@@ -25,6 +25,11 @@ class DockerConfig(BaseConfig):
         default_factory=list,
         description="Bind mounts as [host_path, container_path] pairs; both absolute, no ':' (docker -v syntax).",
     )
+    command: str = Field(
+        "docker",
+        min_length=1,
+        description="The docker-compatible CLI on the nodes: 'docker', or 'podman' (or a path to either).",
+    )
     sudo: bool = Field(False, description="Prefix 'sudo' to the docker command (hosts where docker needs root).")
     gpus: str | None = Field(
         None, description="Value of 'docker run --gpus' ('all', '2', 'device=0,1'); None: no GPUs."
@@ -37,6 +42,13 @@ class DockerConfig(BaseConfig):
     python_executable: str = Field(
         "python", min_length=1, description="Python inside the container that runs torchrun."
     )
+
+    @field_validator("command")
+    @classmethod
+    def _command_one_word(cls, value: str) -> str:
+        if value.startswith("-") or any(c.isspace() for c in value):
+            raise ValueError(f"docker command {value!r} must be one program name or path, e.g. 'docker' or 'podman'")
+        return value
 
     @field_validator("image")
     @classmethod
@@ -92,7 +104,7 @@ class SlurmConfig(BaseConfig):
 class RunnerConfig(BaseConfig):
     """Where and how :func:`runner_main` starts the training script.
 
-    Every process runs ``script`` under torchrun (``python -m torch.distributed.run``), reads
+    Every process runs ``script`` under torchrun (``python -m scaling.runner.torchrun``), reads
     its rank from the torchrun environment and the payload with :func:`load_payload`.
 
     Example::

@@ -1,32 +1,20 @@
-"""Read which rank died, and how, from torchrun's failure report.
+"""Which rank failed, and how: the records ``scaling.runner.torchrun`` reports.
 
-When a worker fails, torchrun's elastic agent stops the others and raises
-``ChildFailedError``, whose message lists every failed rank in a fixed layout
-(``torch/distributed/elastic/multiprocessing/errors/__init__.py``)::
-
-      host      : node-01
-      rank      : 2 (local_rank: 2)
-      exitcode  : -9 (pid: 4711) (SIGKILL)
-      error_file: <N/A>
-      traceback : Signal 9 (SIGKILL) received by PID 4711
-
-pdsh prefixes each line with ``node: ``; the patterns below ignore any prefix. A worker whose
-entry point torchrun's ``record`` wraps (both apps' do) reports its exception's traceback
-there; its last lines, ``SomeError: message``, become the failure's ``message``.
+Every node's torchrun agent runs as ``python -m scaling.runner.torchrun``, which writes one
+``SCALING_RANK_FAILURE {json}`` line per failed rank from torchelastic's structured failure
+records (``ChildFailedError.failures``, filled from the workers' ``TORCHELASTIC_ERROR_FILE``).
+The runner finds those lines in the output that reached it (with pdsh's ``node: `` prefix or
+none) and never reads torchrun's printed table.
 """
 
 from __future__ import annotations
 
-import re
+import json
 import signal
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-_HOST = re.compile(r"\bhost\s+:\s*(\S+)")
-_RANK = re.compile(r"\brank\s+:\s*(\d+)\s+\(local_rank:\s*(\d+)\)")
-_EXIT = re.compile(r"\bexitcode\s+:\s*(-?\d+)\s+\(pid:\s*(\d+)\)")
-_TRACEBACK = re.compile(r"\btraceback\s+:\s?(.*)$")
-_EXCEPTION = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)):\s?(.*)$")
-_BLOCK_END = re.compile(r"={10,}|-{10,}|\[\d+\]:\s*$")
+REPORT_PREFIX = "SCALING_RANK_FAILURE "
+STOP_PREFIX = "SCALING_AGENT_STOPPED "
 
 
 @dataclass(frozen=True)
@@ -43,6 +31,7 @@ class RankFailure:
             other ranks of that node, which are reported with SIGTERM and ``root_cause=False``.
         message: the worker's exception, ``"CheckpointError: ..."`` on one line, when its
             entry point is wrapped by ``torch.distributed.elastic``'s ``record``; else None.
+        timestamp: when it failed (seconds since the epoch, torchelastic's resolution).
     """
 
     rank: int
@@ -52,6 +41,7 @@ class RankFailure:
     pid: int
     root_cause: bool = False
     message: str | None = None
+    timestamp: int = 0
 
     @property
     def shell_code(self) -> int:
@@ -75,57 +65,53 @@ def signal_name(signum: int) -> str:
 
 
 class FailureParser:
-    """Feed it the output lines of one torchrun (or pdsh) command; collects :class:`RankFailure`."""
+    """Feed it the output lines of one launch; collects the :class:`RankFailure` records in them."""
 
     def __init__(self) -> None:
         self.failures: dict[int, RankFailure] = {}
-        self._host = "?"
-        self._rank: tuple[int, int] | None = None
-        self._in_root = False
-        self._last: int | None = None  # the rank of the last failure read
-        self._traceback: list[str] | None = None  # its traceback's lines while they come
-        self._prefix = ""
+        self.stopped: dict[str, int] = {}  # host -> the signal that stopped its agent from outside the runner
 
-    def feed(self, line: str) -> None:
-        """Consume one output line."""
-        if self._traceback is not None:
-            if not _BLOCK_END.search(line) and not _HOST.search(line):
-                self._traceback.append(line[len(self._prefix) :] if line.startswith(self._prefix) else line)
-                return
-            self._end_traceback()
-        if (m := _TRACEBACK.search(line)) and self._last is not None:
-            self._traceback, self._prefix = [m.group(1)], line[: m.start()].rstrip()  # pdsh's "node:"
-        elif "Root Cause (first observed failure)" in line:
-            self._in_root = True
-        elif m := _HOST.search(line):
-            self._host, self._rank = m.group(1), None
-        elif m := _RANK.search(line):
-            self._rank = (int(m.group(1)), int(m.group(2)))
-        elif (m := _EXIT.search(line)) and self._rank is not None:
-            rank, local_rank = self._rank
-            failure = RankFailure(rank, local_rank, self._host, int(m.group(1)), int(m.group(2)), self._in_root)
-            if rank not in self.failures or failure.root_cause:
-                self.failures[rank] = failure
-            self._rank, self._in_root, self._last = None, False, rank
+    def feed(self, line: str) -> bool:
+        """Consume one output line (a report may carry a prefix such as pdsh's ``node: ``).
 
-    def close(self) -> None:
-        """The output ended (a traceback may have run to its last line)."""
-        if self._traceback is not None:
-            self._end_traceback()
+        Returns:
+            True when the line was a report (the runner does not echo those).
+        """
+        for prefix in (REPORT_PREFIX, STOP_PREFIX):
+            at = line.find(prefix)
+            if at < 0:
+                continue
+            try:
+                record = json.loads(line[at + len(prefix) :])
+                if prefix == STOP_PREFIX:
+                    self.stopped[str(record["host"])] = int(record["signal"])
+                    return True
+                failure = RankFailure(**record)
+            except (ValueError, TypeError, KeyError):
+                return False  # a line cut short (a killed node's last write): shown, not read
+            if failure.rank not in self.failures or failure.root_cause:
+                self.failures[failure.rank] = failure
+            return True
+        return False
 
-    def _end_traceback(self) -> None:
-        lines, self._traceback = self._traceback or [], None
-        starts = [i for i, line in enumerate(lines) if _EXCEPTION.search(line)]
-        if self._last is None or not starts:
-            return
-        first = _EXCEPTION.search(lines[starts[-1]])
-        assert first is not None
-        message = first.group(2).strip()
-        parts = [f"{first.group(1)}: {message}" if message else first.group(1)]
-        parts += [line.strip() for line in lines[starts[-1] + 1 :]]
-        failure = self.failures.get(self._last)
-        if failure is not None:
-            self.failures[self._last] = replace(failure, message=" ".join(p for p in parts if p))
+
+@dataclass(frozen=True)
+class RunReport:
+    """What every launch's agents reported: the failed ranks (by rank) and the agents stopped by a signal."""
+
+    failures: list[RankFailure]
+    stopped: dict[str, int]
+
+    @classmethod
+    def merge(cls, parsers: list[FailureParser]) -> RunReport:
+        failures = sorted((f for p in parsers for f in p.failures.values()), key=lambda f: f.rank)
+        return cls(failures, {host: sig for p in parsers for host, sig in p.stopped.items()})
+
+
+def first_failure(failures: list[RankFailure]) -> RankFailure | None:
+    """The failure that came first: the earliest root cause, the worse code first within a second."""
+    roots = [f for f in failures if f.root_cause] or failures
+    return min(roots, key=lambda f: (f.timestamp, -f.shell_code), default=None)
 
 
 def worst_exit_code(failures: list[RankFailure], returncodes: list[int]) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 
 from scaling.runner._commands import DEFAULT_REMOTE_PORT, Launch, build_launches, free_port
 from scaling.runner._config import RunnerConfig
-from scaling.runner._failures import signal_name, worst_exit_code
+from scaling.runner._failures import RunReport, first_failure, signal_name, worst_exit_code
 from scaling.runner._payload import (
     PAYLOAD_INLINE_ENV,
     PAYLOAD_PATH_ENV,
@@ -39,7 +39,13 @@ def plan(config: RunnerConfig, payload: Mapping[str, Any] | None = None) -> list
     return launches
 
 
-def runner_main(config: RunnerConfig, payload: Mapping[str, Any] | None = None, *, dry_run: bool = False) -> int:
+def runner_main(
+    config: RunnerConfig,
+    payload: Mapping[str, Any] | None = None,
+    *,
+    dry_run: bool = False,
+    exit_on_failure: bool = True,
+) -> int:
     """Launch ``config.script`` on every process described by ``config`` and wait for it.
 
     Every process runs under torchrun, reads its rank from the torchrun environment
@@ -50,22 +56,29 @@ def runner_main(config: RunnerConfig, payload: Mapping[str, Any] | None = None, 
         payload: JSON-able dict for every process, usually ``config.as_dict()`` of the app's
             config; keys that look like secrets (``*_token``, ``*_password``) are refused.
         dry_run: print the commands per node (secrets masked) and return 0 without running.
+        exit_on_failure: a failed run raises ``SystemExit`` with its exit code (so a run script
+            whose last line is ``runner_main(...)`` exits non-zero); ``False`` returns the code.
 
     Returns:
-        0 when every rank succeeded, else the worst exit code of any rank (shell style:
-        128 + N for a rank killed by signal N). When the runner itself receives SIGTERM or
-        SIGINT while the ranks run, it forwards the signal to torchrun (which passes it to
-        the workers: scaling's trainer saves and stops), waits for every process to end and
-        returns ``128 + signal`` (143 for SIGTERM, 130 for SIGINT).
+        0 when every rank succeeded. With ``exit_on_failure=False``, else the worst exit code
+        of any rank that failed on its own (shell style: 128 + N for a rank killed by signal
+        N); when the runner itself receives SIGTERM or SIGINT while the ranks run, it
+        forwards the signal to torchrun (which passes it to the workers: scaling's trainer
+        saves and stops), waits for every process to end and returns ``128 + signal`` (143
+        for SIGTERM, 130 for SIGINT).
 
     Raises:
+        SystemExit: the run failed (its ``code`` is the exit code above) and
+            ``exit_on_failure`` is true. The first failing rank and its error's last line are
+            on stderr first, e.g. ``scaling-run: first failure: rank 2 (...) exited with code
+            1: CheckpointError: ...``.
         ValueError: for a config without ``script``, or a payload that holds secrets or is
             too large to pass inline.
 
     Example::
 
         config = MyAppConfig.from_yaml(sys.argv[1])
-        sys.exit(runner_main(config.runner, payload=config.as_dict()))
+        runner_main(config.runner, payload=config.as_dict())  # exits non-zero if a rank failed
     """
     launches, temp_dir = _prepare(config, payload)
     try:
@@ -74,27 +87,47 @@ def runner_main(config: RunnerConfig, payload: Mapping[str, Any] | None = None, 
             return 0
         from scaling.runner._run import run_launches
 
-        codes, failures, signum = run_launches(launches, config.teardown_timeout_s)
-        code = worst_exit_code(failures, codes)
-        if signum is not None:
-            # Stopped on request: the shell convention for the signal, whatever the ranks returned.
-            code = 128 + signum
-            lines = [f"scaling-run: stopped by {signal_name(signum)}; exit code {code}"]
-            lines += [f"scaling-run: {f.describe()}" for f in failures]
-            print("\n".join(lines), file=sys.stderr, flush=True)
-        elif code != 0:
-            lines = [f"scaling-run: the run failed with exit code {code}"]
-            lines += [f"scaling-run: {f.describe()}" for f in failures if f.root_cause]
-            stopped = [f.describe() for f in failures if not f.root_cause]
-            if stopped:
-                lines.append("scaling-run: then stopped or failed in consequence: " + "; ".join(stopped))
-            if not failures:
-                lines.append(f"scaling-run: no rank reported a failure; launch exit codes {codes}")
-            print("\n".join(lines), file=sys.stderr, flush=True)
+        codes, report, signum = run_launches(launches, config.teardown_timeout_s)
+        code = _report(codes, report, signum)
+        if code != 0 and exit_on_failure:
+            raise SystemExit(code)
         return code
     finally:
         if temp_dir is not None and not dry_run:
             shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _report(codes: list[int], report: RunReport, signum: int | None) -> int:
+    """Print the run's outcome on stderr (nothing when it succeeded); return its exit code."""
+    failures = report.failures
+    code = worst_exit_code(failures, codes)
+    if signum is None and report.stopped and not any(f.root_cause for f in failures):
+        # Signalled where the agents run, not through the runner: scancel, docker stop, preemption.
+        signum = max(report.stopped.values())
+        code = 128 + signum
+        lines = [
+            f"scaling-run: the ranks on {', '.join(sorted(report.stopped))} were stopped by {signal_name(signum)} "
+            f"from outside the runner (scancel, docker stop, preemption); exit code {code}"
+        ]
+    elif signum is not None:
+        # Stopped on request: the shell convention for the signal, whatever the ranks returned.
+        code = 128 + signum
+        lines = [f"scaling-run: stopped by {signal_name(signum)}; exit code {code}"]
+        lines += [f"scaling-run: {f.describe()}" for f in failures]
+    elif code == 0:
+        return 0
+    else:
+        first = first_failure(failures)
+        lines = [f"scaling-run: first failure: {first.describe()}"] if first is not None else []
+        lines.append(f"scaling-run: the run failed with exit code {code}")
+        lines += [f"scaling-run: {f.describe()}" for f in failures if f.root_cause and f is not first]
+        stopped = [f.describe() for f in failures if not f.root_cause]
+        if stopped:
+            lines.append("scaling-run: then stopped or failed in consequence: " + "; ".join(stopped))
+        if not failures:
+            lines.append(f"scaling-run: no rank reported a failure; launch exit codes {codes}")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    return code
 
 
 def _prepare(config: RunnerConfig, payload: Mapping[str, Any] | None) -> tuple[list[Launch], Path | None]:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from scaling.runner._commands import Launch
-from scaling.runner._failures import FailureParser, RankFailure
+from scaling.runner._failures import FailureParser, RunReport
 
 _KILL_GRACE_S = 10.0
 # After a forwarded signal: time for torchrun to stop its workers (its own grace is 30 s) before SIGKILL.
@@ -35,12 +35,13 @@ _FORWARDED = (signal.SIGTERM, signal.SIGINT)
 _POLL_S = 0.1
 
 
-def run_launches(launches: list[Launch], teardown_timeout_s: float) -> tuple[list[int], list[RankFailure], int | None]:
+def run_launches(launches: list[Launch], teardown_timeout_s: float) -> tuple[list[int], RunReport, int | None]:
     """Run ``launches`` concurrently.
 
     Returns:
-        The launches' exit codes, the rank failures torchrun reported, and the number of
-        the signal (SIGTERM or SIGINT) the runner received and forwarded, or ``None``.
+        The launches' exit codes, what their torchrun agents reported (failed ranks, agents
+        stopped by a signal), and the number of the signal (SIGTERM or SIGINT) the runner
+        received and forwarded, or ``None``.
     """
     for launch in launches:
         for path, content in launch.files:
@@ -67,9 +68,13 @@ def run_launches(launches: list[Launch], teardown_timeout_s: float) -> tuple[lis
             forwarder.catch_up()  # a signal that arrived while this launch was being started
             prefix = f"[{launch.label.split(':')[0]}] " if len(launches) > 1 else ""
             assert proc.stdout is not None and proc.stderr is not None
-            # torchrun's failure report is on stderr; a rank's prints on stdout never mix into it.
+            # The agents' failure reports are on stderr; a rank's prints on stdout never mix into it.
             for stream, sink, reader in ((proc.stdout, sys.stdout, None), (proc.stderr, sys.stderr, parser)):
                 pump = threading.Thread(target=_pump, args=(stream, sink, prefix, reader), daemon=True)
+                pump.start()
+                pumps.append(pump)
+            if launch.follow is not None:
+                pump = threading.Thread(target=_follow, args=(Path(launch.follow), proc, prefix, parser), daemon=True)
                 pump.start()
                 pumps.append(pump)
         _wait(procs, teardown_timeout_s, forwarder)
@@ -81,8 +86,7 @@ def run_launches(launches: list[Launch], teardown_timeout_s: float) -> tuple[lis
         for pump in pumps:
             pump.join(timeout=5.0)
     codes = [p.returncode for p in procs]
-    failures = sorted((f for p in parsers for f in p.failures.values()), key=lambda f: f.rank)
-    return codes, failures, forwarder.received
+    return codes, RunReport.merge(parsers), forwarder.received
 
 
 class _Forwarder:
@@ -142,13 +146,34 @@ class _Forwarder:
 def _pump(stream: IO[bytes], sink: IO[str], prefix: str, parser: FailureParser | None) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace")
-        if parser is not None:
-            parser.feed(line)
+        if parser is not None and parser.feed(line):
+            continue
         sink.write(prefix + line)
         sink.flush()
-    if parser is not None:
-        parser.close()
     stream.close()
+
+
+def _follow(path: Path, proc: subprocess.Popen[bytes], prefix: str, parser: FailureParser) -> None:
+    """Show and read the lines of ``path`` as they are written, until ``proc`` has ended and all are read."""
+    position, partial = 0, b""
+    while True:
+        done = proc.poll() is not None  # read once more after the end: the job wrote its last lines first
+        if path.exists():
+            with path.open("rb") as f:
+                f.seek(position)
+                chunk = f.read()
+            position += len(chunk)
+            *lines, partial = (partial + chunk).split(b"\n")
+            if done and partial:
+                lines, partial = [*lines, partial], b""
+            for raw in lines:
+                line = raw.decode(errors="replace") + "\n"
+                if not parser.feed(line):
+                    sys.stdout.write(prefix + line)
+            sys.stdout.flush()
+        if done:
+            return
+        time.sleep(_POLL_S * 5)
 
 
 def _wait(procs: list[subprocess.Popen[bytes]], teardown_timeout_s: float, forwarder: _Forwarder) -> None:

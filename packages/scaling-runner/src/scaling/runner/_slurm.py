@@ -1,4 +1,12 @@
-"""SLURM: ``srun`` inside an allocation, else an ``sbatch --wait`` script; one torchrun per node.
+"""SLURM: ``srun`` inside an allocation, else a batch script submitted and waited for; one torchrun per node.
+
+Outside an allocation the runner starts ``python -m scaling.runner.sbatch job.sbatch``
+(:mod:`scaling.runner.sbatch`: sbatch, then a one-second poll of the job, its exit code,
+and ``scancel`` when the runner is stopped).
+
+The job's output goes to ``job.out`` beside the script (unless ``slurm_config.output`` says
+otherwise), which the runner follows while the job runs: its lines appear on the runner's
+output as they are written, and the failure reports in them are read as from any launch.
 
 The script holds no secret: ``sbatch`` exports the submitting environment to the job
 (``--export=ALL`` is its default), so secrets reach the nodes as environment variables.
@@ -29,7 +37,7 @@ def slurm_dir(config: RunnerConfig, run_id: str) -> Path:
 def build_slurm_launch(
     config: RunnerConfig, run_id: str, payload_env: Mapping[str, str], environ: Mapping[str, str], port: int
 ) -> Launch:
-    """``srun`` when ``SLURM_JOB_ID`` is set (inside an allocation), else ``sbatch --wait <script>``."""
+    """``srun`` when ``SLURM_JOB_ID`` is set (inside an allocation), else the batch script and its waiter."""
     sc = config.slurm_config
     python = config.python_executable or sys.executable
     srun = ["srun", "--nodes", str(sc.num_nodes), "--ntasks-per-node", "1", "--kill-on-bad-exit=1"]
@@ -43,6 +51,7 @@ def build_slurm_launch(
     inner = torchrun_argv(python, config, sc.num_nodes, config.nproc_per_node, f"{master}:{port}", _JOB)
     srun_line = shlex.join(srun + inner)
     srun_line = srun_line.replace(_MASTER, '"$MASTER_ADDR"').replace(_JOB, '"scaling-$SLURM_JOB_ID"')
+    job_output = str(slurm_dir(config, run_id) / "job.out")
     lines = ["#!/bin/bash", f"#SBATCH --job-name={sc.job_name}", f"#SBATCH --nodes={sc.num_nodes}"]
     lines.append("#SBATCH --ntasks-per-node=1")
     for flag, value in (
@@ -50,7 +59,7 @@ def build_slurm_launch(
         ("account", sc.account),
         ("time", sc.time_limit),
         ("gpus-per-node", sc.gpus_per_node),
-        ("output", sc.output),
+        ("output", sc.output or job_output),
     ):
         if value is not None:
             lines.append(f"#SBATCH --{flag}={value}")
@@ -58,10 +67,16 @@ def build_slurm_launch(
     lines += ["set -euo pipefail", f"cd {shlex.quote(config.workdir or os.getcwd())}"]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in {**config.env, **payload_env}.items()]
     if config.master_addr is None:
-        lines.append('MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)')
+        # The first node's address as SLURM knows it (NodeAddr; the node name where none is set).
+        lines.append('FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)')
+        lines.append("MASTER_ADDR=$(scontrol show node \"$FIRST_NODE\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')")
     lines.append(srun_line)
     script_path = slurm_dir(config, run_id) / "job.sbatch"
     label = f"sbatch: {sc.num_nodes} node(s) x {config.nproc_per_node} processes"
     return Launch(
-        label, ("sbatch", "--wait", str(script_path)), {}, files=((str(script_path), "\n".join(lines) + "\n"),)
+        label,
+        (sys.executable, "-m", "scaling.runner.sbatch", str(script_path)),
+        {},
+        files=((str(script_path), "\n".join(lines) + "\n"),),
+        follow=None if sc.output else job_output,
     )

@@ -1,0 +1,81 @@
+"""torchrun with a machine-readable failure report: ``python -m scaling.runner.torchrun ARGS``.
+
+It takes torchrun's own arguments and runs torchrun's own agent (``torch.distributed.run``).
+What it adds is the report: when workers fail, torchrun's agent raises ``ChildFailedError``,
+whose ``failures`` are torchelastic's structured records (``ProcessFailure``: local rank, pid,
+exit code, and the message and timestamp a worker wrapped by
+``torch.distributed.elastic.multiprocessing.errors.record`` wrote to its
+``TORCHELASTIC_ERROR_FILE``). Each becomes one line on stderr::
+
+    SCALING_RANK_FAILURE {"rank": 3, "local_rank": 1, "host": "node-01", "pid": 4711, ...}
+
+which the runner reads on the launching machine through whatever carried the output (pdsh
+prefixes ``node: ``, srun, docker, a SLURM job's output file). torchrun's printed table
+follows, for people. A SIGTERM or SIGINT to the agent (``scancel``, ``docker stop``, the
+runner's forwarding) stops the workers as torchrun does, reports
+``SCALING_AGENT_STOPPED {"host": ..., "signal": 15}`` and exits ``128 + signal`` instead of
+torchrun's 1, so the cause survives.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from typing import Any
+
+from scaling.runner._failures import REPORT_PREFIX, STOP_PREFIX
+
+_NO_FILE = "<N/A>"
+
+
+def failure_records(failures: dict[int, Any], host: str) -> list[dict[str, Any]]:
+    """One JSON-able record per failed rank of a ``ChildFailedError.failures`` mapping.
+
+    The first failure by timestamp is the node's root cause (torchrun's own rule); ``message``
+    is the worker's exception (``"CheckpointError: ..."``) when it wrote an error file, else None.
+    """
+    first = min(failures, key=lambda r: failures[r].timestamp) if failures else None
+    records = []
+    for rank, failure in sorted(failures.items()):
+        message = failure.message if failure.error_file != _NO_FILE else None
+        if isinstance(message, dict):  # the error file's {"message": "...", "extraInfo": {...}}
+            message = message.get("message")
+        records.append(
+            {
+                "rank": int(rank),
+                "local_rank": int(failure.local_rank),
+                "host": host,
+                "pid": int(failure.pid),
+                "exitcode": int(failure.exitcode),
+                "timestamp": int(failure.timestamp),
+                "root_cause": rank == first,
+                "message": " ".join(line.strip() for line in str(message).splitlines()) if message else None,
+            }
+        )
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run torchrun with ``argv``; return its exit code (0, 1 for failed workers, 128 + N for signal N)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        for record in failure_records(exc.failures, socket.gethostname()):
+            print(REPORT_PREFIX + json.dumps(record, sort_keys=True), file=sys.stderr)
+        print(exc.format_msg(), file=sys.stderr, flush=True)
+        return 1
+    except SignalException as exc:
+        stop = {"host": socket.gethostname(), "signal": int(exc.sigval)}
+        print(STOP_PREFIX + json.dumps(stop, sort_keys=True), file=sys.stderr, flush=True)
+        return 128 + int(exc.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
