@@ -130,6 +130,9 @@ def test_docker_mount_paths():
         DockerConfig(image="img", mounts=[("/x", "/y"), ("/x", "/a:/b")])
     with pytest.raises(ValidationError, match=r"docker image '--privileged' must not start with '-'"):
         DockerConfig(image="--privileged")
+    with pytest.raises(ValidationError, match=r"docker command 'podman --root=/x' must not start with '-' or contain"):
+        DockerConfig(image="img", command="podman --root=/x")
+    assert DockerConfig(image="img", command="/usr/bin/podman").command == "/usr/bin/podman"
 
 
 def test_slurm_fields_cannot_break_the_script():

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from scaling.config import BaseConfig
 from scaling.runner._env import check_env_name, check_env_pattern, is_secret
@@ -43,18 +43,15 @@ class DockerConfig(BaseConfig):
         "python", min_length=1, description="Python inside the container that runs torchrun."
     )
 
-    @field_validator("command")
+    @field_validator("command", "image")
     @classmethod
-    def _command_one_word(cls, value: str) -> str:
+    def _one_word(cls, value: str, info: ValidationInfo) -> str:
+        # Both land in docker's argv: a leading '-' would be read as an option.
         if value.startswith("-") or any(c.isspace() for c in value):
-            raise ValueError(f"docker command {value!r} must be one program name or path, e.g. 'docker' or 'podman'")
-        return value
-
-    @field_validator("image")
-    @classmethod
-    def _image_not_option(cls, value: str) -> str:
-        if value.startswith("-") or any(c.isspace() for c in value):
-            raise ValueError(f"docker image {value!r} must not start with '-' or contain spaces; e.g. 'repo/name:tag'")
+            example = "'docker' or 'podman'" if info.field_name == "command" else "'repo/name:tag'"
+            raise ValueError(
+                f"docker {info.field_name} {value!r} must not start with '-' or contain spaces; e.g. {example}"
+            )
         return value
 
     @field_validator("mounts")
