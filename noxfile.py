@@ -81,9 +81,11 @@ def _install_torch(session: nox.Session, version: str = LOCAL_TORCH) -> None:
 
 
 # The torch modules the suite's processes import (torchrun's agent, DCP, DTensor, and dynamo,
-# which DTensor construction and transformers' models pull in).
+# which DTensor construction and transformers' models pull in), and the transformers models and
+# peft that conftest.py preloads in every pytest worker.
 _WARM_IMPORTS = (
-    "import torch, torch.distributed.run, torch.distributed.checkpoint, torch.distributed.tensor, torch._dynamo"
+    "import torch, torch.distributed.run, torch.distributed.checkpoint, torch.distributed.tensor, torch._dynamo, "
+    "transformers.models.llama.modeling_llama, transformers.models.gpt2.modeling_gpt2, peft"
 )
 
 
@@ -130,7 +132,9 @@ def tests(session: nox.Session) -> None:
     """The whole suite with every package installed editable in one environment."""
     dists = _dists()
     _install_torch(session)
-    session.install(*TEST_TOOLS, *_all_editable(dists))
+    # --no-compile here too: transformers alone is ~2,000 modules, of which the suite imports a
+    # few dozen (compiled by _pytest's warm-up instead).
+    session.install("--no-compile", *TEST_TOOLS, *_all_editable(dists))
     # --durations: the CI log ends with the slowest tests, where a trim of the suite starts.
     _pytest(session, *_test_paths(dists), *_parallel(), "--durations=25", *session.posargs)
 
@@ -194,11 +198,10 @@ def typecheck(session: nox.Session) -> None:
 def layering(session: nox.Session) -> None:
     """The dependency order of ARCHITECTURE.md, enforced by import-linter (.importlinter)."""
     dists = _dists()
-    # import-linter reads the source statically: the packages only need to be importable
-    # by path, not their dependencies (no torch download).
+    # import-linter reads the source statically: the packages only need to be findable on
+    # the path, not installed with their dependencies (no torch download, no editable builds).
     session.install("import-linter")
-    session.install("--no-deps", *[arg for p in dists.values() for arg in ("-e", str(p))])
-    session.run("lint-imports")
+    session.run("lint-imports", env={"PYTHONPATH": os.pathsep.join(str(p / "src") for p in dists.values())})
 
 
 @nox.session

@@ -8,6 +8,7 @@ The engines start here (engines_testlib); where one is missing the test skips wi
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -86,10 +87,17 @@ def _stop_when_training(launch_argv: list[str], log_dir: Path, stop: Any) -> int
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[int, float]:
-    """The local runner's per-step losses."""
-    tmp = tmp_path_factory.mktemp("local")
-    assert main([str(_config(tmp, "log", STEPS, {"runner_type": "local"}))]) == 0
-    return _losses(tmp / "log")
+    """The local runner's per-step losses, run once for all pytest-xdist workers (a file under a lock)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if "PYTEST_XDIST_WORKER" in os.environ else base  # this session's folder either way
+    with open(shared / "engines-reference.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cache = shared / "engines-reference.json"
+        if not cache.exists():
+            tmp = tmp_path_factory.mktemp("local")
+            assert main([str(_config(tmp, "log", STEPS, {"runner_type": "local"}))]) == 0
+            cache.write_text(json.dumps(_losses(tmp / "log")))
+    return {int(step): loss for step, loss in json.loads(cache.read_text()).items()}
 
 
 @pytest.fixture(scope="module")

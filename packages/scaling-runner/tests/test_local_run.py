@@ -64,7 +64,7 @@ def test_local_eight_processes_train(worker_script, tmp_path, monkeypatch):
 _RUN_SCRIPT = """
 import json, sys
 from scaling.runner import RunnerConfig, runner_main
-cfg = RunnerConfig(script=sys.argv[1], nproc_per_node=4)
+cfg = RunnerConfig(script=sys.argv[1], nproc_per_node=2)
 runner_main(cfg, payload=json.loads(sys.argv[2]))
 """
 
@@ -74,27 +74,27 @@ runner_main(cfg, payload=json.loads(sys.argv[2]))
 def test_a_failed_rank_ends_the_run_script_non_zero(worker_script, tmp_path, fault):
     payload = {"out_dir": str(tmp_path), "steps": 2, "lr": 0.3, "hang": True}
     if fault == "raise":
-        payload.update(raise_rank=2, raise_message="the checkpoint is corrupt")
+        payload.update(raise_rank=1, raise_message="the checkpoint is corrupt")
     runner = subprocess.Popen(
         [sys.executable, "-c", _RUN_SCRIPT, worker_script, json.dumps(payload)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        while not all((tmp_path / f"rank{r}.json").exists() for r in range(4)):
+        while not all((tmp_path / f"rank{r}.json").exists() for r in range(2)):
             assert time.monotonic() < deadline and runner.poll() is None, "ranks did not all start"
             time.sleep(0.2)
-        victim = read_ranks(tmp_path, 4)[2]["pid"]
+        victim = read_ranks(tmp_path, 2)[1]["pid"]
         if fault == "kill":
             os.kill(victim, signal.SIGKILL)
         _, err = runner.communicate(timeout=90)
     finally:
         runner.kill()
-    first = f"scaling-run: first failure: rank 2 (local_rank 2 on {socket.gethostname()}, pid {victim}) "
+    first = f"scaling-run: first failure: rank 1 (local_rank 1 on {socket.gethostname()}, pid {victim}) "
     if fault == "kill":
         assert runner.returncode == 128 + signal.SIGKILL, err[-3000:]
         assert first + "was killed by signal 9 (SIGKILL)\n" in err, err[-3000:]
     else:
         assert runner.returncode == 1, err[-3000:]
-        assert first + "exited with code 1: RuntimeError: rank 2 gave up: the checkpoint is corrupt\n" in err
+        assert first + "exited with code 1: RuntimeError: rank 1 gave up: the checkpoint is corrupt\n" in err
     assert "SCALING_RANK_FAILURE" not in err  # the reports are read, not shown
