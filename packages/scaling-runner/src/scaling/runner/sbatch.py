@@ -6,7 +6,7 @@ What ``sbatch --wait`` does, with three differences the runner needs:
   of up to 32 s, and it counts as ended only once its steps have finished (no COMPLETING
   flag), so the job's output file is whole when this returns;
 - the exit code is the job's own: the batch script's code, or ``128 + N`` where signal N
-  ended it (``scancel``: 143);
+  ended it (``scancel``: 143), and ``128 + N`` when signal N here cancelled it;
 - SIGTERM or SIGINT here (the runner forwarding its own, Ctrl-C) cancels the job with
   ``scancel`` (SLURM sends SIGTERM to every step: scaling's trainer saves) and keeps
   waiting for it to end, so no rank outlives the runner.
@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     while True:
         status = job_status(job_id)
         if status is not None and status[0] in _ENDED:
-            return status[1] or (128 + cancelled[0] if cancelled else 0)
+            # Cancelled on request: the signal's code, whatever the job's steps returned.
+            return 128 + cancelled[0] if cancelled else status[1]
         time.sleep(_POLL_S)
 
 
