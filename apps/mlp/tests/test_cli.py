@@ -14,11 +14,29 @@ def _run(capsys, *args):
     return code, capsys.readouterr().err
 
 
-def test_layout_not_matching_process_count(capsys):
-    code, err = _run(capsys, "runner.nproc_per_node=4")
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["runner.nproc_per_node=4"],
+            "runner.nproc_per_node=4 start 4 processes, but topology.world_size=8; set runner.nproc_per_node=8",
+        ),
+        (
+            ["runner.runner_type=slurm", "runner.slurm_config.num_nodes=2", "runner.nproc_per_node=2"],
+            "runner.slurm_config.num_nodes=2 × runner.nproc_per_node=2 start 4 processes, but topology.world_size=8; "
+            "set num_nodes × nproc_per_node = 8",
+        ),
+        (
+            ["runner.runner_type=pdsh", "runner.hosts=[a slots=4,b slots=2]"],
+            "the hosts' slots (a=4, b=2) start 6 processes, but topology.world_size=8; set hosts whose slots add up to 8",
+        ),
+    ],
+    ids=["local", "slurm", "pdsh"],
+)
+def test_layout_not_matching_process_count(capsys, args, expected):
+    code, err = _run(capsys, *args)
     assert code == 2
-    assert "runner.nproc_per_node=4 processes do not match topology.world_size=8" in err
-    assert "set runner.nproc_per_node=8" in err
+    assert expected in err
 
 
 def test_topology_arithmetic_named(capsys):

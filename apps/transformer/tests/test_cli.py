@@ -34,7 +34,7 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
             "data.sequence_length=128 exceeds transformer_architecture.max_sequence_length=64",
         ),
         (["transformer_architecture.precision=fp16"], "precision='fp16' needs optimizer.loss_scaler.enable=true"),
-        (["runner.nproc_per_node=2"], "runner.nproc_per_node=2 processes do not match topology.world_size=1"),
+        (["runner.nproc_per_node=2"], "runner.nproc_per_node=2 start 2 processes, but topology.world_size=1"),
         (["transformer_architecture.vocab_size=200"], f"holds token id {TINY_VOCAB - 1} but transformer_architecture"),
         (["transformer_architecture.mlp_type=relu"], "mlp_type"),
         (["training.num_virtual_stages=2"], "num_virtual_stages=2 needs training.schedule='interleaved_1f1b'"),

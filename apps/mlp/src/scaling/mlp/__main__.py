@@ -21,16 +21,7 @@ DEFAULT_CONFIG = Path(__file__).with_name("config.yml")
 def load_config(path: str | Path, overrides: list[str]) -> MLPConfig:
     """Validate the config and the process count before anything launches."""
     config = MLPConfig.from_file(path, overrides=overrides)
-    runner = config.runner
-    if runner.runner_type == "local" and runner.hosts is None and runner.hostsfile is None:
-        if runner.nproc_per_node != config.topology.world_size:
-            raise ValueError(
-                f"runner.nproc_per_node={runner.nproc_per_node} processes do not match topology.world_size="
-                f"{config.topology.world_size} (model_parallel_size={config.topology.model_parallel_size} × "
-                f"pipe_parallel_size={config.topology.pipe_parallel_size} × data_parallel_size="
-                f"{config.topology.data_parallel_size}); set runner.nproc_per_node={config.topology.world_size} "
-                "or change the topology"
-            )
+    config.runner.check_world_size(config.topology.world_size)
     if config.data.mnist_path is not None:
         # Read (and so check) the IDX files here, not in eight processes after launch.
         for train in (True, False):

@@ -29,14 +29,7 @@ def load_config(path: str | Path, overrides: list[str]) -> TransformerConfig:
 
     config = TransformerConfig.from_file(path, overrides=overrides)
     check_fp8(config)
-    runner = config.runner
-    if runner.runner_type == "local" and runner.hosts is None and runner.hostsfile is None:
-        if runner.nproc_per_node != config.topology.world_size:
-            raise ValueError(
-                f"runner.nproc_per_node={runner.nproc_per_node} processes do not match topology.world_size="
-                f"{config.topology.world_size}; set runner.nproc_per_node={config.topology.world_size} "
-                "or change the topology"
-            )
+    config.runner.check_world_size(config.topology.world_size)
     if config.data.finetuning_jsonl is not None or config.data.blend:
         from scaling.transformer.data import build_datasets
 

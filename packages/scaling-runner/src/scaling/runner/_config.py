@@ -239,6 +239,36 @@ class RunnerConfig(BaseConfig):
             raise ValueError("script is missing (got None); set runner.script to the training script each process runs")
         return self.script
 
+    def process_count(self) -> int:
+        """How many processes the run starts: the world size it gives the training script."""
+        hosts = self.host_specs()
+        if hosts:
+            return sum(h.slots for h in hosts)
+        nodes = self.slurm_config.num_nodes if self.runner_type == "slurm" else 1
+        return nodes * self.nproc_per_node
+
+    def check_world_size(self, world_size: int, source: str = "topology.world_size") -> None:
+        """Raise before anything launches when the run would start another number of processes.
+
+        Raises:
+            ValueError: naming the runner fields that give the count, their values and the fix.
+        """
+        count = self.process_count()
+        if count == world_size:
+            return
+        if self.host_specs():
+            given = f"the hosts' slots ({', '.join(f'{h.name}={h.slots}' for h in self.host_specs())})"
+            fix = f"hosts whose slots add up to {world_size}"
+        elif self.runner_type == "slurm":
+            given = f"runner.slurm_config.num_nodes={self.slurm_config.num_nodes} × runner.nproc_per_node="
+            given += str(self.nproc_per_node)
+            fix = f"num_nodes × nproc_per_node = {world_size}"
+        else:
+            given, fix = f"runner.nproc_per_node={self.nproc_per_node}", f"runner.nproc_per_node={world_size}"
+        raise ValueError(
+            f"{given} start {count} processes, but {source}={world_size}; set {fix} or change the topology"
+        )
+
     def host_specs(self) -> list[HostSpec]:
         """The parsed hosts (from ``hosts`` or ``hostsfile``); empty when the run stays on this machine.
 
