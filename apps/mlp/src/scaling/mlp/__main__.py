@@ -21,7 +21,9 @@ DEFAULT_CONFIG = Path(__file__).with_name("config.yml")
 def load_config(path: str | Path, overrides: list[str]) -> MLPConfig:
     """Validate the config and the process count before anything launches."""
     config = MLPConfig.from_file(path, overrides=overrides)
-    config.runner.check_world_size(config.topology.world_size)
+    world_size = config.topology.world_size
+    assert world_size is not None  # derived by TopologyConfig's validation when not given
+    config.runner.check_world_size(world_size)
     if config.data.mnist_path is not None:
         # Read (and so check) the IDX files here, not in eight processes after launch.
         for train in (True, False):

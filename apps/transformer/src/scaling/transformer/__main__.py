@@ -29,7 +29,9 @@ def load_config(path: str | Path, overrides: list[str]) -> TransformerConfig:
 
     config = TransformerConfig.from_file(path, overrides=overrides)
     check_fp8(config)
-    config.runner.check_world_size(config.topology.world_size)
+    world_size = config.topology.world_size
+    assert world_size is not None  # derived by TopologyConfig's validation when not given
+    config.runner.check_world_size(world_size)
     if config.data.finetuning_jsonl is not None or config.data.blend:
         from scaling.transformer.data import build_datasets
 
