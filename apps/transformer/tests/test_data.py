@@ -15,7 +15,7 @@ from scaling.testing import run_distributed
 from scaling.transformer.__main__ import main
 from scaling.transformer.config import TransformerArchitectureConfig, TransformerConfig
 from scaling.transformer.corpus import EOD_TOKEN, default_paths
-from scaling.transformer.data import build_datasets
+from scaling.transformer.datasets import build_datasets
 from scaling.transformer.inference import TransformerLM
 from scaling.transformer.jsonl import PromptCompletionDataset
 from scaling.transformer.model import TransformerHeadOutput, TransformerLoss

@@ -7,7 +7,8 @@ from scaling.transformer.config import (
     TransformerArchitectureConfig,
     TransformerConfig,
 )
-from scaling.transformer.data import TransformerBatch, TransformerDataset, build_datasets
+from scaling.transformer.data import TransformerBatch, TransformerDataset
+from scaling.transformer.datasets import build_datasets
 from scaling.transformer.finetuning import apply_finetuning, training_groups
 from scaling.transformer.generate import generate, sample_next
 from scaling.transformer.hf import export_hf, export_peft, import_hf

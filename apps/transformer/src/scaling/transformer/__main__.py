@@ -33,7 +33,7 @@ def load_config(path: str | Path, overrides: list[str]) -> TransformerConfig:
     assert world_size is not None  # derived by TopologyConfig's validation when not given
     config.runner.check_world_size(world_size)
     if config.data.finetuning_jsonl is not None or config.data.blend:
-        from scaling.transformer.data import build_datasets
+        from scaling.transformer.datasets import build_datasets
 
         # Reads, tokenises and checks the examples / token files here, not in N processes after launch.
         build_datasets(config)

@@ -22,7 +22,7 @@ from scaling.runner import load_payload
 from scaling.topology import Topology
 from scaling.trainer import BaseContext, BaseTrainer
 from scaling.transformer.config import TransformerConfig
-from scaling.transformer.data import build_datasets
+from scaling.transformer.datasets import build_datasets
 from scaling.transformer.finetuning import apply_finetuning, training_groups
 from scaling.transformer.model import TransformerLoss, flops_per_token, layer_specs
 

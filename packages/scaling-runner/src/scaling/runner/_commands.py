@@ -97,12 +97,8 @@ def docker_argv(
 def build_launches(
     config: RunnerConfig, run_id: str, payload_env: Mapping[str, str], environ: Mapping[str, str], port: int
 ) -> list[Launch]:
-    """The commands that run ``config``; ``port`` is the rendezvous port already chosen."""
+    """The commands that run ``config`` (local, pdsh, docker; SLURM's are in ``_slurm``); ``port`` is chosen."""
     hosts = config.host_specs()
-    if config.runner_type == "slurm":
-        from scaling.runner._slurm import build_slurm_launch
-
-        return [build_slurm_launch(config, run_id, payload_env, environ, port)]
     forwarded = select_forwarded(environ, config.env_forward)
     plain_fwd, secret_fwd = split_secrets(forwarded)
     node_env = {**plain_fwd, **config.env, **payload_env}

@@ -21,6 +21,7 @@ from scaling.runner._payload import (
     inline_payload,
     write_payload,
 )
+from scaling.runner._slurm import build_slurm_launch, slurm_dir
 
 
 def plan(config: RunnerConfig, payload: Mapping[str, Any] | None = None) -> list[Launch]:
@@ -144,11 +145,12 @@ def _prepare(config: RunnerConfig, payload: Mapping[str, Any] | None) -> tuple[l
         if config.payload_dir is not None:
             directory = Path(config.payload_dir) / run_id
         elif config.runner_type == "slurm":
-            from scaling.runner._slurm import slurm_dir
-
             directory = slurm_dir(config, run_id)
         else:
             temp_dir = directory = Path(tempfile.mkdtemp(prefix="scaling-run-"))
         payload_env = {PAYLOAD_PATH_ENV: str(write_payload(text, directory))}
-    launches = build_launches(config, run_id, payload_env, os.environ, port)
+    if config.runner_type == "slurm":
+        launches = [build_slurm_launch(config, run_id, payload_env, os.environ, port)]
+    else:
+        launches = build_launches(config, run_id, payload_env, os.environ, port)
     return launches, temp_dir
