@@ -9,8 +9,8 @@
   project's environment and checkout at their own paths (nothing can be pulled here).
   Needs podman with the runc runtime (``.ci/run`` installs and configures it).
 
-Each returns ``None``-free objects or raises :class:`EngineMissing` with the reason, which
-the tests turn into a skip.
+Where an engine cannot run here, each raises :class:`EngineMissing` saying what to install;
+the tests skip with that reason.
 """
 
 from __future__ import annotations

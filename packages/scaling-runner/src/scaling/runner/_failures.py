@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import signal
 from dataclasses import dataclass
+from typing import Any
 
 REPORT_PREFIX = "SCALING_RANK_FAILURE "
 STOP_PREFIX = "SCALING_AGENT_STOPPED "
@@ -79,20 +80,21 @@ class FailureParser:
         """
         for prefix in (REPORT_PREFIX, STOP_PREFIX):
             at = line.find(prefix)
-            if at < 0:
-                continue
-            try:
-                record = json.loads(line[at + len(prefix) :])
-                if prefix == STOP_PREFIX:
-                    self.stopped[str(record["host"])] = int(record["signal"])
-                    return True
-                failure = RankFailure(**record)
-            except (ValueError, TypeError, KeyError):
-                return False  # a line cut short (a killed node's last write): shown, not read
-            if failure.rank not in self.failures or failure.root_cause:
-                self.failures[failure.rank] = failure
-            return True
+            if at >= 0:
+                try:
+                    self._read(prefix, json.loads(line[at + len(prefix) :]))
+                except (ValueError, TypeError, KeyError):
+                    return False  # a line cut short (a killed node's last write): shown, not read
+                return True
         return False
+
+    def _read(self, prefix: str, record: dict[str, Any]) -> None:
+        if prefix == STOP_PREFIX:
+            self.stopped[str(record["host"])] = int(record["signal"])
+            return
+        failure = RankFailure(**record)  # a TypeError when a field is missing or unknown
+        if failure.rank not in self.failures or failure.root_cause:
+            self.failures[failure.rank] = failure
 
 
 @dataclass(frozen=True)

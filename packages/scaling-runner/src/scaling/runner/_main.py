@@ -104,10 +104,10 @@ def _report(codes: list[int], report: RunReport, signum: int | None) -> int:
     code = worst_exit_code(failures, codes)
     if signum is None and report.stopped and not any(f.root_cause for f in failures):
         # Signalled where the agents run, not through the runner: scancel, docker stop, preemption.
-        signum = max(report.stopped.values())
-        code = 128 + signum
+        outside = max(report.stopped.values())
+        code = 128 + outside
         lines = [
-            f"scaling-run: the ranks on {', '.join(sorted(report.stopped))} were stopped by {signal_name(signum)} "
+            f"scaling-run: the ranks on {', '.join(sorted(report.stopped))} were stopped by {signal_name(outside)} "
             f"from outside the runner (scancel, docker stop, preemption); exit code {code}"
         ]
     elif signum is not None:
@@ -142,10 +142,10 @@ def _prepare(config: RunnerConfig, payload: Mapping[str, Any] | None) -> tuple[l
         # No file reaches pdsh nodes or a container, so the payload travels in the environment.
         payload_env = {PAYLOAD_INLINE_ENV: inline_payload(text)}
     else:
-        if config.payload_dir is not None:
+        if config.runner_type == "slurm":
+            directory = slurm_dir(config, run_id)  # payload_dir's, or ./.scaling-run's
+        elif config.payload_dir is not None:
             directory = Path(config.payload_dir) / run_id
-        elif config.runner_type == "slurm":
-            directory = slurm_dir(config, run_id)
         else:
             temp_dir = directory = Path(tempfile.mkdtemp(prefix="scaling-run-"))
         payload_env = {PAYLOAD_PATH_ENV: str(write_payload(text, directory))}

@@ -143,12 +143,15 @@ class _Forwarder:
                     pass
 
 
+def _show(line: str, sink: IO[str], prefix: str, parser: FailureParser | None) -> None:
+    """Write an output line through, unless it is an agent's report (the parser keeps those)."""
+    if parser is None or not parser.feed(line):
+        sink.write(prefix + line)
+
+
 def _pump(stream: IO[bytes], sink: IO[str], prefix: str, parser: FailureParser | None) -> None:
     for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace")
-        if parser is not None and parser.feed(line):
-            continue
-        sink.write(prefix + line)
+        _show(raw.decode(errors="replace"), sink, prefix, parser)
         sink.flush()
     stream.close()
 
@@ -167,9 +170,7 @@ def _follow(path: Path, proc: subprocess.Popen[bytes], prefix: str, parser: Fail
             if done and partial:
                 lines, partial = [*lines, partial], b""
             for raw in lines:
-                line = raw.decode(errors="replace") + "\n"
-                if not parser.feed(line):
-                    sys.stdout.write(prefix + line)
+                _show(raw.decode(errors="replace") + "\n", sys.stdout, prefix, parser)
             sys.stdout.flush()
         if done:
             return
