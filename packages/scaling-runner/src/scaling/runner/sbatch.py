@@ -2,9 +2,9 @@
 
 What ``sbatch --wait`` does, with three differences the runner needs:
 
-- the job is polled every second (``scontrol show job``) instead of with sbatch's back-off
-  of up to 32 s, and it counts as ended only once its steps have finished (no COMPLETING
-  flag), so the job's output file is whole when this returns;
+- the job is polled every second (``scontrol show job``; ``sbatch --wait`` returned up to
+  ~30 s after a job ended, seen here), and it counts as ended only once its steps have
+  finished (no COMPLETING flag), so the job's output file is whole when this returns;
 - the exit code is the job's own: the batch script's code, or ``128 + N`` where signal N
   ended it (``scancel``: 143), and ``128 + N`` when signal N here cancelled it;
 - SIGTERM or SIGINT here (the runner forwarding its own, Ctrl-C) cancels the job with
