@@ -2,7 +2,14 @@ import numpy as np
 import pytest
 import torch
 
-from scaling.data import LMPackingDataset, MMapTokenBuilder, MMapTokenDataset
+from scaling.data import (
+    LMPackingDataset,
+    LMPackingItem,
+    MMapTokenBuilder,
+    MMapTokenDataset,
+    segment_positions,
+    stack_windows,
+)
 
 DOC_LENGTHS = [5, 1, 0, 9, 3, 12, 2]
 
@@ -89,3 +96,19 @@ def test_errors(tokens, tmp_path):
         LMPackingDataset(mm, 32)
     with pytest.raises(IndexError, match=r"window index 7 out of range for 7 windows"):
         LMPackingDataset(mm, 4)[7]
+
+
+def test_segment_positions_and_stack_windows():
+    cu = np.array([0, 2, 5], dtype=np.int32)
+    assert segment_positions(cu).tolist() == [0, 1, 0, 1, 2]
+    assert segment_positions(np.array([0, 3], dtype=np.int32)).tolist() == [0, 1, 2]
+    items = [
+        LMPackingItem(np.arange(5), np.arange(1, 6), segment_positions(cu), cu),
+        LMPackingItem(np.arange(5), np.arange(1, 6), np.arange(5), np.array([0, 5], dtype=np.int32)),
+    ]
+    fields = stack_windows(items, 5)
+    assert fields["input_token_ids"].shape == (2, 5)
+    assert fields["position_ids"][0].tolist() == [0, 1, 0, 1, 2]
+    # The second window's boundaries are offset by its start in the flattened batch.
+    assert fields["cumulative_seq_lengths"].tolist() == [0, 2, 5, 10]
+    assert fields["cumulative_seq_lengths"].dtype == torch.int32

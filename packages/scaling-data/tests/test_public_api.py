@@ -23,6 +23,8 @@ def test_public_api():
         "build_blend_index",
         "examples_proportional_weights",
         "explicit_weights",
+        "segment_positions",
+        "stack_windows",
         "tokenize_files",
         "weights_by_size",
     ]

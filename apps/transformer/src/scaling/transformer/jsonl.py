@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from scaling.data import BaseDataset, LMPackingItem
+from scaling.data import BaseDataset, LMPackingItem, segment_positions, stack_windows
 from scaling.transformer.corpus import EOD_TOKEN
 from scaling.transformer.data import TransformerBatch
 
@@ -113,16 +113,10 @@ class PromptCompletionDataset(BaseDataset[PromptCompletionItem, TransformerBatch
         weights = ((j + 1 >= len(p_ids)) & (j + 1 < real)).astype(np.float32)
         # Padding after the example is its own segment, so bidirectional models do not see it either.
         cu = np.array([0, real, s] if real < s else [0, s], dtype=np.int32)
-        position_ids = np.arange(s, dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), np.diff(cu))
-        return PromptCompletionItem(window[:-1], window[1:], position_ids, cu, weights)
+        return PromptCompletionItem(window[:-1], window[1:], segment_positions(cu), cu, weights)
 
     def collate(self, items: list[PromptCompletionItem]) -> TransformerBatch:
-        s = self.sequence_length
-        cu = [np.zeros(1, dtype=np.int32)] + [it.cumulative_seq_lengths[1:] + i * s for i, it in enumerate(items)]
         return TransformerBatch(
-            input_token_ids=torch.from_numpy(np.stack([it.input_token_ids for it in items])),
-            target_token_ids=torch.from_numpy(np.stack([it.target_token_ids for it in items])),
-            position_ids=torch.from_numpy(np.stack([it.position_ids for it in items])),
-            cumulative_seq_lengths=torch.from_numpy(np.concatenate(cu).astype(np.int32)),
+            **stack_windows(items, self.sequence_length),
             loss_weights=torch.from_numpy(np.stack([it.loss_weights for it in items])),
         )

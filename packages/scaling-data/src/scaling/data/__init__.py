@@ -5,7 +5,7 @@ from scaling.data._blended import BlendedDataset, build_blend_index
 from scaling.data._build import tokenize_files
 from scaling.data._loader import DataLoader
 from scaling.data._mmap import MMapTokenBuilder, TokenFileError
-from scaling.data._packing import LMPackingBatch, LMPackingDataset, LMPackingItem
+from scaling.data._packing import LMPackingBatch, LMPackingDataset, LMPackingItem, segment_positions, stack_windows
 from scaling.data._sampler import GlobalBatchSampler, GlobalSampleOrder
 from scaling.data._tokens import MMapTokenDataset
 from scaling.data._weights import BlendConfig, examples_proportional_weights, explicit_weights, weights_by_size
@@ -28,6 +28,8 @@ __all__ = [
     "build_blend_index",
     "examples_proportional_weights",
     "explicit_weights",
+    "segment_positions",
+    "stack_windows",
     "tokenize_files",
     "weights_by_size",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -57,6 +58,34 @@ class LMPackingBatch(BaseDatasetBatch):
         the whole sequences. Fields a subclass adds (``[b, s]`` loss weights, say) are cut too.
         """
         return _map_tensors(self, lambda t: split_sequence(t, 1, rank, size) if t.dim() >= 2 else t)
+
+
+def segment_positions(cumulative_seq_lengths: np.ndarray) -> np.ndarray:
+    """Position ids of a window that restart at 0 at every segment start.
+
+    ``cumulative_seq_lengths`` are the window's segment boundaries ``[0, ..., s]``; the result
+    is ``[s]`` int64.
+    """
+    cu = cumulative_seq_lengths.astype(np.int64)
+    return np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], np.diff(cu))
+
+
+def stack_windows(items: Sequence[LMPackingItem], sequence_length: int) -> dict[str, torch.Tensor]:
+    """The :class:`LMPackingBatch` fields of ``items`` (windows of ``sequence_length``) stacked.
+
+    Inputs, targets and position ids become ``[b, s]``; every window's segment boundaries
+    are offset by its start in the flattened batch (``i * s``) and joined into one
+    ``cumulative_seq_lengths``. Datasets whose items extend :class:`LMPackingItem` build
+    their batch from this plus their own fields.
+    """
+    s = sequence_length
+    cu = [np.zeros(1, dtype=np.int32)] + [it.cumulative_seq_lengths[1:] + i * s for i, it in enumerate(items)]
+    return {
+        "input_token_ids": torch.from_numpy(np.stack([it.input_token_ids for it in items])),
+        "target_token_ids": torch.from_numpy(np.stack([it.target_token_ids for it in items])),
+        "position_ids": torch.from_numpy(np.stack([it.position_ids for it in items])),
+        "cumulative_seq_lengths": torch.from_numpy(np.concatenate(cu).astype(np.int32)),
+    }
 
 
 class LMPackingDataset(BaseDataset[LMPackingItem, LMPackingBatch]):
@@ -127,16 +156,7 @@ class LMPackingDataset(BaseDataset[LMPackingItem, LMPackingBatch]):
         hi = np.searchsorted(self._offsets, start + s, side="left")
         inner = np.unique(self._offsets[lo:hi]) - start
         cu = np.concatenate(([0], inner, [s])).astype(np.int32)
-        seg_lengths = np.diff(cu)
-        position_ids = np.arange(s, dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), seg_lengths)
-        return LMPackingItem(window[:-1], window[1:], position_ids, cu)
+        return LMPackingItem(window[:-1], window[1:], segment_positions(cu), cu)
 
     def collate(self, items: list[LMPackingItem]) -> LMPackingBatch:
-        s = self.sequence_length
-        cu = [np.zeros(1, dtype=np.int32)] + [it.cumulative_seq_lengths[1:] + i * s for i, it in enumerate(items)]
-        return LMPackingBatch(
-            input_token_ids=torch.from_numpy(np.stack([it.input_token_ids for it in items])),
-            target_token_ids=torch.from_numpy(np.stack([it.target_token_ids for it in items])),
-            position_ids=torch.from_numpy(np.stack([it.position_ids for it in items])),
-            cumulative_seq_lengths=torch.from_numpy(np.concatenate(cu).astype(np.int32)),
-        )
+        return LMPackingBatch(**stack_windows(items, self.sequence_length))

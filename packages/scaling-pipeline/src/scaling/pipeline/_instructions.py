@@ -9,6 +9,7 @@ message goes to or comes from.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,16 @@ class BackwardWeight(_MicroBatchInstruction):
         return True
 
 
+class MessageLabel(NamedTuple):
+    """What a message carries, equal on a send and its matching receive."""
+
+    kind: str  # "activation" or "grad"
+    micro_batch: int
+    virtual_stage: int  # the receiving virtual stage
+    sender: int
+    receiver: int
+
+
 @dataclass(frozen=True, repr=False)
 class _Message(Instruction):
     micro_batch: int
@@ -109,6 +120,16 @@ class _Message(Instruction):
     peer: int
 
     _arrow = "?"
+    _kind = "?"
+    _sends = False
+    _step = 0  # the receiving virtual stage, relative to this chunk's, when sending
+
+    def label(self, stage: int, num_stages: int) -> MessageLabel:
+        """This message's :class:`MessageLabel` as posted by ``stage`` of ``num_stages``."""
+        vs = self.chunk * num_stages + stage
+        if self._sends:
+            return MessageLabel(self._kind, self.micro_batch, vs + self._step, stage, self.peer)
+        return MessageLabel(self._kind, self.micro_batch, vs, self.peer, stage)
 
     @property
     def short(self) -> str:
@@ -128,6 +149,9 @@ class SendActivation(_Message):
     """Send the output of ``chunk`` for ``micro_batch`` to stage ``peer`` (non-blocking)."""
 
     _arrow = "sa"
+    _kind = "activation"
+    _sends = True
+    _step = 1
 
 
 @dataclass(frozen=True, repr=False)
@@ -135,6 +159,7 @@ class RecvActivation(_Message):
     """Receive the input of ``chunk`` for ``micro_batch`` from stage ``peer`` (blocking)."""
 
     _arrow = "ra"
+    _kind = "activation"
 
 
 @dataclass(frozen=True, repr=False)
@@ -142,6 +167,9 @@ class SendGrad(_Message):
     """Send the gradient w.r.t. the input of ``chunk`` for ``micro_batch`` to stage ``peer``."""
 
     _arrow = "sg"
+    _kind = "grad"
+    _sends = True
+    _step = -1
 
 
 @dataclass(frozen=True, repr=False)
@@ -149,6 +177,7 @@ class RecvGrad(_Message):
     """Receive the gradient w.r.t. the output of ``chunk`` for ``micro_batch`` from stage ``peer``."""
 
     _arrow = "rg"
+    _kind = "grad"
 
 
 COMPUTE_TYPES = (Forward, Backward, BackwardInput, BackwardWeight)

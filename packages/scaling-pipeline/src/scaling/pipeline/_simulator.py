@@ -76,19 +76,6 @@ class SimulationResult:
         save_timeline_png(self.timeline, self.makespan, path)
 
 
-def _message_label(ins: Instruction, stage: int, num_stages: int) -> tuple[str, int, int]:
-    """(kind, micro-batch, receiving virtual stage): equal on a matching send and receive."""
-    vs = ins.chunk * num_stages + stage  # type: ignore[attr-defined]
-    if isinstance(ins, SendActivation):
-        return ("activation", ins.micro_batch, vs + 1)
-    if isinstance(ins, RecvActivation):
-        return ("activation", ins.micro_batch, vs)
-    if isinstance(ins, SendGrad):
-        return ("grad", ins.micro_batch, vs - 1)
-    assert isinstance(ins, RecvGrad)
-    return ("grad", ins.micro_batch, vs)
-
-
 def simulate(
     programs: Sequence[Sequence[Instruction]],
     costs: Mapping[str, float] | None = None,
@@ -163,7 +150,7 @@ def simulate(
                     continue
                 sent, got = (ins, o) if sending else (o, ins)
                 sender, receiver = (s, ins.peer) if sending else (ins.peer, s)
-                want, label = _message_label(got, receiver, p), _message_label(sent, sender, p)
+                want, label = got.label(receiver, p)[:3], sent.label(sender, p)[:3]
                 if want != label:
                     fail(f"stage {receiver}: {got!r} expects {want} but stage {sender} sends {label}")
                 op[1], other[1], matched = ins.peer, s, True
@@ -218,14 +205,14 @@ def simulate(
                     progressed = True
                     continue
                 if isinstance(ins, (SendActivation, SendGrad)):
-                    channels.setdefault((s, ins.peer), deque()).append((_message_label(ins, s, p), clock[s]))
+                    channels.setdefault((s, ins.peer), deque()).append((ins.label(s, p)[:3], clock[s]))
                 elif isinstance(ins, (RecvActivation, RecvGrad)):
                     queue = channels.get((ins.peer, s))
                     if not queue:
                         break  # blocked: the sender has not sent yet
                     label, sent_at = queue[0]
-                    if label != _message_label(ins, s, p):
-                        fail(f"stage {s}: {ins!r} expects {_message_label(ins, s, p)} but the next message is {label}")
+                    if label != ins.label(s, p)[:3]:
+                        fail(f"stage {s}: {ins!r} expects {ins.label(s, p)[:3]} but the next message is {label}")
                     queue.popleft()
                     clock[s] = max(clock[s], sent_at)
                     have[s].add(("act" if isinstance(ins, RecvActivation) else "grad", ins.micro_batch, ins.chunk))

@@ -26,6 +26,7 @@ from scaling.pipeline._instructions import (
     RecvGrad,
     SendActivation,
     SendGrad,
+    _Message,
 )
 
 
@@ -100,20 +101,6 @@ def lower(
     return out
 
 
-def _label(ins: Instruction, stage: int, num_stages: int) -> tuple[str, int, int, int, int]:
-    """(kind, micro-batch, receiving virtual stage, sender, receiver): equal on a send and its receive."""
-    vs = ins.chunk * num_stages + stage  # type: ignore[attr-defined]
-    peer = ins.peer  # type: ignore[attr-defined]
-    if isinstance(ins, SendActivation):
-        return ("activation", ins.micro_batch, vs + 1, stage, peer)
-    if isinstance(ins, RecvActivation):
-        return ("activation", ins.micro_batch, vs, peer, stage)
-    if isinstance(ins, SendGrad):
-        return ("grad", ins.micro_batch, vs - 1, stage, peer)
-    assert isinstance(ins, RecvGrad)
-    return ("grad", ins.micro_batch, vs, peer, stage)
-
-
 _PAIRS = ((SendActivation, RecvGrad), (SendGrad, RecvActivation))
 
 
@@ -124,22 +111,24 @@ def fuse_exchanges(programs: list[list[Instruction]], num_stages: int) -> list[l
     has ``SendGrad(y) , RecvActivation(x)`` adjacent too (and the other way round), so
     both sides post the same batched transfer.
     """
-    # (role, *_label): role is "send" or "recv".
+    # (role, *label): role is "send" or "recv".
     where: dict[tuple[str, str, int, int, int, int], tuple[int, int]] = {}
     for s, prog in enumerate(programs):
         for k, ins in enumerate(prog):
-            if isinstance(ins, (SendActivation, SendGrad, RecvActivation, RecvGrad)):
+            if isinstance(ins, _Message):
                 role = "send" if isinstance(ins, (SendActivation, SendGrad)) else "recv"
-                key = (role, *_label(ins, s, num_stages))
+                key = (role, *ins.label(s, num_stages))
                 where[key] = (s, k)
     starts: list[set[int]] = [set() for _ in programs]
     for s, prog in enumerate(programs):
         for k in range(len(prog) - 1):
             a, b = prog[k], prog[k + 1]
-            if not any(isinstance(a, x) and isinstance(b, y) for x, y in _PAIRS) or a.peer != b.peer:  # type: ignore[attr-defined]
+            if not (isinstance(a, _Message) and isinstance(b, _Message)):
                 continue
-            recv_of_a = where.get(("recv", *_label(a, s, num_stages)))
-            send_of_b = where.get(("send", *_label(b, s, num_stages)))
+            if not any(isinstance(a, x) and isinstance(b, y) for x, y in _PAIRS) or a.peer != b.peer:
+                continue
+            recv_of_a = where.get(("recv", *a.label(s, num_stages)))
+            send_of_b = where.get(("send", *b.label(s, num_stages)))
             if recv_of_a and send_of_b and recv_of_a[0] == send_of_b[0] and recv_of_a[1] == send_of_b[1] + 1:
                 starts[s].add(k)
     fused = []
