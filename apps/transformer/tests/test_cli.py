@@ -149,3 +149,5 @@ def test_loss_falls_on_the_embedded_corpus(tiny_corpus):
     assert len(evals) == 3 and evals[0] > evals[1] > evals[2]
     assert evals[-1] < 0.85 * math.log(TINY_VOCAB), evals  # 4.85; uniform is 5.70
     assert all(m["runtime/tokens_per_second"] > 0 for m in history if "training/loss" in m)
+    # TFLOP/s per device from the BaseTrainer, given the app's FLOPs per sample.
+    assert all(m["runtime/tflops_per_device"] > 0 for m in history if "training/loss" in m)

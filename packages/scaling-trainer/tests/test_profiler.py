@@ -131,6 +131,7 @@ def _check_metrics(history: list[dict[str, Any]], world_size: int) -> None:
         sps = m["runtime/samples_per_second"]
         assert sps == pytest.approx(16 / m["runtime/step_duration"], rel=1e-12)
         assert m["runtime/mfu"] == pytest.approx(FLOPS_PER_SAMPLE * sps / (PEAK * world_size), rel=1e-12)
+        assert m["runtime/tflops_per_device"] == pytest.approx(FLOPS_PER_SAMPLE * sps / world_size / 1e12, rel=1e-12)
         assert m["runtime/hfu"] == pytest.approx(HARDWARE_FLOPS_PER_SAMPLE * sps / (PEAK * world_size), rel=1e-12)
         # 16 samples of 8 features per step, counted once per data-parallel replica.
         assert m["runtime/tokens_per_second"] == pytest.approx(16 * 8 / m["runtime/step_duration"], rel=1e-12)
@@ -159,6 +160,8 @@ def test_mfu_peak_memory_tokens_and_formula_once(world_size):
 def test_no_peak_no_mfu():
     out = run_distributed(profiled_worker, 1, 1, {"train_iterations": 3}, {}, timeout_seconds=180)
     assert all("runtime/mfu" not in m and "runtime/hfu" not in m for m in out[0]["history"])
+    # The model's FLOP rate needs no peak.
+    assert all(m["runtime/tflops_per_device"] > 0 for m in out[0]["history"])
     assert out[0]["formula_lines"] == []
     assert all(m["runtime/peak_memory_mib"] > 1.0 for m in out[0]["history"])
 

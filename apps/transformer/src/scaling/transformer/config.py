@@ -214,9 +214,6 @@ class TransformerTrainingConfig(BaseConfig):
         False,
         description="Activation shapes are the same for every micro-batch (Megatron-LM's default): pipeline hand-offs then carry no header after the first; a changed shape raises on the sending stage. False = shapes may vary.",
     )
-    peak_tflops_per_device: float | None = Field(
-        None, gt=0.0, description="Dense peak TFLOP/s of one device in this precision, for MFU; None = no MFU."
-    )
     compile: CompileConfig = Field(
         default_factory=CompileConfig,
         description="torch.compile each layer (regional compilation; identical blocks share one graph).",

@@ -2,7 +2,7 @@
 
 Context, the model's LayerSpecs in a ParallelModule, an Optimizer over two parameter
 groups (matrices with weight decay; norms, biases and RoPE-free vectors without), the
-packed token data, and a BaseTrainer that also reports tokens/s, TFLOP/s and MFU.
+packed token data, and a BaseTrainer given the model's FLOPs per sample (tokens/s, TFLOP/s and MFU).
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ class TransformerContext(BaseContext[TransformerConfig]):
 
 
 class TransformerTrainer(BaseTrainer[TransformerContext]):
-    """BaseTrainer plus throughput metrics: tokens/s, TFLOP/s per device and MFU.
+    """BaseTrainer plus tokens/s and the mixture-of-experts metrics.
 
-    MFU uses ``training.peak_tflops_per_device`` (none on CPU): FLOPs per token are
-    ``6 N + 12 L H S`` (N parameters, L layers, H hidden, S sequence length).
+    TFLOP/s per device and MFU (with ``trainer.peak_flops_per_second``; none on CPU) are the
+    BaseTrainer's, from ``flops_per_sample``: ``6 N + 12 L H S`` FLOPs per token (N active
+    parameters, L layers, H hidden, S sequence length) times ``S``.
     """
 
     @functools.cached_property
@@ -57,16 +58,7 @@ class TransformerTrainer(BaseTrainer[TransformerContext]):
         config = self.context.config
         if config.transformer_architecture.moe is not None:
             metrics.update(self._moe_metrics(moe_layers))
-        seq = config.data.sequence_length
-        samples_per_second = metrics.get("runtime/samples_per_second", 0.0)
-        tokens_per_second = samples_per_second * seq
-        world = self.context.topology.world_size
-        tflops = tokens_per_second * flops_per_token(config.transformer_architecture, seq) / 1e12 / world
-        metrics["runtime/tokens_per_second"] = tokens_per_second
-        metrics["runtime/tflops_per_device"] = tflops
-        peak = config.training.peak_tflops_per_device
-        if peak:
-            metrics["runtime/mfu"] = tflops / peak
+        metrics["runtime/tokens_per_second"] = metrics["runtime/samples_per_second"] * config.data.sequence_length
         return metrics
 
     def _moe_metrics(self, moe_layers: list[ParallelMoE]) -> dict[str, float]:
@@ -181,6 +173,7 @@ def build_trainer(config: TransformerConfig, topology: Topology) -> TransformerT
         sync_batch_to_model_parallel=dataset.sync_batch_to_model_parallel,
         metrics_aggregation_fn=None,
         loss_function=TransformerLoss(arch.vocab_size, topology),
+        flops_per_sample=flops_per_token(arch, config.data.sequence_length) * config.data.sequence_length,
     )
 
 

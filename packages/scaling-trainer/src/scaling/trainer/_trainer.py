@@ -52,7 +52,8 @@ class BaseTrainer(Generic[ContextT]):
             when the app config has that section, else no profiling.
         flops_per_sample: model FLOPs of forward + backward for one sample (e.g.
             ``6 * parameters * tokens_per_sample``), or a zero-argument callable returning
-            it; with ``config.peak_flops_per_second`` the metrics get ``runtime/mfu``.
+            it; the metrics get ``runtime/tflops_per_device`` and, with
+            ``config.peak_flops_per_second``, ``runtime/mfu``.
         hardware_flops_per_sample: as ``flops_per_sample`` but counting recomputation
             (activation checkpointing); with ``config.peak_flops_per_second`` the
             metrics get ``runtime/hfu``.
@@ -180,12 +181,16 @@ class BaseTrainer(Generic[ContextT]):
         return [(name, float(e() if callable(e) else e)) for name, e in pairs if e is not None]
 
     def _utilization(self, samples_per_second: float) -> dict[str, float]:
-        """MFU / HFU: achieved FLOP/s over ``peak_flops_per_second`` times the world size."""
-        peak = self.config.peak_flops_per_second
-        if peak is None:
+        """Model TFLOP/s per device and MFU / HFU: achieved FLOP/s over ``peak_flops_per_second`` times the world size."""
+        if self.flops_per_sample is None:
             return {}
-        total_peak = peak * self.context.topology.world_size
-        return {f"runtime/{name}": flops * samples_per_second / total_peak for name, flops in self._flops_estimates()}
+        world = self.context.topology.world_size
+        estimates = self._flops_estimates()
+        metrics = {"runtime/tflops_per_device": estimates[0][1] * samples_per_second / world / 1e12}
+        peak = self.config.peak_flops_per_second
+        if peak is not None:
+            metrics.update({f"runtime/{n}": flops * samples_per_second / (peak * world) for n, flops in estimates})
+        return metrics
 
     def _print_flops_formula(self) -> None:
         peak = self.config.peak_flops_per_second
