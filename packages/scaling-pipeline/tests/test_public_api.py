@@ -28,6 +28,7 @@ def test_public_api_is_pinned() -> None:
             "StageExecutor",
             "StageOutputs",
             "StageTransports",
+            "TiedGroups",
             "count_parameters",
             "forward_only_schedule",
             "gpipe_schedule",

@@ -25,6 +25,7 @@ from scaling.pipeline._parallel_module import ParallelModule
 from scaling.pipeline._partition import PARTITION_METHODS, count_parameters, partition_layers
 from scaling.pipeline._render import render_program_grid
 from scaling.pipeline._simulator import DEFAULT_COSTS, ScheduleError, SimulationResult, simulate, simulate_schedule
+from scaling.pipeline._tied import TiedGroups
 from scaling.pipeline.schedules import (
     SCHEDULES,
     forward_only_schedule,
@@ -58,6 +59,7 @@ __all__ = [
     "StageExecutor",
     "StageOutputs",
     "StageTransports",
+    "TiedGroups",
     "count_parameters",
     "forward_only_schedule",
     "gpipe_schedule",

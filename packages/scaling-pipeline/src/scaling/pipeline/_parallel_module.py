@@ -7,9 +7,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from scaling.collectives import all_reduce, broadcast
 from scaling.nn import (
     ColumnParallelLinear,
     CompileConfig,
@@ -28,6 +26,7 @@ from scaling.pipeline._executor import (
     StageTransports,
 )
 from scaling.pipeline._partition import count_parameters, partition_layers
+from scaling.pipeline._tied import TiedGroups
 from scaling.pipeline.schedules import SCHEDULES, forward_only_schedule
 from scaling.topology import Topology
 
@@ -134,8 +133,8 @@ class ParallelModule(torch.nn.Module):
         self.compile_config = compile if isinstance(compile, CompileConfig) else CompileConfig(enabled=compile)
         compile_layers(self.layers.values(), self.compile_config)
         self._loss_hint = self._split_output_hint()
-        self._tied_groups = self._make_tied_groups()
-        self._sync_tied_initialisation()
+        self._tied = TiedGroups(topology, self._tied_stage_map())
+        self._tied.broadcast_values(self._tied_params().__getitem__)
 
     # ------------------------------------------------------------ building
     def _build_layer(self, index: int, seed: int) -> torch.nn.Module:
@@ -185,37 +184,12 @@ class ParallelModule(torch.nn.Module):
                 key = getattr(self.layer_specs[i], "key", None)
                 if key is not None and vs % self.num_stages not in stages.setdefault(key, []):
                     stages[key].append(vs % self.num_stages)
-        return {k: sorted(v) for k, v in stages.items() if len(v) > 1}
-
-    def _make_tied_groups(self) -> dict[str, tuple[Any, int]]:
-        """Per tied key held on several stages: (process group, global rank of its first holder)."""
-        groups: dict[str, tuple[Any, int]] = {}
-        topo = self.topology
-        for key, stages in sorted(self._tied_stage_map().items()):
-            # new_group is collective over the default group: every rank creates every group.
-            for ranks in topo.stage_rank_lists(stages):
-                group = dist.new_group(ranks)
-                if topo.global_rank in ranks:
-                    groups[key] = (group, ranks[0])
-        return groups
-
-    @torch.no_grad()
-    def _sync_tied_initialisation(self) -> None:
-        tied = self._tied_params()
-        for key, (group, src) in self._tied_groups.items():
-            for param in tied[key]:
-                broadcast(param.data, src, group)
+        return {k: sorted(v) for k, v in sorted(stages.items()) if len(v) > 1}
 
     def reduce_tied_gradients(self) -> None:
         """Sum the gradients of tied weights over the stages that hold a copy."""
-        if not self._tied_groups:  # nothing tied across stages: skip the walk over every parameter
-            return
-        tied = self._tied_params()
-        for key, (group, _) in self._tied_groups.items():
-            for param in tied[key]:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                all_reduce(param.grad, group)
+        if self._tied:  # nothing tied across stages: skip the walk over every parameter
+            self._tied.reduce_gradients(self._tied_params().__getitem__)
 
     # ------------------------------------------------------------ parameters
     def named_parameters_with_meta(self) -> Iterator[tuple[str, torch.nn.Parameter, ParameterMeta]]:

@@ -132,7 +132,7 @@ def attach_metas(module: torch.nn.Module, plan: Plan, pipeline: PipelineStage | 
     ``tied_key``: the gradient norm counts it once and ZeRO keeps its gradient for the
     sum over stages.
     """
-    tied = {} if pipeline is None else {id(module.get_parameter(path)): path for path, _ in pipeline.tied}
+    tied = {} if pipeline is None else {id(module.get_parameter(path)): path for path in pipeline.tied.keys()}
     for path, sub in module.named_modules():
         sharding = plan.module_sharding.get(path)
         for name, p in sub.named_parameters(recurse=False):

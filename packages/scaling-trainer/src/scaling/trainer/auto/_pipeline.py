@@ -23,10 +23,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from scaling.collectives import all_reduce, broadcast
-from scaling.pipeline import StageExecutor, StageTransports, gpipe_schedule, one_f_one_b_schedule
+from scaling.collectives import broadcast
+from scaling.pipeline import StageExecutor, StageTransports, TiedGroups, gpipe_schedule, one_f_one_b_schedule
 from scaling.topology import Topology
 from scaling.trainer.auto._context import sliced
 from scaling.trainer.auto._plan import Plan
@@ -138,7 +137,7 @@ class PipelineStage:
         #: Back-propagates the last stage's loss; parallelize sets the optimizer's (loss scaling).
         self.backward_fn: Callable[[torch.Tensor], None] | None = None
         needed = [_needed(model, plan, s) for s in range(self.num_stages)]
-        self.tied = self._tied_groups(needed)
+        self.tied = TiedGroups(topology, self._tied_stages(needed))
         mine = needed[self.stage]
         before, after = _direct_owners(model, plan.blocks_path)
         for path in before + after:
@@ -160,29 +159,17 @@ class PipelineStage:
             last.register_forward_hook(self._stop)
 
     # ------------------------------------------------------------ tied weights
-    def _tied_groups(self, needed: list[set[int]]) -> list[tuple[str, Any]]:
-        """Per parameter used on several stages: (its path, group of its holders at this (dp, tp))."""
-        topo = self.topology
-        out = []
-        # Model order, the same on every rank; paths, since materialising replaces the meta parameters.
-        for path, param in self.model.named_parameters():
-            stages = [s for s in range(self.num_stages) if id(param) in needed[s]]
-            if len(stages) < 2:
-                continue
-            # new_group is collective over the default group: every rank creates every group.
-            for ranks in topo.stage_rank_lists(stages):
-                group = dist.new_group(ranks)
-                if topo.global_rank in ranks:
-                    out.append((path, group))
-        return out
+    def _tied_stages(self, needed: list[set[int]]) -> dict[str, list[int]]:
+        """Per parameter path (model order, the same on every rank; paths, since materialising
+        replaces the meta parameters): the stages that use it."""
+        return {
+            path: [s for s in range(self.num_stages) if id(param) in needed[s]]
+            for path, param in self.model.named_parameters()
+        }
 
     def reduce_tied_gradients(self) -> None:
         """Sum the gradients of parameters held on several stages (e.g. a tied LM head)."""
-        for path, group in self.tied:
-            param = self.model.get_parameter(path)
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            all_reduce(param.grad, group)
+        self.tied.reduce_gradients(lambda path: [self.model.get_parameter(path)])
 
     # ------------------------------------------------------------ forward
     def _swap_input(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
