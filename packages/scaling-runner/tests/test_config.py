@@ -149,3 +149,18 @@ def test_unknown_field_and_bad_port():
         RunnerConfig(runner_type="pdsh", script="t.py", nodes=2)
     with pytest.raises(ValidationError, match=r"master_port\n  Input should be less than or equal to 65535"):
         pdsh(hosts=["a"], master_port=70000)
+
+
+def test_launched_config_defaults_the_script_to_the_apps(tmp_path):
+    from scaling.runner import LaunchedConfig
+
+    class AppConfig(LaunchedConfig):
+        default_script = tmp_path / "train.py"
+
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "mine.py").write_text("")
+    assert AppConfig.from_dict({}).runner.script == str(tmp_path / "train.py")
+    assert AppConfig.from_dict({"runner": {"nproc_per_node": 2}}).runner.nproc_per_node == 2
+    assert AppConfig.from_dict({"runner": {"script": str(tmp_path / "mine.py")}}).runner.script == str(
+        tmp_path / "mine.py"
+    )

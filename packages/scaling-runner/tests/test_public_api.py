@@ -10,6 +10,7 @@ def test_public_api_is_pinned():
             "DockerConfig",
             "HostSpec",
             "Launch",
+            "LaunchedConfig",
             "RankFailure",
             "RunnerConfig",
             "SlurmConfig",

@@ -23,6 +23,7 @@ def test_public_api():
         "StepProfiler",
         "TrainStepOutput",
         "TrainerConfig",
+        "TrainingAppConfig",
         "committed_steps",
         "evaluation_step",
         "exit_code_for",

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from pydantic import Field, model_validator
 
 from scaling.config import BaseConfig
 from scaling.nn import CompileConfig
-from scaling.optim import LearningRateSchedulerConfig, OptimizerConfig, check_sharding
-from scaling.runner import RunnerConfig
-from scaling.topology import TopologyConfig
-from scaling.trainer import TrainerConfig
-from scaling.trainer.loggers import LoggerConfig
+from scaling.runner import LaunchedConfig
+from scaling.trainer import TrainingAppConfig
 
 TRAIN_SCRIPT = Path(__file__).resolve().with_name("train.py")
 
@@ -45,36 +41,18 @@ class MLPDataConfig(BaseConfig):
     plot: bool = Field(True, description="Write a loss/accuracy PNG next to the metrics when training ends.")
 
 
-class MLPConfig(BaseConfig):
+class MLPConfig(TrainingAppConfig, LaunchedConfig):
     """The whole MLP app config; `python -m scaling.mlp --template` prints it commented."""
 
-    runner: RunnerConfig = Field(description="How processes are launched; script defaults to this app's train.py.")
-    logger: LoggerConfig = Field(default_factory=LoggerConfig, description="Where metrics go.")
-    topology: TopologyConfig = Field(description="Parallel layout and batch sizes.")
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Update rule, ZeRO, clipping.")
-    learning_rate_scheduler: LearningRateSchedulerConfig = Field(
-        default_factory=LearningRateSchedulerConfig, description="Learning rate schedule of every parameter."
-    )
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Iterations, evaluation, checkpoints.")
+    default_script = TRAIN_SCRIPT
+
     training: MLPTrainingConfig = Field(default_factory=MLPTrainingConfig, description="MLP training settings.")
     architecture: MLPArchitectureConfig = Field(default_factory=MLPArchitectureConfig, description="MLP shape.")
     data: MLPDataConfig = Field(default_factory=MLPDataConfig, description="Training and evaluation data.")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _default_script(cls, data: Any) -> Any:
-        """Every process runs this app's train.py unless runner.script says otherwise."""
-        if isinstance(data, dict):
-            runner = dict(data.get("runner") or {})
-            if not runner.get("script"):
-                runner["script"] = str(TRAIN_SCRIPT)
-                data = {**data, "runner": runner}
-        return data
-
     @model_validator(mode="after")
     def _check_layout(self) -> MLPConfig:
         tp, pp = self.topology.model_parallel_size, self.topology.pipe_parallel_size
-        check_sharding(self.optimizer, self.topology)
         arch = self.architecture
         if arch.hidden_size % tp:  # type: ignore[operator]
             choices = [d for d in range(1, arch.hidden_size + 1) if arch.hidden_size % d == 0 and d <= 64]

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
 
 from scaling.config import BaseConfig
 from scaling.nn import CompileConfig, Float8Config, check_context_parallel, check_moe
-from scaling.optim import LearningRateSchedulerConfig, OptimizerConfig, check_sharding
-from scaling.runner import RunnerConfig
-from scaling.topology import TopologyConfig
-from scaling.trainer import TrainerConfig
-from scaling.trainer.loggers import LoggerConfig
+from scaling.runner import LaunchedConfig
+from scaling.trainer import TrainingAppConfig
 
 TRAIN_SCRIPT = Path(__file__).resolve().with_name("train.py")
 
@@ -284,17 +281,11 @@ class TransformerDataConfig(BaseConfig):
         return self
 
 
-class TransformerConfig(BaseConfig):
+class TransformerConfig(TrainingAppConfig, LaunchedConfig):
     """The whole transformer app config; `scaling-transformer train --template` prints it commented."""
 
-    runner: RunnerConfig = Field(description="How processes are launched; script defaults to this app's train.py.")
-    logger: LoggerConfig = Field(default_factory=LoggerConfig, description="Where metrics go.")
-    topology: TopologyConfig = Field(description="Parallel layout and batch sizes.")
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Update rule, ZeRO, clipping.")
-    learning_rate_scheduler: LearningRateSchedulerConfig = Field(
-        default_factory=LearningRateSchedulerConfig, description="Learning rate schedule of every parameter."
-    )
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Iterations, evaluation, checkpoints.")
+    default_script = TRAIN_SCRIPT
+
     training: TransformerTrainingConfig = Field(
         default_factory=TransformerTrainingConfig, description="Weight decay and pipeline schedule."
     )
@@ -306,24 +297,12 @@ class TransformerConfig(BaseConfig):
         default_factory=FinetuningConfig, description="LoRA, BitFit or adapters on a frozen base."
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _default_script(cls, data: Any) -> Any:
-        """Every process runs this app's train.py unless runner.script says otherwise."""
-        if isinstance(data, dict):
-            runner = dict(data.get("runner") or {})
-            if not runner.get("script"):
-                runner["script"] = str(TRAIN_SCRIPT)
-                data = {**data, "runner": runner}
-        return data
-
     @model_validator(mode="after")
     def _check_layout(self) -> TransformerConfig:
         tp, pp = self.topology.model_parallel_size, self.topology.pipe_parallel_size
         # TopologyConfig's own validator has already derived every size it left as None.
         assert tp is not None and pp is not None
         check_layout(self.transformer_architecture, tp, pp)
-        check_sharding(self.optimizer, self.topology)
         arch = self.transformer_architecture
         if self.data.sequence_length > arch.max_sequence_length:
             raise ValueError(

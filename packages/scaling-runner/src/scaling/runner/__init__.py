@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the names, for type checkers and editors (__all__ exports them)
     from scaling.runner._cli import main
     from scaling.runner._commands import Launch
-    from scaling.runner._config import DockerConfig, RunnerConfig, SlurmConfig
+    from scaling.runner._config import DockerConfig, LaunchedConfig, RunnerConfig, SlurmConfig
     from scaling.runner._env import SECRET_PATTERNS, is_secret
     from scaling.runner._failures import RankFailure
     from scaling.runner._hosts import HostSpec
@@ -23,6 +23,7 @@ _HOMES = {
     "main": "_cli",
     "Launch": "_commands",
     "DockerConfig": "_config",
+    "LaunchedConfig": "_config",
     "RunnerConfig": "_config",
     "SlurmConfig": "_config",
     "SECRET_PATTERNS": "_env",
@@ -43,6 +44,7 @@ __all__ = [
     "DockerConfig",
     "HostSpec",
     "Launch",
+    "LaunchedConfig",
     "RankFailure",
     "RunnerConfig",
     "SlurmConfig",

@@ -1,10 +1,10 @@
-"""RunnerConfig, DockerConfig and SlurmConfig: how and where the training script is launched."""
+"""RunnerConfig, DockerConfig and SlurmConfig: how and where the training script is launched; LaunchedConfig."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -282,3 +282,28 @@ class RunnerConfig(BaseConfig):
         if self.hostsfile is not None:
             return read_hostsfile(self.hostsfile, self.nproc_per_node)
         return []
+
+
+class LaunchedConfig(BaseConfig):
+    """Base of an app config the runner launches: a ``runner`` section whose script defaults to the app's.
+
+    A subclass sets ``default_script`` (the training script every process runs); a config
+    that leaves ``runner.script`` empty gets it, so users only name a script to replace it.
+    Compose it with the app's other sections (``class AppConfig(TrainingAppConfig,
+    LaunchedConfig)`` puts ``runner`` first: pydantic orders fields from the last base on).
+    """
+
+    default_script: ClassVar[Path | None] = None
+
+    runner: RunnerConfig = Field(description="How processes are launched; script defaults to this app's train.py.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_script(cls, data: Any) -> Any:
+        """Every process runs the app's train.py unless runner.script says otherwise."""
+        if isinstance(data, dict) and cls.default_script is not None:
+            runner = dict(data.get("runner") or {})
+            if not runner.get("script"):
+                runner["script"] = str(cls.default_script)
+                data = {**data, "runner": runner}
+        return data

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from scaling.trainer import checkpoint
+from scaling.trainer._app_config import TrainingAppConfig
 from scaling.trainer._config import TrainerConfig
 from scaling.trainer._context import BaseContext
 from scaling.trainer._profiler import ProfilerConfig, StepProfiler
@@ -48,6 +49,7 @@ __all__ = [
     "StepProfiler",
     "TrainStepOutput",
     "TrainerConfig",
+    "TrainingAppConfig",
     "committed_steps",
     "evaluation_step",
     "exit_code_for",

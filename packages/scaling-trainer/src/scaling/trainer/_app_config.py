@@ -1,0 +1,36 @@
+"""TrainingAppConfig: the sections every training app's config has."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from scaling.config import BaseConfig
+from scaling.optim import LearningRateSchedulerConfig, OptimizerConfig, check_sharding
+from scaling.topology import TopologyConfig
+from scaling.trainer._config import TrainerConfig
+from scaling.trainer.loggers import LoggerConfig
+
+
+class TrainingAppConfig(BaseConfig):
+    """Base of a training app's config: the package sections a :class:`BaseTrainer` run reads.
+
+    ``logger``, ``topology``, ``optimizer``, ``learning_rate_scheduler`` and ``trainer``, and
+    the one check they need together (the optimizer's sharding fits the topology). An app
+    adds its own sections (architecture, data, ...) and validators::
+
+        class MyConfig(TrainingAppConfig):
+            architecture: MyArchitectureConfig = Field(default_factory=MyArchitectureConfig)
+    """
+
+    logger: LoggerConfig = Field(default_factory=LoggerConfig, description="Where metrics go.")
+    topology: TopologyConfig = Field(description="Parallel layout and batch sizes.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Update rule, ZeRO, clipping.")
+    learning_rate_scheduler: LearningRateSchedulerConfig = Field(
+        default_factory=LearningRateSchedulerConfig, description="Learning rate schedule of every parameter."
+    )
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Iterations, evaluation, checkpoints.")
+
+    @model_validator(mode="after")
+    def _check_sharding(self) -> TrainingAppConfig:
+        check_sharding(self.optimizer, self.topology)
+        return self
