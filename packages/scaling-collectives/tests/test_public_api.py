@@ -11,7 +11,6 @@ def test_public_api():
         "CollectiveRecord",
         "CollectiveRecorder",
         "CollectiveTimeoutError",
-        "GradientBucketer",
         "PendingCollective",
         "PipeTransport",
         "all_gather",
@@ -19,7 +18,6 @@ def test_public_api():
         "all_gather_flat",
         "all_reduce",
         "all_reduce_async",
-        "all_reduce_gradients",
         "all_to_all_tokens",
         "barrier",
         "batch_send_recv",
@@ -74,7 +72,6 @@ def test_signatures_in_docs_architecture():
         ("next_rank", empty),
         ("device", empty),
     ]
-    assert [p[0] for p in params(scaling.collectives.all_reduce_gradients)] == ["params", "group", "bucket_size_bytes"]
     for method in (
         "send_forward",
         "recv_forward",

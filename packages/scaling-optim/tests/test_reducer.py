@@ -10,8 +10,8 @@ import torch
 
 from scaling.collectives import get_recorder
 from scaling.nn import ParameterMeta
-from scaling.optim import Optimizer, OptimizerConfig, OptimizerParamGroup, OptimizerParamGroupConfig
-from scaling.testing import make_topology, run_distributed
+from scaling.optim import GradientReducer, Optimizer, OptimizerConfig, OptimizerParamGroup, OptimizerParamGroupConfig
+from scaling.testing import assert_parity, make_topology, run_distributed
 
 SHAPES = {"w1": (6, 5), "b1": (6,), "w2": (3, 6), "b2": (3,)}  # b2 (3 elements) pads to 4 on DP = 2
 
@@ -95,3 +95,45 @@ def test_tied_gradient_changed_after_finish_is_used_by_every_stage():
         for got in run_distributed(_tied_sum_after_finish, 2, zero, timeout_seconds=120):
             for a, b in zip(got, expected):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _plain_parameters_parity(bucket_size_bytes):
+    """GradientReducer.over_parameters: a torch-optimizer model's DP average, overlapped with backward."""
+    topo = make_topology()  # all ranks data parallel
+    dp, r = topo.data_parallel_size, topo.data_parallel_rank
+    g = torch.Generator().manual_seed(11)
+    x, y = torch.randn(6 * dp, 4, generator=g, dtype=torch.float64), torch.randn(6 * dp, 2, generator=g)
+
+    def model():
+        torch.manual_seed(0)
+        # A float32 last layer puts a second dtype into the buckets.
+        return torch.nn.ModuleList([torch.nn.Linear(4, 8).double(), torch.nn.Linear(8, 2)])
+
+    def loss(m, rows):
+        return torch.nn.functional.mse_loss(m[1](torch.tanh(m[0](x[rows])).float()), y[rows])
+
+    reference, local = model(), model()
+    # Two accumulated halves of the global batch, as two micro-batches.
+    for half in (slice(0, 3 * dp), slice(3 * dp, 6 * dp)):
+        (loss(reference, half) / 2).backward()
+    reducer = GradientReducer.over_parameters(list(local.parameters()), topo.data_parallel_group, bucket_size_bytes)
+    for half in (slice(3 * r, 3 * r + 3), slice(3 * dp + 3 * r, 3 * dp + 3 * r + 3)):
+        (loss(local, half) / 2).backward()
+    reducer.finish()
+    for (name, p), ref in zip(local.named_parameters(), reference.parameters()):
+        assert_parity(p.grad, ref.grad, name=name, rtol=1e-5, atol=1e-7)
+    return len(reducer.buckets)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("bucket_size_bytes", [64, 25_000_000], ids=["tiny-buckets", "one-bucket"])
+def test_over_parameters_matches_the_full_batch_with_accumulation(bucket_size_bytes):
+    buckets = run_distributed(_plain_parameters_parity, 2, bucket_size_bytes, timeout_seconds=60)
+    # float32 and float64 never share a bucket; a 64-byte bucket closes once it holds 64 bytes
+    # (in backward order: the float32 bias and weight together, then each float64 one apart).
+    assert buckets == ([3, 3] if bucket_size_bytes == 64 else [2, 2])
+
+
+def test_bad_bucket_size_is_named():
+    with pytest.raises(ValueError, match=r"bucket_size_bytes=0 must be a positive int"):
+        GradientReducer.over_parameters([torch.nn.Parameter(torch.zeros(2))], None, bucket_size_bytes=0)

@@ -20,9 +20,7 @@ from scaling.collectives._errors import (
     CollectiveTimeoutError,
 )
 from scaling.collectives._gradients import (
-    GradientBucketer,
     all_gather_flat,
-    all_reduce_gradients,
     reduce_scatter_flat,
 )
 from scaling.collectives._ops import (
@@ -61,7 +59,6 @@ __all__ = [
     "CollectiveRecord",
     "CollectiveRecorder",
     "CollectiveTimeoutError",
-    "GradientBucketer",
     "PendingCollective",
     "PipeTransport",
     "all_gather",
@@ -69,7 +66,6 @@ __all__ = [
     "all_gather_flat",
     "all_reduce",
     "all_reduce_async",
-    "all_reduce_gradients",
     "all_to_all_tokens",
     "barrier",
     "batch_send_recv",

@@ -10,10 +10,12 @@ from scaling.optim._loss_scaler import LossScaler
 from scaling.optim._lr_scheduler import LearningRateScheduler
 from scaling.optim._optimizer import Optimizer, OptimizerStepOutput
 from scaling.optim._param_group import OptimizerParamGroup, build_parameter_groups
+from scaling.optim._reducer import GradientReducer
 from scaling.optim._spaces import ShardSpace
 from scaling.optim._zero3 import check_sharding
 
 __all__ = [
+    "GradientReducer",
     "LearningRateScheduler",
     "LearningRateSchedulerConfig",
     "LossScaler",

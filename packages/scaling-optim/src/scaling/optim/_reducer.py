@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from scaling.collectives import PendingCollective, all_reduce_async, reduce_scatter_async
+from scaling.nn import ParameterMeta
 from scaling.optim._comm import group_size
 from scaling.optim._slots import ParamSlot
 from scaling.optim._weak import weak_hook
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 MODES = ("all_reduce", "shard", "shard_free")
+DEFAULT_BUCKET_SIZE_BYTES = 25_000_000  # OptimizerConfig.allreduce_bucket_size's default
 # DDP's policy: a small first bucket (the last layers) so the first reduction starts early.
 FIRST_BUCKET_BYTES = 1024 * 1024
 
@@ -78,6 +80,11 @@ class GradientReducer:
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"GradientReducer mode must be one of {MODES}, got {mode!r}")
+        if isinstance(bucket_size_bytes, bool) or not isinstance(bucket_size_bytes, int) or bucket_size_bytes <= 0:
+            raise ValueError(
+                f"bucket_size_bytes={bucket_size_bytes!r} must be a positive int (bytes per bucket), "
+                f"e.g. {DEFAULT_BUCKET_SIZE_BYTES}"
+            )
         self.group, self.mode = group, mode
         self.world = group_size(group)
         self.buckets: list[list[ParamSlot]] = []
@@ -101,6 +108,30 @@ class GradientReducer:
         self.handles = [s.param.register_post_accumulate_grad_hook(self._hook(s)) for s in slots]
         if mode == "all_reduce":
             self.handles += [s.param.register_hook(self._pre_hook(s)) for s in slots]
+
+    @classmethod
+    def over_parameters(
+        cls,
+        params: Sequence[torch.nn.Parameter],
+        group: ProcessGroup,
+        bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
+    ) -> GradientReducer:
+        """All-reduce mode over plain parameters, for an update that is not ours (a torch optimizer's).
+
+        Each parameter gets a bare slot (no master copy, no state): the reducer needs only
+        its flat gradient. Every rank must pass the same parameters in the same order.
+
+        Example::
+
+            reducer = GradientReducer.over_parameters(list(model.parameters()), dp_group)
+            loss.backward()  # buckets are all-reduced while backward goes on
+            reducer.finish(); torch_optimizer.step(); torch_optimizer.zero_grad(); reducer.discard()
+        """
+        slots = [
+            ParamSlot(str(i), p, ParameterMeta(str(i), tuple(p.shape)), 0, 1, 0, False, ())
+            for i, p in enumerate(params)
+        ]
+        return cls(slots, group, bucket_size_bytes, "all_reduce")
 
     # The hooks hold the reducer weakly (see weak_hook).
     def _hook(self, slot: ParamSlot) -> Any:

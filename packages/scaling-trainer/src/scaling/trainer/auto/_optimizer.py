@@ -15,10 +15,17 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
-from scaling.collectives import all_reduce_gradients
 from scaling.nn import get_parameter_meta
-from scaling.optim import LossScalerConfig, Optimizer, OptimizerConfig, OptimizerParamGroup, OptimizerParamGroupConfig
+from scaling.optim import (
+    GradientReducer,
+    LossScalerConfig,
+    Optimizer,
+    OptimizerConfig,
+    OptimizerParamGroup,
+    OptimizerParamGroupConfig,
+)
 from scaling.topology import Topology
 from scaling.trainer.auto._pipeline import PipelineStage
 from scaling.trainer.auto._plan import Plan
@@ -148,6 +155,14 @@ class ParallelOptimizer:
         plan = model.plan
         needs_engine = plan.zero_stage or plan.precision != "float32" or plan.cpu_offload
         self.engine = build_engine(optimizer, model) if needs_engine else None
+        # Without the engine the user's optimizer updates; the DP average is still the one
+        # reducer, all-reducing buckets while backward goes on (DDP's overlap).
+        group = model.topology.data_context_parallel_group
+        self.reducer = (
+            GradientReducer.over_parameters(self._params, group)
+            if self.engine is None and self._params and group is not None and dist.get_world_size(group) > 1
+            else None
+        )
         if self.engine is not None and self.engine.loss_scaler.enabled:
             model.scale_loss = lambda loss: _ScaleGrad.apply(loss, self.engine.loss_scaler.scale)  # type: ignore[union-attr]
         if model.pipeline is not None:
@@ -159,6 +174,8 @@ class ParallelOptimizer:
             self.engine.zero_grad()
         else:
             self.optimizer.zero_grad(set_to_none=set_to_none)
+            if self.reducer is not None:
+                self.reducer.discard()
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` with the loss scale applied (fp16)."""
@@ -182,9 +199,10 @@ class ParallelOptimizer:
             # came before optimizer.step() (torch 2.6-2.13; harmless where the flag is unused).
             self.optimizer._opt_called = True  # type: ignore[attr-defined]
             return out
+        if self.reducer is not None:
+            self.reducer.finish()
         if stage is not None:
             stage.reduce_tied_gradients()
-        all_reduce_gradients(self._params, self.model.topology.data_context_parallel_group)
         return self.optimizer.step(closure)
 
     @property
