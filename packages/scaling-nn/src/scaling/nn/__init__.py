@@ -9,7 +9,12 @@ from scaling.nn._context_parallel import (
     all_to_all_attention,
     ring_attention,
 )
-from scaling.nn._embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy, vocab_range
+from scaling.nn._embedding import (
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_embedding,
+    vocab_range,
+)
 from scaling.nn._float8 import Float8Config, float8_linear, float8_supported
 from scaling.nn._float8_layers import check_float8, enable_float8
 from scaling.nn._init import LayerInputError
@@ -21,7 +26,7 @@ from scaling.nn._layer import (
     named_parameters_with_meta,
     set_layer_index,
 )
-from scaling.nn._linear import ColumnParallelLinear, RowParallelLinear
+from scaling.nn._linear import ColumnParallelLinear, RowParallelLinear, column_parallel_linear, row_parallel_linear
 from scaling.nn._lora import (
     LoRAConfig,
     apply_lora,
@@ -70,6 +75,7 @@ __all__ = [
     "check_moe",
     "checkpoint_layer",
     "checkpoint_sequential_layers",
+    "column_parallel_linear",
     "compile_layer",
     "compile_layers",
     "enable_float8",
@@ -86,11 +92,13 @@ __all__ = [
     "named_parameters_with_meta",
     "reduce_sequence_parallel_gradients",
     "ring_attention",
+    "row_parallel_linear",
     "set_layer_index",
     "tracker_checkpoint_context",
     "unmerge_lora",
     "valid_model_parallel_sizes",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_embedding",
     "vocab_range",
     "write_peft_adapter",
 ]

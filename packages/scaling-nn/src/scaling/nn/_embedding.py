@@ -30,6 +30,38 @@ def vocab_range(vocab_size: int, model_parallel_size: int, model_parallel_rank: 
     return start, start + per_rank
 
 
+def vocab_parallel_embedding(
+    input_ids: torch.Tensor,
+    weight: torch.Tensor,
+    vocab_start: int,
+    vocab_end: int,
+    group: Any,
+    *,
+    sequence_parallel: bool = False,
+    padding_idx: int | None = None,
+) -> torch.Tensor:
+    """Look ``input_ids`` up in this rank's vocabulary rows ``[vocab_start, vocab_end)`` and sum over TP.
+
+    Ids outside the range look up zeros; the partial results are all-reduced (reduce-scattered
+    along dim 1 with ``sequence_parallel``). The one implementation, used by
+    :class:`VocabParallelEmbedding` and the auto API's wrapper of ``nn.Embedding``.
+
+    Args:
+        input_ids: integer ids ``[b, s]``.
+        weight: this rank's ``[vocab_end - vocab_start, D]`` rows.
+        group: the TP process group (None: one rank, a plain lookup).
+        padding_idx: the local row whose gradient stays zero (``F.embedding``'s), or None.
+    """
+    if group is None:
+        return F.embedding(input_ids, weight, padding_idx)
+    outside = (input_ids < vocab_start) | (input_ids >= vocab_end)
+    local_ids = (input_ids - vocab_start).masked_fill(outside, 0)
+    out = F.embedding(local_ids, weight, padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
+    if sequence_parallel:
+        return reduce_scatter_to_sequence_parallel_region(out, group)
+    return reduce_from_model_parallel_region(out, group)
+
+
 class VocabParallelEmbedding(torch.nn.Module):
     """``torch.nn.Embedding`` with the vocabulary split over TP ranks.
 
@@ -84,15 +116,14 @@ class VocabParallelEmbedding(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``input_ids``: integer ids in ``[0, V)`` of shape ``[b, s]`` -> ``[b, s, D]``
         (``[b, s/tp, D]`` under sequence parallelism)."""
-        group = self._tp.group
-        if self._tp.size == 1:
-            return F.embedding(input_ids, self.weight)
-        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
-        local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel_region(out, group)
-        return reduce_from_model_parallel_region(out, group)
+        return vocab_parallel_embedding(
+            input_ids,
+            self.weight,
+            self.vocab_start,
+            self.vocab_end,
+            self._tp.group,
+            sequence_parallel=self.sequence_parallel,
+        )
 
     def extra_repr(self) -> str:
         return (

@@ -31,6 +31,62 @@ from scaling.nn._init import (
 )
 
 
+def column_parallel_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: Any,
+    *,
+    sequence_parallel: bool = False,
+    gather_output: bool = False,
+    float8: Float8Config | None = None,
+) -> torch.Tensor:
+    """The column-parallel product: ``x`` enters the TP region, ``y = x W_r^T + b_r`` on this rank's rows.
+
+    The one implementation of the math, used by :class:`ColumnParallelLinear` and by the
+    auto API's wrappers of unmodified modules (``scaling.trainer.auto``).
+
+    Args:
+        x: ``[..., in]`` (``[b, s/tp, in]`` with ``sequence_parallel``: all-gathered along dim 1).
+        weight: this rank's ``[out/tp, in]`` rows; bias: its ``[out/tp]`` part, or None.
+        group: the TP process group (None: one rank).
+        gather_output: all-gather the output to ``[..., out]`` (else it stays split).
+        float8: multiply in float8 under this config (None: in the parameters' dtype).
+    """
+    if sequence_parallel:
+        x = gather_from_sequence_parallel_region(x, group)
+    else:
+        x = copy_to_model_parallel_region(x, group)
+    y = float8_linear(x, weight, bias, float8)
+    return gather_from_model_parallel_region(y, group) if gather_output else y
+
+
+def row_parallel_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: Any,
+    *,
+    sequence_parallel: bool = False,
+    float8: Float8Config | None = None,
+) -> torch.Tensor:
+    """The row-parallel product: partial ``x_r W_r^T`` summed over TP, then the replicated bias once.
+
+    Args:
+        x: this rank's ``[..., in/tp]`` split of the input.
+        weight: this rank's ``[out, in/tp]`` columns; bias: the replicated ``[out]``, or None.
+        group: the TP process group (None: one rank).
+        sequence_parallel: reduce-scatter the sum along dim 1 (else all-reduce it).
+        float8: multiply in float8 under this config (None: in the parameters' dtype).
+    """
+    y = float8_linear(x, weight, None, float8)
+    if sequence_parallel:
+        y = reduce_scatter_to_sequence_parallel_region(y, group)
+    else:
+        y = reduce_from_model_parallel_region(y, group)
+    return y if bias is None else y + bias
+
+
 class ColumnParallelLinear(torch.nn.Module):
     """``y = x W^T + b`` with ``W`` split along its output dim over the TP ranks.
 
@@ -97,14 +153,15 @@ class ColumnParallelLinear(torch.nn.Module):
                 f"[..., {self.in_features // self._tp.size}] at model_parallel_size={self._tp.size}, goes to a "
                 "RowParallelLinear with parallel_input=True)"
             )
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, group)
-        else:
-            x = copy_to_model_parallel_region(x, group)
-        y = float8_linear(x, self.weight, self.bias, self.float8)
-        if not self.parallel_output:
-            y = gather_from_model_parallel_region(y, group)
-        return y
+        return column_parallel_linear(
+            x,
+            self.weight,
+            self.bias,
+            group,
+            sequence_parallel=self.sequence_parallel,
+            gather_output=not self.parallel_output,
+            float8=self.float8,
+        )
 
     def extra_repr(self) -> str:
         return (
@@ -182,14 +239,9 @@ class RowParallelLinear(torch.nn.Module):
             raise LayerInputError(self._input_error(x))
         if not self.parallel_input:
             x = scatter_to_model_parallel_region(x, group)
-        y = float8_linear(x, self.weight, None, self.float8)
-        if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(y, group)
-        else:
-            y = reduce_from_model_parallel_region(y, group)
-        if self.bias is not None:
-            y = y + self.bias
-        return y
+        return row_parallel_linear(
+            x, self.weight, self.bias, group, sequence_parallel=self.sequence_parallel, float8=self.float8
+        )
 
     def _input_error(self, x: torch.Tensor) -> str:
         tp, part = self._tp.size, self.in_features // self._tp.size

@@ -1,7 +1,10 @@
 """Tensor-parallel replacements for ``nn.Linear``/``Conv1D``/``nn.Embedding`` (Megatron regions).
 
 A replacement keeps the original parameter names (``weight``, ``bias``) and orientation
-(``Conv1D`` keeps ``[in, out]``), so parameter paths are the same on every layout.
+(``Conv1D`` keeps ``[in, out]``), so parameter paths are the same on every layout. The
+math is ``scaling.nn``'s (``column_parallel_linear``, ``row_parallel_linear``,
+``vocab_parallel_embedding``), the one implementation behind its LayerSpec layers too;
+what is here is only the sharding of an existing module's parameters.
 """
 
 from __future__ import annotations
@@ -9,13 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from scaling.collectives import (
-    copy_to_model_parallel_region,
-    gather_from_model_parallel_region,
-    reduce_from_model_parallel_region,
-)
+from scaling.nn import Float8Config, column_parallel_linear, row_parallel_linear, vocab_parallel_embedding
 from scaling.trainer.auto._plan import ModuleSharding
 from scaling.trainer.auto._policy import shard_dim
 
@@ -69,7 +67,10 @@ class ShardedLinear(torch.nn.Module):
 
     def __init__(self, source: torch.nn.Module, sharding: ModuleSharding, group: Any, rank: int, size: int) -> None:
         super().__init__()
-        self.sharding, self.group, self.size = sharding, group, size
+        self.sharding, self.size = sharding, size
+        self.group = group if size > 1 else None
+        #: Float8 products (set by ``scaling.nn.enable_float8``); None = the parameter dtype.
+        self.float8: Float8Config | None = None
         chunks = sharding.chunks
         self.weight = _local_param(source.get_parameter("weight"), shard_dim(sharding, "weight"), rank, size, chunks)
         self.bias = _local_param(getattr(source, "bias", None), shard_dim(sharding, "bias"), rank, size, chunks)
@@ -78,10 +79,9 @@ class ShardedLinear(torch.nn.Module):
         style = self.sharding.style
         weight = self.weight.t() if self.sharding.transposed else self.weight
         if style == "row":
-            y = reduce_from_model_parallel_region(F.linear(x, weight), self.group)
-            return y if self.bias is None else y + self.bias
-        y = F.linear(copy_to_model_parallel_region(x, self.group), weight, self.bias)
-        return gather_from_model_parallel_region(y, self.group) if style == "vocab_head" else y
+            return row_parallel_linear(x, weight, self.bias, self.group, float8=self.float8)
+        gather = style == "vocab_head"
+        return column_parallel_linear(x, weight, self.bias, self.group, gather_output=gather, float8=self.float8)
 
     def extra_repr(self) -> str:
         return f"style={self.sharding.style}, transposed={self.sharding.transposed}, model_parallel_size={self.size}"
@@ -95,7 +95,7 @@ class ShardedEmbedding(torch.nn.Module):
 
     def __init__(self, source: torch.nn.Embedding, group: Any, rank: int, size: int) -> None:
         super().__init__()
-        self.group, self.size = group, size
+        self.group, self.size = (group if size > 1 else None), size
         self.weight = _local_param(source.weight, 0, rank, size, 1)
         per_rank = source.num_embeddings // size
         self.start, self.end = rank * per_rank, (rank + 1) * per_rank
@@ -103,12 +103,9 @@ class ShardedEmbedding(torch.nn.Module):
         self.padding_idx = pad - self.start if pad is not None and self.start <= pad < self.end else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.size == 1:
-            return F.embedding(ids, self.weight, self.padding_idx)
-        outside = (ids < self.start) | (ids >= self.end)
-        local = (ids - self.start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight, self.padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_model_parallel_region(out, self.group)
+        return vocab_parallel_embedding(
+            ids, self.weight, self.start, self.end, self.group, padding_idx=self.padding_idx
+        )
 
     def extra_repr(self) -> str:
         return f"vocab_range=[{self.start}, {self.end}), model_parallel_size={self.size}"
