@@ -48,7 +48,7 @@ def test_interleaved_halves_the_bubble(p: int) -> None:
     costs = {"forward": 1.0 / v, "backward": 2.0 / v}  # a chunk holds 1/v of the stage's layers
     for m in MICRO_BATCHES:
         if m % group_size(p, m):
-            with pytest.raises(ValueError, match=f"num_microbatches={m} does not split"):
+            with pytest.raises(ValueError, match=f"num_micro_batches={m} does not split"):
                 interleaved_1f1b_schedule(p, m, 0, v)
             continue
         r = simulate_schedule(interleaved_1f1b_schedule, p, m, v, costs=costs, send_semantics="buffered")
@@ -155,7 +155,7 @@ def test_backward_before_forward_is_reported() -> None:
     ("args", "match"),
     [
         ((0, 1, 0), "num_stages=0 must be an int >= 1"),
-        ((2, 0, 0), "num_microbatches=0"),
+        ((2, 0, 0), "num_micro_batches=0"),
         ((2, 2, 2), r"stage=2 must be in \[0, num_stages=2\)"),
     ],
 )
@@ -189,3 +189,13 @@ def test_png_of_an_interleaved_schedule_is_a_real_picture(tmp_path) -> None:  # 
     # Coloured bars (F, B), labels and axes on white: not a blank canvas.
     colours = {tuple(round(float(c), 2) for c in px) for px in pixels.reshape(-1, pixels.shape[-1])[::7]}
     assert len(colours) > 4
+
+
+def test_the_old_micro_batch_keyword_still_works_with_a_warning():
+    from scaling.pipeline import gpipe_schedule, simulate_schedule
+
+    with pytest.deprecated_call(match=r"use num_micro_batches="):
+        old = gpipe_schedule(num_stages=2, num_microbatches=3, stage=0)
+    assert old == gpipe_schedule(num_stages=2, num_micro_batches=3, stage=0)
+    with pytest.deprecated_call(match=r"simulate_schedule\(num_microbatches=\.\.\.\) is deprecated"):
+        assert simulate_schedule(gpipe_schedule, num_stages=2, num_microbatches=3).makespan > 0

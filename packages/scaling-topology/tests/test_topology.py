@@ -56,7 +56,9 @@ def test_coordinates_match_formula(tp, dp, pp, cp):
         assert topo.data_context_parallel_ranks == _where(world, layout, pp=p, tp=t)
         assert topo.data_context_parallel_rank == d * cp + c
         assert topo.pipe_parallel_ranks == _where(world, layout, dp=d, tp=t, cp=c)
-        assert topo.model_pipe_parallel_ranks == _where(world, layout, dp=d, cp=c)
+        assert topo.model_replica_ranks == _where(world, layout, dp=d, cp=c)
+        with pytest.deprecated_call(match="use Topology.model_replica_ranks"):
+            assert topo.model_pipe_parallel_ranks == topo.model_replica_ranks
         assert topo.is_first_pipe_stage == (p == 0)
         assert topo.is_last_pipe_stage == (p == pp - 1)
         assert topo.previous_pipe_rank == (None if p == 0 else rank - tp * cp * dp)
@@ -123,6 +125,8 @@ def _check_groups(tp, dp, pp, cp, shard):
     for name in GROUPS:
         out[name] = (_members(getattr(topo, f"{name}_group")), getattr(topo, f"{name}_ranks"))
     out["pipe_parallel_result"] = (_members(topo.pipe_parallel_result_group), topo.pipe_parallel_ranks)
+    with pytest.deprecated_call(match="use Topology.model_replica_group"):
+        out["old_name_is_the_same_group"] = topo.model_pipe_parallel_group is topo.model_replica_group
     out["result_group_is_separate"] = topo.pipe_parallel_result_group is not topo.pipe_parallel_group
     for name in ("shard", "replicate"):
         group = getattr(topo, f"data_parallel_{name}_group")
@@ -140,7 +144,7 @@ def _check_groups(tp, dp, pp, cp, shard):
 
 
 GROUPS = ("model_parallel", "data_parallel", "context_parallel", "data_context_parallel", "pipe_parallel")
-GROUPS += ("model_pipe_parallel",)
+GROUPS += ("model_replica",)
 
 
 @pytest.mark.distributed
@@ -173,6 +177,7 @@ def test_process_groups_on_real_ranks(tp, dp, pp, cp, shard):
             members, expected_ranks = out[name]
             assert members == expected_ranks, (name, rank)
         assert out["result_group_is_separate"] == (pp > 1)
+        assert out["old_name_is_the_same_group"]
         # ZeRO shards over shard_dp DP ranks with all their CP ranks; replicas share the CP rank.
         same_shard = [
             r for r in _where(world, layout, pp=p, tp=t) if _expected(r, *layout)[1] // shard_dp == d // shard_dp

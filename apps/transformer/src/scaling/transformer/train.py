@@ -98,7 +98,7 @@ def parameter_groups(
     """
     params = list(parallel_module.named_parameters_with_meta())
     if config.training.groups:
-        pipe = topology.model_pipe_parallel_group if topology is not None and topology.pipe_parallel_size > 1 else None
+        pipe = topology.model_replica_group if topology is not None and topology.pipe_parallel_size > 1 else None
         return training_groups(
             params, config.training.groups, config.learning_rate_scheduler, config.training.weight_decay, pipe
         )

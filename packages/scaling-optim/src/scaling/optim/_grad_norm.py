@@ -63,8 +63,8 @@ def global_norm_squared(
     # replicas zero out below, so every rank sees it.
     flag = non_finite + sum((~torch.isfinite(x)).double() for x in sums)
     vec = torch.stack([*sums, flag])
-    if group_size(topology.model_pipe_parallel_group) > 1:
-        all_reduce(vec, topology.model_pipe_parallel_group)
+    if group_size(topology.model_replica_group) > 1:
+        all_reduce(vec, topology.model_replica_group)
     if topology.data_context_parallel_size > 1:
         for i, (_, counts) in enumerate(parts):
             if not counts:

@@ -70,7 +70,7 @@ class Optimizer:
         topology: an initialised :class:`~scaling.topology.Topology`; gradients are
             averaged over DP × CP (``data_context_parallel_group``), ``reduce_over_tp`` gradients summed
             over its ``model_parallel_group``, and the norm reduced over
-            ``model_pipe_parallel_group`` and the DP group.
+            ``model_replica_group`` and the DP group.
         zero3_modules: with ``zero_stage=3`` only: the layers in forward order, for a
             model that does not name them (default: ``model.layer_modules()``). Their
             trained parameters are freed at once and gathered around each layer's forward

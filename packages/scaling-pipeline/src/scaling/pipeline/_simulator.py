@@ -30,6 +30,7 @@ from scaling.pipeline._instructions import (
     SendGrad,
 )
 from scaling.pipeline._render import render_program_grid, render_timeline, save_timeline_png
+from scaling.pipeline.schedules._common import accepts_old_keyword
 
 DEFAULT_COSTS: Mapping[str, float] = {"forward": 1.0, "backward": 2.0, "backward_input": 1.0, "backward_weight": 1.0}
 _COST_KEY: dict[type[Instruction], str] = {
@@ -273,10 +274,11 @@ def _check_coverage(
                     fail(f"micro-batch {mb} ran {kind} {done.get((kind, mb, vs), 0)} times on virtual stage {vs}")
 
 
+@accepts_old_keyword
 def simulate_schedule(
     schedule: Callable[..., list[Instruction]],
     num_stages: int,
-    num_microbatches: int,
+    num_micro_batches: int,
     num_virtual: int | None = None,
     costs: Mapping[str, float] | None = None,
     *,
@@ -290,5 +292,5 @@ def simulate_schedule(
         0.2727
     """
     extra = () if num_virtual is None else (num_virtual,)
-    programs = [schedule(num_stages, num_microbatches, s, *extra) for s in range(num_stages)]
+    programs = [schedule(num_stages, num_micro_batches, s, *extra) for s in range(num_stages)]
     return simulate(programs, costs, send_semantics=send_semantics)

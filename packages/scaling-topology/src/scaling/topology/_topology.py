@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -46,6 +47,10 @@ class RankCoordinates:
     def __repr__(self) -> str:
         cp = f", cp={self.cp}" if self.cp else ""
         return f"(pp={self.pp}, dp={self.dp}{cp}, tp={self.tp})"
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"Topology.{old} is deprecated; use Topology.{new} (same group)", DeprecationWarning, stacklevel=3)
 
 
 class Topology:
@@ -239,7 +244,7 @@ class Topology:
         return self._ranks_along(self.global_rank, "pp")
 
     @property
-    def model_pipe_parallel_ranks(self) -> list[int]:
+    def model_replica_ranks(self) -> list[int]:
         """Global ranks holding one full model replica (TP × PP at this DP and CP rank)."""
         c = self.coordinates()
         return [
@@ -476,9 +481,23 @@ class Topology:
         return self.pipe_parallel_group
 
     @property
+    def model_replica_group(self) -> ProcessGroup:
+        """TP × PP ranks holding one model replica, at this DP and CP rank (global gradient norms,
+        model-wide reductions)."""
+        return self._group("mp", "model_replica_group")
+
+    @property
     def model_pipe_parallel_group(self) -> ProcessGroup:
-        """TP × PP ranks of this DP replica (global gradient norms, model-wide reductions)."""
-        return self._group("mp", "model_pipe_parallel_group")
+        """Deprecated name of :attr:`model_replica_group` (it spans TP × PP, not "model parallel"
+        alone, which means TP here); removed in 0.2."""
+        _deprecated("model_pipe_parallel_group", "model_replica_group")
+        return self.model_replica_group
+
+    @property
+    def model_pipe_parallel_ranks(self) -> list[int]:
+        """Deprecated name of :attr:`model_replica_ranks`; removed in 0.2."""
+        _deprecated("model_pipe_parallel_ranks", "model_replica_ranks")
+        return self.model_replica_ranks
 
     @property
     def device_mesh(self) -> DeviceMesh:

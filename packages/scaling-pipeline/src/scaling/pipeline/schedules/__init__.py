@@ -1,4 +1,4 @@
-"""Pipeline schedules: pure functions ``(num_stages, num_microbatches, stage[, num_virtual])``."""
+"""Pipeline schedules: pure functions ``(num_stages, num_micro_batches, stage[, num_virtual])``."""
 
 from collections.abc import Callable
 

@@ -11,8 +11,10 @@ exchange, so blocking sends cannot deadlock (the Megatron-LM pattern).
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from scaling.pipeline._instructions import (
     Backward,
@@ -29,12 +31,32 @@ from scaling.pipeline._instructions import (
     _Message,
 )
 
+F = TypeVar("F", bound=Callable[..., Any])
 
-def check_arguments(num_stages: int, num_microbatches: int, stage: int, num_virtual: int = 1) -> None:
+
+def accepts_old_keyword(fn: F) -> F:
+    """Let ``fn`` take ``num_microbatches=`` (the spelling before 0.1's one-spelling rename) with a
+    DeprecationWarning, as ``num_micro_batches=``; the old keyword goes in 0.2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if "num_microbatches" in kwargs:
+            warnings.warn(
+                f"{fn.__name__}(num_microbatches=...) is deprecated; use num_micro_batches=",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            kwargs["num_micro_batches"] = kwargs.pop("num_microbatches")
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def check_arguments(num_stages: int, num_micro_batches: int, stage: int, num_virtual: int = 1) -> None:
     """Raise ``ValueError`` naming the value when a schedule's arguments are out of range."""
     for name, value in (
         ("num_stages", num_stages),
-        ("num_microbatches", num_microbatches),
+        ("num_micro_batches", num_micro_batches),
         ("num_virtual", num_virtual),
     ):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -17,49 +17,50 @@ the last stage back to the first.
 from __future__ import annotations
 
 from scaling.pipeline._instructions import Backward, Forward, Instruction
-from scaling.pipeline.schedules._common import build, check_arguments
+from scaling.pipeline.schedules._common import accepts_old_keyword, build, check_arguments
 
 
-def group_size(num_stages: int, num_microbatches: int) -> int:
+def group_size(num_stages: int, num_micro_batches: int) -> int:
     """Micro-batches per round: ``m / max(1, m // p)`` (``p`` when ``p`` divides ``m``; ``m`` when ``m < p``)."""
-    return num_microbatches // max(1, num_microbatches // num_stages)
+    return num_micro_batches // max(1, num_micro_batches // num_stages)
 
 
-def _order(num_microbatches: int, group: int, num_virtual: int, backward: bool) -> list[tuple[int, int]]:
+def _order(num_micro_batches: int, group: int, num_virtual: int, backward: bool) -> list[tuple[int, int]]:
     chunks = range(num_virtual - 1, -1, -1) if backward else range(num_virtual)
     order = []
-    for start in range(0, num_microbatches, group):
+    for start in range(0, num_micro_batches, group):
         members = range(start, start + group)
         order += [(mb, c) for c in chunks for mb in members]
     return order
 
 
+@accepts_old_keyword
 def interleaved_1f1b_schedule(
-    num_stages: int, num_microbatches: int, stage: int, num_virtual: int = 2
+    num_stages: int, num_micro_batches: int, stage: int, num_virtual: int = 2
 ) -> list[Instruction]:
     """Interleaved 1F1B instructions of ``stage`` with ``num_virtual`` chunks per stage.
 
     Args:
         num_stages: pipeline stages ``p``.
-        num_microbatches: micro-batches ``m`` per step.
+        num_micro_batches: micro-batches ``m`` per step.
         stage: the stage in ``[0, p)``.
         num_virtual: model chunks per stage ``v`` (the model has ``p * v`` virtual stages).
 
     Returns:
         The stage's instructions.
     """
-    check_arguments(num_stages, num_microbatches, stage, num_virtual)
-    group = group_size(num_stages, num_microbatches)
-    if num_microbatches % group:
-        rounds = num_microbatches // group
-        ok = [k for k in range(1, num_microbatches + num_stages + 1) if k % max(1, k // num_stages) == 0]
+    check_arguments(num_stages, num_micro_batches, stage, num_virtual)
+    group = group_size(num_stages, num_micro_batches)
+    if num_micro_batches % group:
+        rounds = num_micro_batches // group
+        ok = [k for k in range(1, num_micro_batches + num_stages + 1) if k % max(1, k // num_stages) == 0]
         raise ValueError(
-            f"interleaved 1F1B: num_microbatches={num_microbatches} does not split into {rounds} rounds of "
-            f"equal size >= num_stages={num_stages}; choose num_microbatches from {ok} "
+            f"interleaved 1F1B: num_micro_batches={num_micro_batches} does not split into {rounds} rounds of "
+            f"equal size >= num_stages={num_stages}; choose num_micro_batches from {ok} "
             "(below num_stages, or a multiple of the number of rounds)"
         )
-    forwards = _order(num_microbatches, group, num_virtual, backward=False)
-    backwards = _order(num_microbatches, group, num_virtual, backward=True)
+    forwards = _order(num_micro_batches, group, num_virtual, backward=False)
+    backwards = _order(num_micro_batches, group, num_virtual, backward=True)
 
     def steps(s: int) -> list[list[Instruction]]:
         total = len(forwards)
@@ -68,4 +69,4 @@ def interleaved_1f1b_schedule(
         out += [[Forward(*forwards[warmup + i]), Backward(*backwards[i])] for i in range(total - warmup)]
         return out + [[Backward(mb, c)] for mb, c in backwards[total - warmup :]]
 
-    return build(steps, num_stages, stage, num_virtual, cache_key=("interleaved", num_microbatches), lockstep=True)
+    return build(steps, num_stages, stage, num_virtual, cache_key=("interleaved", num_micro_batches), lockstep=True)

@@ -8,15 +8,16 @@ hold activations at once (GPipe holds all ``m``); the bubble equals GPipe's,
 from __future__ import annotations
 
 from scaling.pipeline._instructions import Backward, Forward, Instruction
-from scaling.pipeline.schedules._common import build, check_arguments
+from scaling.pipeline.schedules._common import accepts_old_keyword, build, check_arguments
 
 
-def one_f_one_b_schedule(num_stages: int, num_microbatches: int, stage: int) -> list[Instruction]:
+@accepts_old_keyword
+def one_f_one_b_schedule(num_stages: int, num_micro_batches: int, stage: int) -> list[Instruction]:
     """1F1B instructions of ``stage``.
 
     Args:
         num_stages: pipeline stages ``p``.
-        num_microbatches: micro-batches ``m`` per step.
+        num_micro_batches: micro-batches ``m`` per step.
         stage: the stage in ``[0, p)``.
 
     Returns:
@@ -26,9 +27,9 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int, stage: int) -> 
         >>> [i.short for i in one_f_one_b_schedule(2, 2, 0) if i.is_compute]
         ['F0', 'F1', 'B0', 'B1']
     """
-    check_arguments(num_stages, num_microbatches, stage)
+    check_arguments(num_stages, num_micro_batches, stage)
     return build(
-        lambda s: _order(num_stages, num_microbatches, s), num_stages, stage, cache_key=("1f1b", num_microbatches)
+        lambda s: _order(num_stages, num_micro_batches, s), num_stages, stage, cache_key=("1f1b", num_micro_batches)
     )
 
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 from functools import lru_cache
 
 from scaling.pipeline._instructions import BackwardInput, BackwardWeight, Forward, Instruction
-from scaling.pipeline.schedules._common import build, check_arguments
+from scaling.pipeline.schedules._common import accepts_old_keyword, build, check_arguments
 
 
 @lru_cache(maxsize=256)
-def _orders(num_stages: int, num_microbatches: int) -> tuple[tuple[Instruction, ...], ...]:
-    p, m = num_stages, num_microbatches
+def _orders(num_stages: int, num_micro_batches: int) -> tuple[tuple[Instruction, ...], ...]:
+    p, m = num_stages, num_micro_batches
     inf = float("inf")
     clock = [0.0] * p
     fwd_done = [[inf] * m for _ in range(p)]  # finish time of F(mb) on each stage
@@ -66,12 +66,13 @@ def _orders(num_stages: int, num_microbatches: int) -> tuple[tuple[Instruction, 
     return tuple(tuple(o) for o in orders)
 
 
-def zb_h1_schedule(num_stages: int, num_microbatches: int, stage: int) -> list[Instruction]:
+@accepts_old_keyword
+def zb_h1_schedule(num_stages: int, num_micro_batches: int, stage: int) -> list[Instruction]:
     """ZB-H1 instructions of ``stage``.
 
     Args:
         num_stages: pipeline stages ``p``.
-        num_microbatches: micro-batches ``m`` per step.
+        num_micro_batches: micro-batches ``m`` per step.
         stage: the stage in ``[0, p)``.
 
     Returns:
@@ -82,6 +83,6 @@ def zb_h1_schedule(num_stages: int, num_microbatches: int, stage: int) -> list[I
         >>> [i.short for i in zb_h1_schedule(2, 2, 1) if i.is_compute]
         ['F0', 'I0', 'W0', 'F1', 'I1', 'W1']
     """
-    check_arguments(num_stages, num_microbatches, stage)
-    orders = _orders(num_stages, num_microbatches)
-    return build(lambda s: orders[s], num_stages, stage, cache_key=("zb_h1", num_microbatches))
+    check_arguments(num_stages, num_micro_batches, stage)
+    orders = _orders(num_stages, num_micro_batches)
+    return build(lambda s: orders[s], num_stages, stage, cache_key=("zb_h1", num_micro_batches))
