@@ -184,9 +184,10 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
+    """mypy, strict on every package and app (pyproject.toml's [tool.mypy]); CI runs it beside the tests."""
     dists = _dists()
     _install_torch(session)
-    session.install("mypy", "types-PyYAML", *_all_editable(dists))
+    session.install("--no-compile", "mypy", "types-PyYAML", *_all_editable(dists))
     # One namespace over many src/ roots: mypy needs them all on MYPYPATH and the
     # packages named with -p (passing the folders makes it see each file twice).
     srcs = [p / "src" for p in dists.values()]

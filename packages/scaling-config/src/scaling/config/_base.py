@@ -60,7 +60,7 @@ class BaseConfig(BaseModel):
             raise masked_error(exc, data, type(self)) from None
 
     @classmethod
-    def model_validate(cls: type[C], obj: Any, **kwargs: Any) -> C:  # type: ignore[override]
+    def model_validate(cls: type[C], obj: Any, **kwargs: Any) -> C:  # type: ignore[override, unused-ignore]
         """pydantic's ``model_validate``, with secrets masked in any error (see ``_secrets.py``)."""
         try:
             return super().model_validate(obj, **kwargs)

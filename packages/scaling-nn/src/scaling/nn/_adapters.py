@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +10,9 @@ import torch.nn.functional as F
 from scaling.nn._init import InitMethod
 from scaling.nn._layer import attach_parameter_metas
 from scaling.nn._linear import ColumnParallelLinear, RowParallelLinear
+
+if TYPE_CHECKING:
+    from scaling.topology import Topology
 
 
 def mark_only_bias_trainable(model: torch.nn.Module) -> int:
@@ -46,7 +49,7 @@ class BottleneckAdapter(torch.nn.Module):
         self,
         hidden_size: int,
         bottleneck_size: int,
-        topology: Any = None,
+        topology: Topology | None = None,
         dtype: torch.dtype = torch.float32,
         sequence_parallel: bool = False,
         init_method: InitMethod | None = None,
@@ -74,7 +77,7 @@ def apply_bottleneck_adapters(
     model: torch.nn.Module,
     target_modules: list[str],
     bottleneck_size: int,
-    topology: Any = None,
+    topology: Topology | None = None,
     sequence_parallel: bool = False,
 ) -> list[str]:
     """Insert a :class:`BottleneckAdapter` after each named module (``<module>.adapter``),

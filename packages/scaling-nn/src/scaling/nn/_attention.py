@@ -22,7 +22,7 @@ that layout hold whole groups.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,9 @@ from scaling.nn._init import InitMethod, check_dtype, default_bias_init, default
 from scaling.nn._linear import ColumnParallelLinear, RowParallelLinear
 from scaling.nn._rotary import KVCache, RotaryEmbedding, document_ids_and_positions, packed_attention_mask
 from scaling.topology import zigzag_indices
+
+if TYPE_CHECKING:
+    from scaling.topology import Topology
 
 
 def valid_model_parallel_sizes(num_attention_heads: int, num_kv_heads: int, fused_qkv: bool) -> list[int]:
@@ -115,7 +118,7 @@ class ParallelSelfAttention(torch.nn.Module):
         hidden_size: int,
         num_attention_heads: int,
         num_kv_heads: int | None = None,
-        topology: Any = None,
+        topology: Topology | None = None,
         head_dim: int | None = None,
         bias: bool = True,
         dtype: torch.dtype = torch.float32,
@@ -161,8 +164,8 @@ class ParallelSelfAttention(torch.nn.Module):
             )
         cp = topology.context_parallel_size if topology is not None else 1
         check_context_parallel(nq // tp.size, cp, context_parallel_method, attention_dropout)
-        self._cp_group = topology.context_parallel_group if cp > 1 else None
-        self._cp_rank: int = topology.context_parallel_rank if cp > 1 else 0
+        self._cp_group = topology.context_parallel_group if topology is not None and cp > 1 else None
+        self._cp_rank: int = topology.context_parallel_rank if topology is not None and cp > 1 else 0
         self._cp_size: int = cp
         self.context_parallel_method = context_parallel_method
         self.hidden_size, self.num_attention_heads, self.num_kv_heads = hidden_size, nq, nkv

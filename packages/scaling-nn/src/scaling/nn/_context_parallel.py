@@ -31,13 +31,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from scaling.collectives import gather_heads_scatter_sequence, ring_shift_async, scatter_heads_gather_sequence
 from scaling.topology import zigzag_indices
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 CONTEXT_PARALLEL_METHODS = ("ring", "all_to_all")
 
@@ -224,7 +227,13 @@ def _block(layout: TokenLayout, src: int, device: torch.device) -> _Block | None
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout, group: Any, scale: float
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: TokenLayout,
+        group: ProcessGroup | None,
+        scale: float,
     ) -> torch.Tensor:
         b, n, s, d = q.shape
         out = torch.zeros(b, n, s, d, dtype=torch.float32, device=q.device)
@@ -232,7 +241,11 @@ class _RingAttention(torch.autograd.Function):
         buffers = [torch.stack((k, v)), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)]
         for step in range(layout.size):
             kv = buffers[step % 2]
-            shift = ring_shift_async(kv, buffers[(step + 1) % 2], group) if step < layout.size - 1 else None
+            shift = (
+                ring_shift_async(kv, buffers[(step + 1) % 2], group)
+                if group is not None and step < layout.size - 1
+                else None
+            )
             block = _block(layout, (layout.rank - step) % layout.size, q.device)
             if block is not None:
                 kb, vb = (_expand_heads(_rows(t, block.cols), n) for t in kv)
@@ -259,7 +272,11 @@ class _RingAttention(torch.autograd.Function):
         dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
         for step in range(layout.size):
             kv = buffers[step % 2]
-            shift = ring_shift_async(kv, buffers[(step + 1) % 2], group) if step < layout.size - 1 else None
+            shift = (
+                ring_shift_async(kv, buffers[(step + 1) % 2], group)
+                if group is not None and step < layout.size - 1
+                else None
+            )
             block = _block(layout, (layout.rank - step) % layout.size, q.device)
             if block is not None:
                 kb, vb = (_expand_heads(_rows(t, block.cols), n) for t in kv)
@@ -314,7 +331,12 @@ def _add_rows(acc: torch.Tensor, rows: slice | torch.Tensor, value: torch.Tensor
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TokenLayout, group: Any, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: TokenLayout,
+    group: ProcessGroup | None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence's keys/values, by ring.
 
@@ -340,7 +362,7 @@ def all_to_all_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     layout: TokenLayout,
-    group: Any,
+    group: ProcessGroup | None,
     scale: float | None = None,
 ) -> torch.Tensor:
     """Attention by trading heads for sequence (DeepSpeed-Ulysses), same contract as :func:`ring_attention`.

@@ -9,7 +9,7 @@ and masked out of the loss.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,11 @@ from scaling.collectives import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from scaling.nn._init import InitMethod, check_dtype, sharded_parameter, tp_info
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from scaling.topology import Topology
 
 
 def vocab_range(vocab_size: int, model_parallel_size: int, model_parallel_rank: int) -> tuple[int, int]:
@@ -35,7 +40,7 @@ def vocab_parallel_embedding(
     weight: torch.Tensor,
     vocab_start: int,
     vocab_end: int,
-    group: Any,
+    group: ProcessGroup | None,
     *,
     sequence_parallel: bool = False,
     padding_idx: int | None = None,
@@ -80,7 +85,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         self,
         num_embeddings: int,
         embedding_dim: int,
-        topology: Any = None,
+        topology: Topology | None = None,
         dtype: torch.dtype = torch.float32,
         init_method: InitMethod | None = None,
         sequence_parallel: bool = False,
@@ -109,7 +114,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         )
 
     @property
-    def model_parallel_group(self) -> Any:
+    def model_parallel_group(self) -> ProcessGroup | None:
         """The TP process group (None without TP)."""
         return self._tp.group
 
@@ -135,7 +140,7 @@ class VocabParallelEmbedding(torch.nn.Module):
 def vocab_parallel_cross_entropy(
     logits_shard: torch.Tensor,
     targets: torch.Tensor,
-    group: Any,
+    group: ProcessGroup | None,
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     loss_weights: torch.Tensor | None = None,

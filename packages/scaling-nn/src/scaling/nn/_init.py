@@ -10,11 +10,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from scaling.nn._meta import ParameterMeta
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from scaling.topology import Topology
 
 InitMethod = Callable[[torch.Tensor], Any]
 
@@ -25,11 +30,11 @@ class TPInfo:
 
     size: int
     rank: int
-    group: Any
+    group: ProcessGroup | None
     device: torch.device
 
 
-def tp_info(topology: Any) -> TPInfo:
+def tp_info(topology: Topology | None) -> TPInfo:
     """TP coordinates of ``topology``; ``None`` means a single device on CPU."""
     if topology is None:
         return TPInfo(1, 0, None, torch.device("cpu"))

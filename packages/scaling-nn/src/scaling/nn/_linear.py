@@ -6,7 +6,7 @@ along ``s`` (dim 1) outside the tensor-parallel region.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,12 +30,17 @@ from scaling.nn._init import (
     tp_info,
 )
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from scaling.topology import Topology
+
 
 def column_parallel_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    group: Any,
+    group: ProcessGroup | None,
     *,
     sequence_parallel: bool = False,
     gather_output: bool = False,
@@ -65,7 +70,7 @@ def row_parallel_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    group: Any,
+    group: ProcessGroup | None,
     *,
     sequence_parallel: bool = False,
     float8: Float8Config | None = None,
@@ -113,7 +118,7 @@ class ColumnParallelLinear(torch.nn.Module):
         out_features: int,
         bias: bool = True,
         parallel_output: bool = True,
-        topology: Any = None,
+        topology: Topology | None = None,
         dtype: torch.dtype = torch.float32,
         init_method: InitMethod | None = None,
         sequence_parallel: bool = False,
@@ -139,7 +144,7 @@ class ColumnParallelLinear(torch.nn.Module):
             self.register_parameter("bias", None)
 
     @property
-    def model_parallel_group(self) -> Any:
+    def model_parallel_group(self) -> ProcessGroup | None:
         """The TP process group (None without TP)."""
         return self._tp.group
 
@@ -199,7 +204,7 @@ class RowParallelLinear(torch.nn.Module):
         out_features: int,
         bias: bool = True,
         parallel_input: bool = True,
-        topology: Any = None,
+        topology: Topology | None = None,
         dtype: torch.dtype = torch.float32,
         init_method: InitMethod | None = None,
         sequence_parallel: bool = False,
@@ -227,7 +232,7 @@ class RowParallelLinear(torch.nn.Module):
             self.register_parameter("bias", None)
 
     @property
-    def model_parallel_group(self) -> Any:
+    def model_parallel_group(self) -> ProcessGroup | None:
         """The TP process group (None without TP)."""
         return self._tp.group
 

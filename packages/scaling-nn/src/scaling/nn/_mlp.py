@@ -7,13 +7,16 @@ sequence parallelism) per block in the forward.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from scaling.nn._init import InitMethod, check_divisible, tp_info
 from scaling.nn._linear import ColumnParallelLinear, RowParallelLinear
+
+if TYPE_CHECKING:
+    from scaling.topology import Topology
 
 
 class ParallelMLP(torch.nn.Module):
@@ -38,7 +41,7 @@ class ParallelMLP(torch.nn.Module):
         hidden_size: int,
         intermediate_size: int,
         bias: bool = True,
-        topology: Any = None,
+        topology: Topology | None = None,
         dtype: torch.dtype = torch.float32,
         sequence_parallel: bool = False,
         gelu_approximate: str = "none",
@@ -73,7 +76,7 @@ class ParallelSwiGLUMLP(torch.nn.Module):
         hidden_size: int,
         intermediate_size: int,
         bias: bool = False,
-        topology: Any = None,
+        topology: Topology | None = None,
         dtype: torch.dtype = torch.float32,
         sequence_parallel: bool = False,
         init_method: InitMethod | None = None,

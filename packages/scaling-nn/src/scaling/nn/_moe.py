@@ -37,7 +37,7 @@ stay layout-independent. Their ``ParameterMeta.is_expert`` is True.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,9 @@ from scaling.collectives import (
 from scaling.nn._init import InitMethod, check_divisible, check_dtype, default_weight_init, sharded_parameter, tp_info
 from scaling.nn._meta import get_parameter_meta
 from scaling.nn._mlp import ParallelSwiGLUMLP
+
+if TYPE_CHECKING:
+    from scaling.topology import Topology
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 BALANCING = ("aux_loss", "aux_loss_free", "none")
@@ -124,7 +127,7 @@ class ParallelMoE(torch.nn.Module):
         ffn_size: int,
         num_experts: int,
         top_k: int = 2,
-        topology: Any = None,
+        topology: Topology | None = None,
         score_function: str = "softmax",
         normalize_top_k: bool = True,
         num_shared_experts: int = 0,

@@ -7,7 +7,7 @@ gradients are partial sums: the metas say ``reduce_over_tp=True`` and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,11 @@ import torch.nn.functional as F
 from scaling.collectives import all_reduce
 from scaling.nn._init import check_dtype, sharded_parameter, tp_info
 from scaling.nn._meta import get_parameter_meta
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from scaling.topology import Topology
 
 
 class LayerNorm(torch.nn.Module):
@@ -36,7 +41,7 @@ class LayerNorm(torch.nn.Module):
         normalized_shape: int,
         eps: float = 1e-5,
         bias: bool = True,
-        topology: Any = None,
+        topology: Topology | None = None,
         dtype: torch.dtype = torch.float32,
         sequence_parallel: bool = False,
     ) -> None:
@@ -72,7 +77,7 @@ class RMSNorm(torch.nn.Module):
         self,
         normalized_shape: int,
         eps: float = 1e-6,
-        topology: Any = None,
+        topology: Topology | None = None,
         dtype: torch.dtype = torch.float32,
         sequence_parallel: bool = False,
     ) -> None:
@@ -92,7 +97,7 @@ class RMSNorm(torch.nn.Module):
         return f"{self.normalized_shape[0]}, eps={self.eps}"
 
 
-def reduce_sequence_parallel_gradients(module: torch.nn.Module, group: Any) -> int:
+def reduce_sequence_parallel_gradients(module: torch.nn.Module, group: ProcessGroup | None) -> int:
     """All-reduce (sum) over ``group`` the gradients of the parameters whose meta says
     ``reduce_over_tp`` (replicated parameters used on sequence shards). Call after the
     backward, before the optimizer step; returns how many gradients were reduced.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -19,12 +19,15 @@ from scaling.collectives import all_gather
 from scaling.nn._lora import LoRAConfig, _tp_of, apply_lora, lora_modules
 from scaling.nn._meta import get_parameter_meta
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 
 
-def _full(param: torch.Tensor, group: Any) -> torch.Tensor:
+def _full(param: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     meta = get_parameter_meta(param)
     t = param.detach()
     if meta.parallel_dim is None or group is None or dist.get_world_size(group) == 1:

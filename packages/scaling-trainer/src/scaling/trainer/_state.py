@@ -21,6 +21,10 @@ from scaling.trainer._context import BaseContext
 from scaling.trainer.loggers import MetricsLogger
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from scaling.optim import Optimizer
+    from scaling.pipeline import ParallelModule
     from scaling.trainer.checkpoint import PendingSave, StagingBuffers
 
 
@@ -28,8 +32,8 @@ class CheckpointedTrainer(Protocol):
     """The parts of a trainer whose state a checkpoint holds (``BaseTrainer`` has them)."""
 
     config: TrainerConfig
-    parallel_module: Any
-    optimizer: Any
+    parallel_module: ParallelModule
+    optimizer: Optimizer
     loader: DataLoader[Any]
     metrics_logger: MetricsLogger
 
@@ -49,7 +53,7 @@ class TrainerCheckpointer:
     def __init__(self, trainer: CheckpointedTrainer) -> None:
         self.trainer = trainer
         self._pending: PendingSave | None = None
-        self._group: Any = None
+        self._group: ProcessGroup | None = None
         self._staging: StagingBuffers | None = None  # made by the first asynchronous save, then reused
         self.last_loaded_step: int | None = None
         self.last_saved_step: int | None = None

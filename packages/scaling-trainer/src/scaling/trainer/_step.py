@@ -57,21 +57,29 @@ class ScheduledStage(Protocol):
 
 
 class LossScalerLike(Protocol):
-    scale: float
+    @property
+    def scale(self) -> float: ...
 
 
 class StepReport(Protocol):
     """What an optimizer step reports (``scaling.optim.OptimizerStepOutput`` has it)."""
 
-    global_grad_norm: float | None
-    learning_rates: dict[str, float]
-    current_loss_scale: float
+    # Read-only: scaling.optim's report is a frozen dataclass.
+    @property
+    def global_grad_norm(self) -> float | None: ...
+
+    @property
+    def learning_rates(self) -> dict[str, float]: ...
+
+    @property
+    def current_loss_scale(self) -> float: ...
 
 
 class OptimizerLike(Protocol):
     """What the step needs of an optimizer (``scaling.optim.Optimizer`` has it)."""
 
-    loss_scaler: LossScalerLike
+    @property
+    def loss_scaler(self) -> LossScalerLike: ...
 
     def zero_grad(self) -> None: ...
 

@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from scaling.collectives import all_reduce, get_recorder
 from scaling.data import BaseDataset, DataLoader
+from scaling.optim import Optimizer
+from scaling.pipeline import ParallelModule
 from scaling.trainer._compiled import CompileLog
 from scaling.trainer._config import TrainerConfig
 from scaling.trainer._context import BaseContext
@@ -71,8 +73,8 @@ class BaseTrainer(Generic[ContextT]):
         self,
         config: TrainerConfig,
         context: ContextT,
-        parallel_module: Any,
-        optimizer: Any,
+        parallel_module: ParallelModule,
+        optimizer: Optimizer,
         dataset: BaseDataset[Any, Any],
         dataset_evaluation: BaseDataset[Any, Any] | None,
         sync_batch_to_model_parallel: Callable[..., Any] | None,

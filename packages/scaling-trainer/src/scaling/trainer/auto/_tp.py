@@ -9,13 +9,16 @@ what is here is only the sharding of an existing module's parameters.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from scaling.nn import Float8Config, column_parallel_linear, row_parallel_linear, vocab_parallel_embedding
 from scaling.trainer.auto._plan import ModuleSharding
 from scaling.trainer.auto._policy import shard_dim
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 _LOCAL = "_scaling_local"
 
@@ -65,7 +68,9 @@ class ShardedLinear(torch.nn.Module):
         group: the TP process group; rank, size: coordinates in it.
     """
 
-    def __init__(self, source: torch.nn.Module, sharding: ModuleSharding, group: Any, rank: int, size: int) -> None:
+    def __init__(
+        self, source: torch.nn.Module, sharding: ModuleSharding, group: ProcessGroup | None, rank: int, size: int
+    ) -> None:
         super().__init__()
         self.sharding, self.size = sharding, size
         self.group = group if size > 1 else None
@@ -93,7 +98,7 @@ class ShardedEmbedding(torch.nn.Module):
     Ids outside this rank's range look up zeros; the partial results are all-reduced.
     """
 
-    def __init__(self, source: torch.nn.Embedding, group: Any, rank: int, size: int) -> None:
+    def __init__(self, source: torch.nn.Embedding, group: ProcessGroup | None, rank: int, size: int) -> None:
         super().__init__()
         self.group, self.size = (group if size > 1 else None), size
         self.weight = _local_param(source.weight, 0, rank, size, 1)
@@ -112,7 +117,7 @@ class ShardedEmbedding(torch.nn.Module):
 
 
 def make_shard_fn(
-    model: torch.nn.Module, shardings: dict[str, ModuleSharding], group: Any, rank: int, size: int
+    model: torch.nn.Module, shardings: dict[str, ModuleSharding], group: ProcessGroup | None, rank: int, size: int
 ) -> Any:
     """The ``shard_fn`` for :func:`materialize`: replaces each planned module by its TP shard."""
 

@@ -28,6 +28,8 @@ from scaling.trainer.checkpoint._tree import decode_pytree, fill_state, flatten_
 _LOAD_TAKES_NO_DIST = "no_dist" in inspect.signature(dcp_loader.load).parameters
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from scaling.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -104,7 +106,7 @@ def load_checkpoint(
     allowed_missing: Sequence[str] = (),
     allowed_unexpected: Sequence[str] = (),
     ignored: Sequence[str] = (),
-    process_group: Any = None,
+    process_group: ProcessGroup | None = None,
 ) -> LoadedCheckpoint:
     """Verify and load a checkpoint into this rank's ``state_template`` (any layout).
 

@@ -23,6 +23,8 @@ from scaling.trainer.checkpoint._hashing_writer import Digest, HashingFileSystem
 from scaling.trainer.checkpoint._tree import encode_pytree, flatten_state
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from scaling.topology import Topology
 
 EXTRA_FILE = "extra.json"
@@ -217,7 +219,7 @@ def save_checkpoint(
     rank_state: Any = None,
     keep_last: int | None = None,
     async_save: bool = False,
-    process_group: Any = None,
+    process_group: ProcessGroup | None = None,
     staging: StagingBuffers | None = None,
 ) -> PendingSave:
     """Save a checkpoint of every rank's ``state`` into ``save_dir/step_{step:08d}``.
