@@ -57,6 +57,7 @@ from scaling.collectives._frames import (
     header,
     read_header,
 )
+from scaling.collectives._pytree import PyTree
 from scaling.collectives._recorder import CollectiveRecord, get_recorder
 
 _FORWARD, _BACKWARD = "forward", "backward"
@@ -72,7 +73,7 @@ class _NoSend:
 _NO_SEND: Any = _NoSend()
 
 
-def tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
+def tensors_requiring_grad(obj: PyTree) -> list[torch.Tensor]:
     """The tensors of ``obj`` with ``requires_grad``, in flatten order.
 
     On a stage that got ``obj`` from :meth:`PipeTransport.recv_forward`, these are the
@@ -142,8 +143,8 @@ class PipeTransport:
         empty = Layout(None, self.device)
         self._sent: dict[str, Layout] = {_FORWARD: empty, _BACKWARD: empty}
         self._received: dict[str, Layout] = {_FORWARD: empty, _BACKWARD: empty}
-        self._in_flight: list[tuple[Any, CollectiveRecord]] = []  # (work, record) of unfinished sends, oldest first
-        self._resolved_group: tuple[Any, bool] | None = None
+        self._in_flight: list[tuple[dist.Work, CollectiveRecord]] = []  # (work, record) of unfinished sends, oldest first
+        self._resolved_group: tuple[dist.ProcessGroup, bool] | None = None
         self._group_ranks: dict[int, int] = {}  # global rank -> rank in the group
         self.handshakes_sent = 0
         self.handshakes_received = 0
@@ -153,11 +154,11 @@ class PipeTransport:
         return f"PipeTransport(prev_rank={self.prev_rank}, next_rank={self.next_rank}, device={self.device}{extra})"
 
     # ------------------------------------------------------------------ public
-    def send_forward(self, obj: Any, *, wait: bool = True) -> None:
+    def send_forward(self, obj: PyTree, *, wait: bool = True) -> None:
         """Send ``obj`` (this stage's output) to the next stage (``wait=False``: leave it in flight)."""
         self.exchange(send_forward=obj, wait_sends=wait)
 
-    def recv_forward(self) -> Any:
+    def recv_forward(self) -> PyTree:
         """Receive the previous stage's output; tensors that required grad arrive as grad leaves."""
         return self.exchange(recv_forward=True)[0]
 
@@ -169,15 +170,15 @@ class PipeTransport:
         """Receive the gradients of what this stage sent forward, in flatten order."""
         return self.exchange(recv_backward=True)[1]
 
-    def send_forward_recv_backward(self, obj: Any) -> list[torch.Tensor | None]:
+    def send_forward_recv_backward(self, obj: PyTree) -> list[torch.Tensor | None]:
         """Send ``obj`` to the next stage while receiving gradients from it (1F1B steady state)."""
         return self.exchange(send_forward=obj, recv_backward=True)[1]
 
-    def send_backward_recv_forward(self, grads: Sequence[torch.Tensor | None]) -> Any:
+    def send_backward_recv_forward(self, grads: Sequence[torch.Tensor | None]) -> PyTree:
         """Send gradients to the previous stage while receiving its next output."""
         return self.exchange(send_backward=grads, recv_forward=True)[0]
 
-    def send_forward_recv_forward(self, obj: Any) -> Any:
+    def send_forward_recv_forward(self, obj: PyTree) -> PyTree:
         """Send ``obj`` to the next stage while receiving the previous stage's output (interleaved warm-up)."""
         return self.exchange(send_forward=obj, recv_forward=True)[0]
 
@@ -188,12 +189,12 @@ class PipeTransport:
     def exchange(
         self,
         *,
-        send_forward: Any = _NO_SEND,
+        send_forward: PyTree = _NO_SEND,
         recv_forward: bool = False,
         send_backward: Sequence[torch.Tensor | None] | None = None,
         recv_backward: bool = False,
         wait_sends: bool = True,
-    ) -> tuple[Any, Any]:
+    ) -> tuple[PyTree, PyTree]:
         """Any combination of the four transfers, posted as one batched exchange.
 
         Args:
@@ -262,10 +263,11 @@ class PipeTransport:
             raise ValueError(f"{method}: this is the {stage} pipeline stage ({attr}=None); there is no peer to talk to")
         return int(rank)
 
-    def _resolved(self) -> tuple[Any, bool]:
+    def _resolved(self) -> tuple[dist.ProcessGroup, bool]:
         """The process group (default group resolved once) and whether to post ops one by one (gloo)."""
         if self._resolved_group is None:
             group = self.group if self.group is not None else dist.group.WORLD
+            assert group is not None, "PipeTransport needs an initialised process group"
             self._resolved_group = (group, dist.get_backend(group) == "gloo")
         return self._resolved_group
 
@@ -280,7 +282,7 @@ class PipeTransport:
         works, recs = self._start(ops)
         self._wait(ops, works, recs, wait_sends)
 
-    def _start(self, ops: list[tuple[str, torch.Tensor, int]]) -> tuple[list[Any], list[CollectiveRecord]]:
+    def _start(self, ops: list[tuple[str, torch.Tensor, int]]) -> tuple[list[dist.Work], list[CollectiveRecord]]:
         """Post ``ops`` together (recorded like ``batch_send_recv``); the handles and records.
 
         The bookkeeping (recording the ops, collecting earlier sends that finished) runs
@@ -316,7 +318,7 @@ class PipeTransport:
         return works, recs
 
     def _wait(
-        self, ops: list[tuple[str, torch.Tensor, int]], works: list[Any], recs: list[CollectiveRecord], wait_sends: bool
+        self, ops: list[tuple[str, torch.Tensor, int]], works: list[dist.Work], recs: list[CollectiveRecord], wait_sends: bool
     ) -> None:
         """Wait for the receives of a :meth:`_start` (and its sends, or leave them in flight)."""
         try:
@@ -333,7 +335,7 @@ class PipeTransport:
             raise _p2p_diagnosis.p2p_failure(recs, self.group, exc) from exc
 
     def _add_send(
-        self, ops: list[tuple[str, torch.Tensor, int]], handshakes: list[_Handshake], channel: str, dst: int, obj: Any
+        self, ops: list[tuple[str, torch.Tensor, int]], handshakes: list[_Handshake], channel: str, dst: int, obj: PyTree
     ) -> None:
         """Append the frame of ``obj``; if its metadata changed, a handshake for the second step."""
         spec, tensors = _pytree.flatten(obj, path=_PATHS[channel])
@@ -390,9 +392,9 @@ class PipeTransport:
         self,
         handshakes: list[_Handshake],
         incoming: list[_Incoming],
-        expected: list[Any],
+        expected: list[PyTree],
         wait_sends: bool,
-    ) -> dict[str, Any]:
+    ) -> dict[str, PyTree]:
         """The received pytrees: ``expected`` (built from the cached layouts), or after step 2 where the metadata changed.
 
         Both sides know which messages changed: the sender from its cache, the receiver
@@ -425,7 +427,7 @@ class PipeTransport:
                 )
         self._post(ops, wait_sends)
 
-        received: dict[str, Any] = {}
+        received: dict[str, PyTree] = {}
         for (channel, _, _, _), obj in zip(incoming, expected):
             if channel in changed:
                 meta_buf, buffer = changed[channel]
@@ -444,7 +446,7 @@ _Incoming = tuple[str, int, Buffer, Layout]
 _PATHS = {_FORWARD: "forward pytree", _BACKWARD: "backward pytree"}
 
 
-def _describe(spec: Any, metas: tuple[_pytree.TensorMeta, ...]) -> str:
+def _describe(spec: _pytree.Spec, metas: tuple[_pytree.TensorMeta, ...]) -> str:
     """A pytree's structure and tensors, short: what a static-shapes error shows."""
     tensors = ", ".join(
         f"{tuple(m.shape)} {str(m.dtype).replace('torch.', '')}{' grad' if m.requires_grad else ''}" for m in metas
@@ -457,7 +459,7 @@ def _describe(spec: Any, metas: tuple[_pytree.TensorMeta, ...]) -> str:
     return f"{kind} of [{tensors}]"
 
 
-def _grad_list(grads: Any) -> list[torch.Tensor | None]:
+def _grad_list(grads: PyTree) -> list[torch.Tensor | None]:
     if not isinstance(grads, (list, tuple)) or not all(g is None or isinstance(g, torch.Tensor) for g in grads):
         raise TypeError(
             f"grads must be a list of tensors (or None) in the flatten order of the received inputs, got "

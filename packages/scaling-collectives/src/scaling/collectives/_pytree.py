@@ -15,6 +15,7 @@ receiver rebuilds each tensor as a typed view of its slice.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -38,6 +39,12 @@ class TensorMeta(NamedTuple):
         return numel * self.dtype.itemsize
 
 
+#: What travels between pipeline stages and is broadcast over TP: a nest of the nodes and
+#: leaves above, tensors at the leaves. ``Any`` because the nodes are the user's own classes
+#: (a walkthrough LayerIO, a batch dataclass), which no static type can enumerate; the
+#: runtime check is :func:`flatten`'s, naming the path of an unsupported leaf.
+PyTree = Any
+
 # Spec nodes are tuples: ("t", index) | ("v", value) | ("list"|"tuple", children)
 # | ("namedtuple", cls, children) | ("dict", keys, children) | ("dc", cls, names, children)
 # | ("obj", cls, names, children) (a plain class's instance attributes).
@@ -55,7 +62,7 @@ def _field_names(cls: type) -> tuple[str, ...] | None:
     return names
 
 
-def _plain_names(obj: Any) -> tuple[str, ...] | None:
+def _plain_names(obj: PyTree) -> tuple[str, ...] | None:
     """The instance attributes of a plain user class's object (None for anything else).
 
     Classes, modules, functions and builtins' objects are not plain: they stay unsupported.
@@ -66,7 +73,7 @@ def _plain_names(obj: Any) -> tuple[str, ...] | None:
     return None if type(obj).__module__ == "builtins" else tuple(attrs)
 
 
-def flatten(obj: Any, path: str = "obj") -> tuple[Spec, list[torch.Tensor]]:
+def flatten(obj: PyTree, path: str = "obj") -> tuple[Spec, list[torch.Tensor]]:
     """Split ``obj`` into a spec and its tensors in depth-first order.
 
     Raises:
@@ -86,7 +93,7 @@ class _Unsupported(TypeError):
     """Raised by :func:`_flatten` on an unsupported leaf or key; :func:`flatten` turns it into a named error."""
 
 
-def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Spec:
+def _flatten(obj: PyTree, tensors: list[torch.Tensor]) -> Spec:
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
         return ("t", len(tensors) - 1)
@@ -110,7 +117,7 @@ def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Spec:
     raise _Unsupported
 
 
-def _check(obj: Any, path: str) -> None:
+def _check(obj: PyTree, path: str) -> None:
     """Walk ``obj`` as :func:`_flatten` does, naming each node's path; raise ``TypeError`` at the first bad one."""
     if isinstance(obj, (torch.Tensor, *_SCALARS)):
         return
@@ -141,7 +148,7 @@ def _check(obj: Any, path: str) -> None:
         )
 
 
-def tensor_leaves(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+def tensor_leaves(obj: PyTree, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The tensors of ``obj`` in :func:`flatten`'s order, without building a spec or checking types.
 
     For objects already known to be sendable (sent or received before): this runs for
@@ -163,7 +170,7 @@ def tensor_leaves(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch
     return out
 
 
-def unflatten(spec: Spec, tensors: list[Any]) -> Any:
+def unflatten(spec: Spec, tensors: Sequence[torch.Tensor | None]) -> PyTree:
     """Rebuild the object ``spec`` describes, with ``tensors`` in flatten order."""
     kind = spec[0]
     if kind == "t":
