@@ -20,6 +20,7 @@ EXPECTED = [
     "RMSNorm",
     "RotaryEmbedding",
     "RowParallelLinear",
+    "TensorParallelLinear",
     "TiedLayerSpec",
     "TokenLayout",
     "VocabParallelEmbedding",

@@ -143,7 +143,9 @@ class PipeTransport:
         empty = Layout(None, self.device)
         self._sent: dict[str, Layout] = {_FORWARD: empty, _BACKWARD: empty}
         self._received: dict[str, Layout] = {_FORWARD: empty, _BACKWARD: empty}
-        self._in_flight: list[tuple[dist.Work, CollectiveRecord]] = []  # (work, record) of unfinished sends, oldest first
+        self._in_flight: list[
+            tuple[dist.Work, CollectiveRecord]
+        ] = []  # (work, record) of unfinished sends, oldest first
         self._resolved_group: tuple[dist.ProcessGroup, bool] | None = None
         self._group_ranks: dict[int, int] = {}  # global rank -> rank in the group
         self.handshakes_sent = 0
@@ -318,7 +320,11 @@ class PipeTransport:
         return works, recs
 
     def _wait(
-        self, ops: list[tuple[str, torch.Tensor, int]], works: list[dist.Work], recs: list[CollectiveRecord], wait_sends: bool
+        self,
+        ops: list[tuple[str, torch.Tensor, int]],
+        works: list[dist.Work],
+        recs: list[CollectiveRecord],
+        wait_sends: bool,
     ) -> None:
         """Wait for the receives of a :meth:`_start` (and its sends, or leave them in flight)."""
         try:
@@ -335,7 +341,12 @@ class PipeTransport:
             raise _p2p_diagnosis.p2p_failure(recs, self.group, exc) from exc
 
     def _add_send(
-        self, ops: list[tuple[str, torch.Tensor, int]], handshakes: list[_Handshake], channel: str, dst: int, obj: PyTree
+        self,
+        ops: list[tuple[str, torch.Tensor, int]],
+        handshakes: list[_Handshake],
+        channel: str,
+        dst: int,
+        obj: PyTree,
     ) -> None:
         """Append the frame of ``obj``; if its metadata changed, a handshake for the second step."""
         spec, tensors = _pytree.flatten(obj, path=_PATHS[channel])

@@ -16,7 +16,7 @@ from scaling.nn._embedding import (
     vocab_range,
 )
 from scaling.nn._float8 import Float8Config, float8_linear, float8_supported
-from scaling.nn._float8_layers import check_float8, enable_float8
+from scaling.nn._float8_layers import TensorParallelLinear, check_float8, enable_float8
 from scaling.nn._init import LayerInputError
 from scaling.nn._layer import (
     BaseLayer,
@@ -63,6 +63,7 @@ __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "RowParallelLinear",
+    "TensorParallelLinear",
     "TiedLayerSpec",
     "TokenLayout",
     "VocabParallelEmbedding",

@@ -4,12 +4,29 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from scaling.nn._float8 import Float8Config, float8_supported
-from scaling.nn._linear import ColumnParallelLinear, RowParallelLinear
+
+
+@runtime_checkable
+class TensorParallelLinear(Protocol):
+    """What float8 needs of a linear layer: its TP split, its weight's ``[out, in]`` shape, and the slot.
+
+    ``ColumnParallelLinear`` and ``RowParallelLinear`` have it, and so do the auto API's
+    wrappers of unmodified modules; ``tensor_parallel_split`` is None for a linear that
+    stays in high precision whatever the rule says (an LM head that gathers the vocabulary).
+    """
+
+    float8: Float8Config | None
+
+    @property
+    def tensor_parallel_split(self) -> str | None: ...  # "column", "row" or None
+
+    @property
+    def linear_shape(self) -> tuple[int, int]: ...  # the weight as F.linear takes it: [out, in]
 
 
 def _chosen(model: torch.nn.Module, config: Float8Config, tp: int) -> Iterator[tuple[str, Any, int, int]]:
@@ -18,10 +35,10 @@ def _chosen(model: torch.nn.Module, config: Float8Config, tp: int) -> Iterator[t
     A column-parallel linear splits its output over TP, a row-parallel one its input.
     """
     for name, module in model.named_modules():
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if not isinstance(module, TensorParallelLinear) or module.tensor_parallel_split is None:
             continue
-        out_size, in_size = module.weight.shape
-        if isinstance(module, ColumnParallelLinear):
+        out_size, in_size = module.linear_shape
+        if module.tensor_parallel_split == "column":
             out_size //= tp
         else:
             in_size //= tp
@@ -66,7 +83,8 @@ def _chosen_checked(
 
 
 def enable_float8(model: torch.nn.Module, config: Float8Config) -> list[str]:
-    """Make the column- and row-parallel linears of ``model`` (built, TP-local) multiply in float8.
+    """Make the column- and row-parallel linears of ``model`` (built, TP-local; any
+    :class:`TensorParallelLinear`) multiply in float8.
 
     Layers matching ``config.exclude`` or with a local size below ``config.min_features``
     keep their precision. A no-op unless ``config.enabled``. Returns the chosen layers' names.

@@ -148,6 +148,17 @@ class ColumnParallelLinear(torch.nn.Module):
         """The TP process group (None without TP)."""
         return self._tp.group
 
+    @property
+    def tensor_parallel_split(self) -> str:
+        """``"column"``: what float8's layer rule reads (see ``scaling.nn.TensorParallelLinear``)."""
+        return "column"
+
+    @property
+    def linear_shape(self) -> tuple[int, int]:
+        """The weight's ``[out, in]`` shape (this rank's part)."""
+        out_features, in_features = self.weight.shape
+        return out_features, in_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., in]`` (``[b, s/tp, in]`` under sequence parallelism)."""
         group = self._tp.group
@@ -235,6 +246,17 @@ class RowParallelLinear(torch.nn.Module):
     def model_parallel_group(self) -> ProcessGroup | None:
         """The TP process group (None without TP)."""
         return self._tp.group
+
+    @property
+    def tensor_parallel_split(self) -> str:
+        """``"row"``: what float8's layer rule reads (see ``scaling.nn.TensorParallelLinear``)."""
+        return "row"
+
+    @property
+    def linear_shape(self) -> tuple[int, int]:
+        """The weight's ``[out, in]`` shape (this rank's part)."""
+        out_features, in_features = self.weight.shape
+        return out_features, in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., in/tp]`` (or ``[..., in]`` with ``parallel_input=False``)."""

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from scaling.collectives import all_reduce
-from scaling.nn import CompileConfig, ParameterMeta, compile_layers, get_parameter_meta
+from scaling.nn import CompileConfig, Float8Config, ParameterMeta, compile_layers, enable_float8, get_parameter_meta
 from scaling.topology import Topology, TopologyConfig
 from scaling.trainer.auto._context import enable as enable_context_parallel
 from scaling.trainer.auto._context import sliced
@@ -52,6 +52,8 @@ class ParallelModel(torch.nn.Module):
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None  # fp16: set by the optimizer
         #: How the blocks are compiled (``parallelize(compile=...)``).
         self.compile_config = CompileConfig()
+        #: The modules multiplying in float8 (``parallelize(float8=...)``).
+        self.float8_layers: list[str] = []
 
     def forward(self, batch: Any) -> Any:
         if self.pipeline is not None:
@@ -157,6 +159,7 @@ def parallelize(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     topology: Topology | None = None,
     compile: CompileConfig | bool = False,
+    float8: Float8Config | bool = False,
 ) -> tuple[ParallelModel, ParallelOptimizer, Any, DataLoader | None]:
     """Make ``model`` nD-parallel per ``plan``; the returned objects run the plain loop.
 
@@ -181,13 +184,20 @@ def parallelize(
         compile: compile each block of this stage with ``torch.compile`` (a
             :class:`~scaling.nn.CompileConfig`, or True for its defaults), as torchtitan
             compiles each transformer block; the whole model when it has no blocks.
+        float8: multiply the TP linears (the planned ``column``/``row`` modules, at every TP
+            size) in float8 (a :class:`~scaling.nn.Float8Config`, or True for its defaults);
+            the LM head, embeddings, layers matching ``exclude`` and layers smaller than
+            ``min_features`` stay in ``plan.precision``. The chosen layers' names are in
+            ``model.float8_layers``.
 
     Returns:
         ``(model, optimizer, scheduler, data_loader)``.
 
     Raises:
-        ValueError: the world size differs from the plan, or an optimizer ``scaling.optim``
-            cannot run (ZeRO / reduced precision / offload need AdamW, Adam or SGD).
+        ValueError: the world size differs from the plan, an optimizer ``scaling.optim``
+            cannot run (ZeRO / reduced precision / offload need AdamW, Adam or SGD), or float8
+            cannot run here or a chosen layer's local sizes are not multiples of 16 (named,
+            with its shape and the fix).
     """
     topology = _topology(plan, topology)
     pipeline = None
@@ -211,7 +221,10 @@ def parallelize(
     attach_metas(model, plan, pipeline)
     if plan.context_parallel_size > 1:
         enable_context_parallel(model)
+    float8_config = float8 if isinstance(float8, Float8Config) else Float8Config(enabled=float8)
+    float8_layers = enable_float8(model, float8_config)
     wrapped = ParallelModel(model, plan, topology, pipeline)
+    wrapped.float8_layers = float8_layers
     wrapped.compile_config = compile if isinstance(compile, CompileConfig) else CompileConfig(enabled=compile)
     units = wrapped.layer_modules()
     compile_layers(units[1:] or units, wrapped.compile_config)

@@ -80,6 +80,18 @@ class ShardedLinear(torch.nn.Module):
         self.weight = _local_param(source.get_parameter("weight"), shard_dim(sharding, "weight"), rank, size, chunks)
         self.bias = _local_param(getattr(source, "bias", None), shard_dim(sharding, "bias"), rank, size, chunks)
 
+    @property
+    def tensor_parallel_split(self) -> str | None:
+        """For float8's layer rule: ``"row"``, ``"column"``, or None for the LM head, which gathers
+        the vocabulary and stays in high precision (as the LayerSpec models' heads do)."""
+        return None if self.sharding.style == "vocab_head" else "row" if self.sharding.style == "row" else "column"
+
+    @property
+    def linear_shape(self) -> tuple[int, int]:
+        """This rank's weight as ``F.linear`` takes it, ``[out, in]`` (``Conv1D`` stores ``[in, out]``)."""
+        a, b = self.weight.shape
+        return (b, a) if self.sharding.transposed else (a, b)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         style = self.sharding.style
         weight = self.weight.t() if self.sharding.transposed else self.weight
