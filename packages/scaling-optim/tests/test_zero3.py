@@ -212,3 +212,64 @@ def test_offloaded_zero3_update_overlaps_the_next_step_and_matches():
         assert plain_flight == [False] * 3 and flight == [True] * 3
         for a, b in zip(plain, offloaded):
             assert torch.equal(a, b)
+
+
+def _float8_all_gather(all_gather):
+    """ZeRO-3 at DP 2 over two float8 linears (32 x 32): with ``all_gather`` their weights travel in float8."""
+    from scaling.nn import ColumnParallelLinear, Float8Config, RowParallelLinear, enable_float8, set_layer_index
+
+    topo = make_topology()
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(ColumnParallelLinear(32, 32), torch.nn.Tanh(), RowParallelLinear(32, 32))
+    for index in (0, 2):
+        set_layer_index(layers[index], index)
+    enable_float8(layers, Float8Config(enabled=True, min_features=16, all_gather=all_gather))
+    full = layers[0].weight.detach().clone()
+    triples = [(p.parameter_meta.key, p, p.parameter_meta) for p in layers.parameters()]
+    opt = Optimizer(
+        config=OptimizerConfig(zero_stage=3),
+        parameter_groups=[OptimizerParamGroup(triples, OptimizerParamGroupConfig(name="all"))],
+        topology=topo,
+        zero3_modules=[layers[0], layers[2]],
+    )
+    seen = {}
+    layers[0].register_forward_pre_hook(lambda m, a: seen.setdefault("gathered", m.weight.detach().clone()))
+    losses = []
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1 + topo.data_parallel_rank))
+    for _ in range(3):
+        opt.zero_grad()
+        loss = layers(x).pow(2).mean()
+        opt.backward(loss)
+        opt.step()
+        losses.append(loss.item())
+    nbytes, calls = opt.gatherer.sent_bytes, opt.gatherer.gathers
+    with opt.full_parameters():
+        exact = layers[0].weight.detach().clone()
+        shards = [torch.zeros_like(opt.slots[0].param_shard) for _ in range(2)]
+        torch.distributed.all_gather(shards, opt.slots[0].param_shard, group=topo.data_parallel_group)
+    scale = torch.finfo(torch.float8_e4m3fn).max / full.abs().max()
+    float8_grid = (full * scale).to(torch.float8_e4m3fn).float() * scale.reciprocal()
+    return {
+        "losses": losses,
+        "bytes": nbytes,
+        "calls": calls,
+        "first_gather_is_float8": torch.equal(seen["gathered"], float8_grid),
+        "first_gather_is_exact": torch.equal(seen["gathered"], full),
+        "full_parameters_exact": torch.equal(exact.view(-1), torch.cat(shards)[: exact.numel()]),
+    }
+
+
+@pytest.mark.distributed
+def test_float8_all_gather_sends_one_byte_per_weight_element_and_trains_alike():
+    plain, float8 = (run_distributed(_float8_all_gather, 2, flag, timeout_seconds=120)[0] for flag in (False, True))
+    # What travels: the first gather is the float8 weight (one global scale), not the weight itself.
+    assert float8["first_gather_is_float8"] and not float8["first_gather_is_exact"]
+    assert plain["first_gather_is_exact"]
+    # Per gather of a layer, a rank sends its 512 weight elements and 16 bias elements: 4 bytes
+    # each (2112) or, in float8, 1 byte per weight element (576); the same gathers in both runs.
+    assert plain["calls"] == float8["calls"] and plain["bytes"] % 2112 == 0
+    assert float8["bytes"] == plain["bytes"] // 2112 * 576
+    # The float8 products quantise the gathered weight to the same float8 values: same training.
+    torch.testing.assert_close(torch.tensor(float8["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=0.0)
+    # full_parameters() (checkpoints) gathers the exact weights, never the float8 ones.
+    assert float8["full_parameters_exact"] and plain["full_parameters_exact"]

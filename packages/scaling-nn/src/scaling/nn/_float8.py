@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from scaling.config import BaseConfig
 
@@ -54,6 +54,22 @@ class Float8Config(BaseConfig):
         description="Layers whose local input or output size is below this stay in high precision: small "
         "products gain nothing from float8 and lose accuracy.",
     )
+
+    all_gather: bool = Field(
+        False,
+        description="Under ZeRO-3, all-gather the float8 linears' weights in float8 (1 byte per element "
+        "on the wire instead of 2 or 4), each quantised with one scale from its amax over all shards "
+        "(torchtitan's enable_fsdp_float8_all_gather); needs scaling='tensorwise'.",
+    )
+
+    @model_validator(mode="after")
+    def _check_all_gather(self) -> Float8Config:
+        if self.all_gather and self.scaling != "tensorwise":
+            raise ValueError(
+                f"fp8.all_gather=true needs fp8.scaling='tensorwise' (got {self.scaling!r}): a gathered weight "
+                "carries one scale; set scaling='tensorwise' or all_gather=false"
+            )
+        return self
 
     @property
     def grad_dtype(self) -> torch.dtype:

@@ -42,17 +42,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 
 from scaling.collectives import PendingCollective, all_reduce, reduce_scatter_async
-from scaling.nn import ParameterMeta
+from scaling.nn import ParameterMeta, TensorParallelLinear
 from scaling.optim._comm import group_size
 from scaling.optim._compat import all_gather_single, in_backward
 from scaling.optim._slots import ParamSlot
 from scaling.optim._weak import weak_hook
+
+FLOAT8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -103,6 +105,16 @@ def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from _iter_tensors(getattr(obj, f.name))
+
+
+class _Pending(NamedTuple):
+    """An all-gather in flight: its handle (None with one rank), the receive buffer, one rank's
+    width in it, and (float8 all-gathers: a byte buffer) each float8 weight's inverse scale."""
+
+    work: Any
+    buffer: torch.Tensor
+    width: int
+    inverse: dict[int, torch.Tensor]
 
 
 class ParameterGatherer:
@@ -157,7 +169,23 @@ class ParameterGatherer:
                 f"zero_stage=3: parameters {missing} belong to none of the modules passed as zero3_modules; "
                 "pass every layer that uses a trained parameter"
             )
-        self._pending: dict[int, tuple[Any, torch.Tensor, int]] = {}
+        # Weights of the float8 linears whose config asks for float8 all-gathers (slot id ->
+        # its float8 dtype): they travel quantised, one byte per element (see _start).
+        self._float8: dict[int, torch.dtype] = {}
+        for module in modules:
+            for sub in module.modules():
+                config = getattr(sub, "float8", None)
+                weight = getattr(sub, "weight", None)
+                if isinstance(sub, TensorParallelLinear) and config is not None and config.all_gather:
+                    weight_slot = by_param.get(id(weight))
+                    if weight_slot is not None:
+                        self._float8[id(weight_slot)] = torch.float8_e4m3fn
+        #: Layers whole with weights dequantised from float8 (forward / backward only; exact
+        #: gathers, as for checkpoints, gather them again in their own dtype).
+        self._lossy: set[int] = set()
+        self._pending: dict[int, _Pending] = {}
+        #: Bytes this rank has put into all-gathers (its shards' part), and how many it started.
+        self.sent_bytes, self.gathers = 0, 0
         #: Called before a gather reads the shards (the optimizer's wait for a host update).
         self.before_gather: Callable[[], None] | None = None
         self.handles: list[Any] = []
@@ -168,7 +196,7 @@ class ParameterGatherer:
             self.handles.append(module.register_forward_hook(self._post_forward(index), prepend=True))
 
     # ------------------------------------------------------------- gathering
-    def _start(self, index: int) -> None:
+    def _start(self, index: int, exact: bool = False) -> None:
         if index in self._pending or not 0 <= index < len(self.layers) or not self.layers[index]:
             return
         if not self.reshard_after_forward and all(_is_whole(s) for s in self.layers[index]):
@@ -176,44 +204,101 @@ class ParameterGatherer:
         if self.before_gather is not None:
             self.before_gather()
         slots = self.layers[index]
-        send = torch.cat([s.padded_chunk(s.param_shard) for s in slots])  # type: ignore[arg-type]
+        float8 = [] if exact else [s for s in slots if id(s) in self._float8]
+        inverse: dict[int, torch.Tensor] = {}
+        if float8:
+            send, inverse = self._float8_bytes(slots, float8)
+        else:
+            send = torch.cat([s.padded_chunk(s.param_shard) for s in slots])  # type: ignore[arg-type]
         world = group_size(self.group)
         if world == 1:  # nothing to gather (an expert held by one rank)
-            self._pending[index] = (None, send, send.numel())
+            self._pending[index] = _Pending(None, send, send.numel(), inverse)
             return
+        self.sent_bytes += send.numel() * send.element_size()
+        self.gathers += 1
         recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
         work = all_gather_single(recv, send, group=self.group, async_op=True)
-        self._pending[index] = (work, recv, send.numel())
+        self._pending[index] = _Pending(work, recv, send.numel(), inverse)
 
-    def gather(self, index: int) -> None:
-        """Make layer ``index``'s parameters whole (waiting for a prefetch if one is running)."""
+    def _float8_bytes(
+        self, slots: list[ParamSlot], float8: list[ParamSlot]
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """This rank's shards as one byte buffer: the float8 weights quantised, the rest as they are.
+
+        A weight's scale comes from its amax over all its shards (one all-reduce for the
+        layer), so every rank quantises its part of the weight as the whole weight would be.
+        """
+        device = slots[0].param.device
+        amax = torch.stack(
+            [
+                s.param_shard.detach().abs().max().float() if s.length else torch.zeros((), device=device)  # type: ignore[union-attr]
+                for s in float8
+            ]
+        )
+        all_reduce(amax, self.group, op=dist.ReduceOp.MAX)
+        scales = FLOAT8_MAX / amax.clamp(min=1e-12)
+        scale_of = {id(s): scales[i] for i, s in enumerate(float8)}
+        parts = []
+        for s in slots:
+            chunk = s.padded_chunk(s.param_shard)  # type: ignore[arg-type]
+            if id(s) in scale_of:
+                chunk = (chunk.float() * scale_of[id(s)]).clamp(-FLOAT8_MAX, FLOAT8_MAX).to(self._float8[id(s)])
+            parts.append(chunk.view(torch.uint8))
+        return torch.cat(parts), {k: v.reciprocal() for k, v in scale_of.items()}
+
+    def gather(self, index: int, exact: bool = False) -> None:
+        """Make layer ``index``'s parameters whole (waiting for a prefetch if one is running).
+
+        ``exact``: whole in their own dtype even where float8 all-gathers are on (for a
+        checkpoint or any read outside a forward); a layer made whole from float8 is gathered again.
+        """
+        if exact and (index in self._lossy or (index in self._pending and self._pending[index].inverse)):
+            self._drop_pending(index)
+            self._lossy.discard(index)
+            for slot in self.layers[index]:
+                free_storage(slot)
         if index not in self._pending and all(_is_whole(s) for s in self.layers[index]):
             return
-        self._start(index)
+        self._start(index, exact)
         if index not in self._pending:
             return
-        work, recv, width = self._pending.pop(index)
-        if work is not None:
-            work.wait()
-        grid = recv.view(-1, width)
+        pending = self._pending.pop(index)
+        if pending.work is not None:
+            pending.work.wait()
+        grid = pending.buffer.view(-1, pending.width)
         offset = 0
         for slot in self.layers[index]:
             storage = slot.param.untyped_storage()
             nbytes = slot.numel * slot.param.element_size()
             if storage.nbytes() != nbytes:
                 storage.resize_(nbytes)
-            full = grid[:, offset : offset + slot.chunk].reshape(-1)[: slot.numel]
+            if not pending.inverse:
+                full = grid[:, offset : offset + slot.chunk].reshape(-1)[: slot.numel]
+                offset += slot.chunk
+            else:  # a byte grid: each slot's columns are its chunk in its wire dtype
+                dtype = self._float8.get(id(slot), slot.param.dtype)
+                width = slot.chunk * dtype.itemsize
+                full = grid[:, offset : offset + width].contiguous().view(dtype).reshape(-1)[: slot.numel]
+                if id(slot) in pending.inverse:
+                    full = full.float() * pending.inverse[id(slot)]
+                offset += width
             slot.param.data.view(-1).copy_(full)
             if slot.group_index < 0:
                 self._versions[id(slot)] = slot.param._version
-            offset += slot.chunk
+        if pending.inverse:
+            self._lossy.add(index)
+        else:
+            self._lossy.discard(index)
+
+    def _drop_pending(self, index: int) -> None:
+        pending = self._pending.pop(index, None)
+        if pending is not None and pending.work is not None:
+            pending.work.wait()
 
     def discard_pending(self) -> None:
         """Finish and drop prefetches not consumed (their shards are about to change)."""
-        for work, _, _ in self._pending.values():
-            if work is not None:
-                work.wait()
-        self._pending.clear()
+        for index in list(self._pending):
+            self._drop_pending(index)
 
     def _keep_in_place_update(self, slot: ParamSlot) -> None:
         """Write a frozen parameter changed in place while whole back into its shard.
@@ -227,9 +312,11 @@ class ParameterGatherer:
 
     def free(self, index: int) -> None:
         for slot in self._frozen_of[index]:
-            self._keep_in_place_update(slot)
+            if index not in self._lossy:  # a float8 round trip is no in-place update
+                self._keep_in_place_update(slot)
         for slot in self.layers[index]:
             free_storage(slot)
+        self._lossy.discard(index)
 
     def free_frozen(self, index: int) -> None:
         """Free layer ``index``'s frozen parameters (its backward is done)."""
@@ -239,8 +326,9 @@ class ParameterGatherer:
                 free_storage(slot)
 
     def gather_all(self) -> None:
+        """Every layer whole in its parameters' own dtype (exact, float8 all-gathers or not)."""
         for index in range(len(self.layers)):
-            self.gather(index)
+            self.gather(index, exact=True)
 
     def free_all(self) -> None:
         for index in range(len(self.layers)):
