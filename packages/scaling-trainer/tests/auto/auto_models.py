@@ -100,6 +100,11 @@ def train_worker(name: str, constraints: dict, compile: Any = False) -> list[flo
         TokenDataset(),
         compile=CompileConfig(**compile) if compile else False,
     )
+    return plain_loop(model, optimizer, scheduler, loader)
+
+
+def plain_loop(model: Any, optimizer: Any, scheduler: Any, loader: Any) -> list[float]:
+    """``STEPS`` steps of the plain loop over a parallelized model; the global loss of each."""
     losses = []
     for _, batch in zip(range(STEPS), loader):
         optimizer.zero_grad()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from auto_models import GLOBAL_BATCH, MODELS, STEPS, TokenDataset, lr_scheduler_fn, optimizer_fn, reference_losses
+from auto_models import GLOBAL_BATCH, MODELS, TokenDataset, lr_scheduler_fn, optimizer_fn, plain_loop, reference_losses
 
 from scaling.nn import Float8Config, float8_supported
 from scaling.testing import run_distributed
@@ -38,15 +38,7 @@ def float8_worker(constraints: dict) -> tuple[list[float], list[str]]:
     model, optimizer, scheduler, loader = parallelize(
         plan, model, optimizer_fn, lr_scheduler_fn, TokenDataset(), float8=FLOAT8
     )
-    losses = []
-    for _, batch in zip(range(STEPS), loader):
-        optimizer.zero_grad()
-        loss = model(batch)
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        losses.append(model.global_loss(loss))
-    return losses, model.float8_layers
+    return plain_loop(model, optimizer, scheduler, loader), model.float8_layers
 
 
 @pytest.mark.parametrize("tp", [1, 2])

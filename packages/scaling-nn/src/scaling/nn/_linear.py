@@ -22,6 +22,7 @@ from scaling.nn._float8 import Float8Config, float8_linear
 from scaling.nn._init import (
     InitMethod,
     LayerInputError,
+    TPInfo,
     check_divisible,
     check_dtype,
     default_bias_init,
@@ -92,7 +93,31 @@ def row_parallel_linear(
     return y if bias is None else y + bias
 
 
-class ColumnParallelLinear(torch.nn.Module):
+class _SplitLinear(torch.nn.Module):
+    """What the column- and row-parallel linears share: their group, and what float8's rule reads."""
+
+    _split = "?"  # "column" or "row"
+    _tp: TPInfo
+    weight: torch.nn.Parameter
+
+    @property
+    def model_parallel_group(self) -> ProcessGroup | None:
+        """The TP process group (None without TP)."""
+        return self._tp.group
+
+    @property
+    def tensor_parallel_split(self) -> str:
+        """``"column"`` or ``"row"``: what float8's layer rule reads (see ``scaling.nn.TensorParallelLinear``)."""
+        return self._split
+
+    @property
+    def linear_shape(self) -> tuple[int, int]:
+        """The weight's ``[out, in]`` shape (this rank's part)."""
+        out_features, in_features = self.weight.shape
+        return out_features, in_features
+
+
+class ColumnParallelLinear(_SplitLinear):
     """``y = x W^T + b`` with ``W`` split along its output dim over the TP ranks.
 
     Args:
@@ -111,6 +136,8 @@ class ColumnParallelLinear(torch.nn.Module):
     Raises:
         ValueError: when the TP size does not divide ``out_features``.
     """
+
+    _split = "column"
 
     def __init__(
         self,
@@ -143,22 +170,6 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    @property
-    def model_parallel_group(self) -> ProcessGroup | None:
-        """The TP process group (None without TP)."""
-        return self._tp.group
-
-    @property
-    def tensor_parallel_split(self) -> str:
-        """``"column"``: what float8's layer rule reads (see ``scaling.nn.TensorParallelLinear``)."""
-        return "column"
-
-    @property
-    def linear_shape(self) -> tuple[int, int]:
-        """The weight's ``[out, in]`` shape (this rank's part)."""
-        out_features, in_features = self.weight.shape
-        return out_features, in_features
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., in]`` (``[b, s/tp, in]`` under sequence parallelism)."""
         group = self._tp.group
@@ -187,7 +198,7 @@ class ColumnParallelLinear(torch.nn.Module):
         )
 
 
-class RowParallelLinear(torch.nn.Module):
+class RowParallelLinear(_SplitLinear):
     """``y = x W^T + b`` with ``W`` split along its input dim over the TP ranks.
 
     The partial products are summed over TP (all-reduce, or reduce-scatter along the
@@ -208,6 +219,8 @@ class RowParallelLinear(torch.nn.Module):
     Raises:
         ValueError: when the TP size does not divide ``in_features``.
     """
+
+    _split = "row"
 
     def __init__(
         self,
@@ -241,22 +254,6 @@ class RowParallelLinear(torch.nn.Module):
             )
         else:
             self.register_parameter("bias", None)
-
-    @property
-    def model_parallel_group(self) -> ProcessGroup | None:
-        """The TP process group (None without TP)."""
-        return self._tp.group
-
-    @property
-    def tensor_parallel_split(self) -> str:
-        """``"row"``: what float8's layer rule reads (see ``scaling.nn.TensorParallelLinear``)."""
-        return "row"
-
-    @property
-    def linear_shape(self) -> tuple[int, int]:
-        """The weight's ``[out, in]`` shape (this rank's part)."""
-        out_features, in_features = self.weight.shape
-        return out_features, in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., in/tp]`` (or ``[..., in]`` with ``parallel_input=False``)."""
