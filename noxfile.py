@@ -184,10 +184,18 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy, strict on every package and app (pyproject.toml's [tool.mypy]); CI runs it beside the tests."""
+    """mypy, strict on every package and app (pyproject.toml's [tool.mypy]); CI runs it beside the tests.
+
+    The packages are read from their src/ folders (MYPYPATH), not installed, and of their
+    dependencies only those whose types the code leans on are: torch, pydantic (its mypy
+    plugin reads the configs), numpy and PyYAML's stubs. The optional ones (transformers,
+    peft, safetensors, tokenizers, wandb, ...) are left out: their imports type as Any
+    (``ignore_missing_imports``), and the session takes ~1 min instead of ~3 (measured
+    2026-11-27: the same "no issues" either way).
+    """
     dists = _dists()
     _install_torch(session)
-    session.install("--no-compile", "mypy", "types-PyYAML", *_all_editable(dists))
+    session.install("--no-compile", "mypy", "types-PyYAML", "pydantic>=2.6,<3", "numpy", "pyyaml")
     # One namespace over many src/ roots: mypy needs them all on MYPYPATH and the
     # packages named with -p (passing the folders makes it see each file twice).
     srcs = [p / "src" for p in dists.values()]
