@@ -260,6 +260,7 @@ def _float8_all_gather(all_gather):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # two 2-rank runs: the quick tier stays under 2 minutes
 def test_float8_all_gather_sends_one_byte_per_weight_element_and_trains_alike():
     plain, float8 = (run_distributed(_float8_all_gather, 2, flag, timeout_seconds=120)[0] for flag in (False, True))
     # What travels: the first gather is the float8 weight (one global scale), not the weight itself.

@@ -33,13 +33,16 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from scaling.collectives import _compat
 from scaling.collectives._errors import CollectiveDeviceError
+
+if TYPE_CHECKING:
+    from scaling.config import JsonDict
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -155,7 +158,7 @@ class CollectiveRecorder:
         self.step: int | None = None
         self.diagnostics_dir: Path | None = None
         self.rank: int | None = None
-        self._reasons: list[dict[str, Any]] = []
+        self._reasons: list[JsonDict] = []
 
     def configure(self, diagnostics_dir: str | os.PathLike[str] | None = None, rank: int | None = None) -> None:
         """Where :meth:`write_diagnostics` writes, and the global rank that names the file.
@@ -435,7 +438,7 @@ def check_device(state: _GroupState, op: str, tensor: torch.Tensor) -> None:
         raise CollectiveDeviceError(op, state.name, state.backend, tensor, state.device_type)
 
 
-def _record_dict(rec: CollectiveRecord) -> dict[str, Any]:
+def _record_dict(rec: CollectiveRecord) -> JsonDict:
     return {
         "seq": rec.seq,
         "op": rec.op,

@@ -2,5 +2,16 @@
 
 from scaling.config._base import BaseConfig, load_mapping
 from scaling.config._overrides import Overrides, apply_overrides, parse_override
+from scaling.config._types import JsonDict, JsonMapping, Metrics, StateDict
 
-__all__ = ["BaseConfig", "Overrides", "apply_overrides", "load_mapping", "parse_override"]
+__all__ = [
+    "BaseConfig",
+    "JsonDict",
+    "JsonMapping",
+    "Metrics",
+    "Overrides",
+    "StateDict",
+    "apply_overrides",
+    "load_mapping",
+    "parse_override",
+]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import typing
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -14,6 +13,7 @@ from pydantic_core import to_jsonable_python
 
 from scaling.config._overrides import Overrides, apply_overrides
 from scaling.config._secrets import MASK, SECRET_TYPES, is_secret_name, masked_error
+from scaling.config._types import JsonDict, JsonMapping
 
 C = TypeVar("C", bound="BaseConfig")
 
@@ -82,7 +82,7 @@ class BaseConfig(BaseModel):
 
     # ----------------------------------------------------------------- loading
     @classmethod
-    def from_dict(cls: type[C], data: Mapping[str, Any], overrides: Overrides = None) -> C:
+    def from_dict(cls: type[C], data: JsonMapping, overrides: Overrides = None) -> C:
         """Validate ``data`` after applying ``overrides``.
 
         Args:
@@ -119,7 +119,7 @@ class BaseConfig(BaseModel):
         return cls.from_json(p, overrides)
 
     # ----------------------------------------------------------------- dumping
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JsonDict:
         """A JSON-serialisable dict of the config with every secret field left out.
 
         Secrets (``SecretStr``/``SecretBytes``) travel through the environment, never
@@ -144,7 +144,7 @@ class BaseConfig(BaseModel):
         p.write_text(text)
 
     @classmethod
-    def json_schema(cls) -> dict[str, Any]:
+    def json_schema(cls) -> JsonDict:
         """The JSON schema of this config (pydantic's, with field descriptions)."""
         return cls.model_json_schema()
 
@@ -156,7 +156,7 @@ class BaseConfig(BaseModel):
         return render_template(cls)
 
 
-def load_mapping(path: str | Path) -> dict[str, Any]:
+def load_mapping(path: str | Path) -> JsonDict:
     """The mapping in a YAML (``.yml``/``.yaml``) or JSON (anything else) config file.
 
     YAML is read with ``yaml.safe_load``: no Python object tags.
@@ -170,7 +170,7 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
     return _load_mapping(p, yaml.safe_load if p.suffix in (".yml", ".yaml") else json.loads)
 
 
-def _load_mapping(path: Path, parse: Any) -> dict[str, Any]:
+def _load_mapping(path: Path, parse: Any) -> JsonDict:
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist; pass the path of a YAML or JSON config")
     try:

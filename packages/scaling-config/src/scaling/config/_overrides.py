@@ -8,7 +8,9 @@ from typing import Any, Union
 
 import yaml
 
-Overrides = Union[Mapping[str, Any], Sequence[str], None]
+from scaling.config._types import JsonDict, JsonMapping
+
+Overrides = Union[JsonMapping, Sequence[str], None]
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -28,7 +30,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def apply_overrides(data: dict[str, Any], overrides: Overrides) -> dict[str, Any]:
+def apply_overrides(data: JsonDict, overrides: Overrides) -> JsonDict:
     """Return a deep copy of ``data`` with each dotted override set.
 
     Intermediate mappings are created when missing; the schema decides later whether

@@ -12,6 +12,7 @@ from scaling.data._base import BaseDataset, BatchT
 from scaling.data._sampler import GlobalBatchSampler
 
 if TYPE_CHECKING:
+    from scaling.config import StateDict
     from scaling.topology import Topology
 
 _BATCH_ARGS = ("global_batch_size", "micro_batch_size", "data_parallel_rank", "data_parallel_size")
@@ -198,7 +199,7 @@ class DataLoader(Generic[BatchT]):
             )
 
     # ------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """``{"seed", "consumed_samples", "global_batch_size", "dataset_ident", "num_samples"}`` at a step boundary.
 
         Raises:
@@ -213,7 +214,7 @@ class DataLoader(Generic[BatchT]):
             "num_samples": len(self.dataset),
         }
 
-    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+    def load_state_dict(self, state: StateDict, strict: bool = True) -> None:
         """Continue the stream of ``state``; prefetched micro-batches are dropped.
 
         Args:

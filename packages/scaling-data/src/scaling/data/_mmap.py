@@ -22,9 +22,12 @@ import os
 import struct
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from scaling.config import JsonDict
 
 MAGIC = b"SCLTOKI\x00"
 VERSION = 1
@@ -153,7 +156,7 @@ class MMapTokenBuilder:
             self.abort()
 
 
-def read_header(idx_path: Path) -> dict[str, Any]:
+def read_header(idx_path: Path) -> JsonDict:
     """Parse and check the ``.idx`` header; raise :class:`TokenFileError` naming the file."""
     if not idx_path.is_file():
         raise TokenFileError(f"{idx_path}: no such index file; build it with MMapTokenBuilder or `scaling-data build`")

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from scaling.data._mmap import HEADER_SIZE, TokenFileError, paths, read_header, token_dtype
+
+if TYPE_CHECKING:
+    from scaling.config import StateDict
 
 _CRC_CHUNK = 1 << 24
 
@@ -111,10 +114,10 @@ class MMapTokenDataset:
         name = os.path.basename(self.prefix)
         return f"mmap:{name}:{self.num_documents}d:{self.num_tokens}t:{self._offsets_crc32:08x}"
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> StateDict:
         return {"prefix": self.prefix, "dtype": self._expected_dtype}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: StateDict) -> None:
         self.prefix, self._expected_dtype, self._verify_data = state["prefix"], state["dtype"], False
         self._open()
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from scaling.optim._config import LossScalerConfig
+
+if TYPE_CHECKING:
+    from scaling.config import StateDict
 
 
 class LossScaler:
@@ -50,14 +53,14 @@ class LossScaler:
             self.scale *= c.factor
             self.hysteresis_left = c.hysteresis
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         return {
             "scale": self.scale,
             "no_overflow_steps": self.no_overflow_steps,
             "hysteresis_left": self.hysteresis_left,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         self.scale = float(state["scale"])
         self.no_overflow_steps = int(state["no_overflow_steps"])
         self.hysteresis_left = int(state["hysteresis_left"])

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 from scaling.optim._config import LearningRateSchedulerConfig
+
+if TYPE_CHECKING:
+    from scaling.config import StateDict
 
 
 class LearningRateScheduler:
@@ -58,10 +61,10 @@ class LearningRateScheduler:
         """Count one applied update."""
         self.step_index += 1
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         return {"step_index": self.step_index}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         self.step_index = int(state["step_index"])
 
     def __repr__(self) -> str:

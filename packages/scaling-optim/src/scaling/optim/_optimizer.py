@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,9 @@ from scaling.optim._zero3 import (
     zero3_units,
 )
 from scaling.topology import Topology
+
+if TYPE_CHECKING:
+    from scaling.config import StateDict
 
 
 @dataclass(frozen=True)
@@ -428,12 +431,12 @@ class Optimizer:
         """LR the next update of each group uses, by group name."""
         return {g.name: g.scheduler.get_lr(self.step_count + 1) for g in self.parameter_groups}
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """This rank's optimizer state keyed by ``meta.key`` (see :func:`optimizer_state`)."""
         self.finish_parameter_gather()
         return optimizer_state(self)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Restore a state from :meth:`state_dict` (same layout)."""
         self.finish_parameter_gather()
         load_optimizer_state(self, state)

@@ -12,7 +12,7 @@ of the full logical shape loads as well (one process, inference tools).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -27,6 +27,8 @@ from scaling.topology import Topology
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
+
+    from scaling.config import StateDict
 
 
 class StatefulOptimizer(Protocol):
@@ -53,7 +55,7 @@ def _entries(slot: ParamSlot) -> dict[str, torch.Tensor]:
     return out
 
 
-def optimizer_state(opt: StatefulOptimizer) -> dict[str, Any]:
+def optimizer_state(opt: StatefulOptimizer) -> StateDict:
     """Counters, loss scaler, schedules and per-parameter DTensors (see the module docstring).
 
     Each kind of parameter's ZeRO shards are gathered over its shard group (``opt.spaces``).
@@ -123,7 +125,7 @@ def _tp_local(slot: ParamSlot, value: torch.Tensor, key: str, name: str, tp_rank
     return value
 
 
-def load_optimizer_state(opt: StatefulOptimizer, state: dict[str, Any]) -> None:
+def load_optimizer_state(opt: StatefulOptimizer, state: StateDict) -> None:
     """Load a state from :func:`optimizer_state` saved with any layout (after DCP filled it in).
 
     Raises:

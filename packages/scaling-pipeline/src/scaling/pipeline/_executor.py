@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from scaling.collectives import PipeTransport, tensors_requiring_grad
+from scaling.config import Metrics
 from scaling.pipeline._instructions import (
     Backward,
     BackwardInput,
@@ -60,7 +61,7 @@ class PipelineStage(Protocol):
         ...
 
 
-LossFunction = Callable[[Any, Any], tuple[torch.Tensor, dict[str, Any]]]
+LossFunction = Callable[[Any, Any], tuple[torch.Tensor, Metrics]]
 LossBackward = Callable[[torch.Tensor], None]
 InstructionTimings = list[tuple[str, float, float]]
 
@@ -71,7 +72,7 @@ class StageOutputs:
     function's metrics, on the last virtual stage's rank; empty on every other stage."""
 
     losses: dict[int, torch.Tensor]
-    metrics: dict[int, dict[str, Any]]
+    metrics: dict[int, Metrics]
 
 
 def _grad_leaves(obj: Any) -> list[torch.Tensor]:
@@ -184,7 +185,7 @@ class StageExecutor:
         self.grads_out: dict[tuple[int, int], list[torch.Tensor | None]] = {}
         self.grads_in: dict[tuple[int, int], list[torch.Tensor]] = {}  # gradient w.r.t. each input
         self.losses: dict[int, torch.Tensor] = {}
-        self.metrics: dict[int, dict[str, Any]] = {}
+        self.metrics: dict[int, Metrics] = {}
 
     def _waiting(self) -> None:
         """About to wait for a message: run ``before_first_wait`` the first time."""

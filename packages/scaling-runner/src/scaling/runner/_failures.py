@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 import signal
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scaling.config import JsonDict
 
 REPORT_PREFIX = "SCALING_RANK_FAILURE "
 STOP_PREFIX = "SCALING_AGENT_STOPPED "
@@ -88,7 +91,7 @@ class FailureParser:
                 return True
         return False
 
-    def _read(self, prefix: str, record: dict[str, Any]) -> None:
+    def _read(self, prefix: str, record: JsonDict) -> None:
         if prefix == STOP_PREFIX:
             self.stopped[str(record["host"])] = int(record["signal"])
             return

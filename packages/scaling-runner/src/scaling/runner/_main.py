@@ -7,9 +7,8 @@ import shutil
 import sys
 import tempfile
 import uuid
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from scaling.runner._commands import DEFAULT_REMOTE_PORT, Launch, build_launches, free_port
 from scaling.runner._config import RunnerConfig
@@ -23,8 +22,11 @@ from scaling.runner._payload import (
 )
 from scaling.runner._slurm import build_slurm_launch, slurm_dir
 
+if TYPE_CHECKING:
+    from scaling.config import JsonMapping
 
-def plan(config: RunnerConfig, payload: Mapping[str, Any] | None = None) -> list[Launch]:
+
+def plan(config: RunnerConfig, payload: JsonMapping | None = None) -> list[Launch]:
     """The commands :func:`runner_main` would run, without starting anything.
 
     The payload file (when one is used) is written so that the printed commands run as shown.
@@ -42,7 +44,7 @@ def plan(config: RunnerConfig, payload: Mapping[str, Any] | None = None) -> list
 
 def runner_main(
     config: RunnerConfig,
-    payload: Mapping[str, Any] | None = None,
+    payload: JsonMapping | None = None,
     *,
     dry_run: bool = False,
     exit_on_failure: bool = True,
@@ -131,7 +133,7 @@ def _report(codes: list[int], report: RunReport, signum: int | None) -> int:
     return code
 
 
-def _prepare(config: RunnerConfig, payload: Mapping[str, Any] | None) -> tuple[list[Launch], Path | None]:
+def _prepare(config: RunnerConfig, payload: JsonMapping | None) -> tuple[list[Launch], Path | None]:
     config.require_script()  # before any file is written or process started
     text = dump_payload(payload if payload is not None else {})
     run_id = config.run_id or f"scaling-{uuid.uuid4().hex[:12]}"

@@ -15,9 +15,12 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from scaling.runner._env import find_secret_keys
+
+if TYPE_CHECKING:
+    from scaling.config import JsonDict, JsonMapping
 
 PAYLOAD_PATH_ENV = "SCALING_PAYLOAD_PATH"
 PAYLOAD_INLINE_ENV = "SCALING_PAYLOAD"
@@ -25,7 +28,7 @@ PAYLOAD_INLINE_ENV = "SCALING_PAYLOAD"
 MAX_INLINE_BYTES = 96 * 1024
 
 
-def dump_payload(payload: Mapping[str, Any]) -> str:
+def dump_payload(payload: JsonMapping) -> str:
     """Serialise ``payload`` to JSON after checking that it carries no secret values."""
     if not isinstance(payload, Mapping):
         raise TypeError(f"payload must be a dict (e.g. config.as_dict()), got {type(payload).__name__}")
@@ -63,7 +66,7 @@ def inline_payload(text: str) -> str:
     return encoded
 
 
-def load_payload(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+def load_payload(environ: Mapping[str, str] | None = None) -> JsonDict:
     """Read the payload handed to this process by :func:`runner_main` (worker side).
 
     Args:

@@ -18,12 +18,15 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from scaling.topology._topology import Topology
+
+if TYPE_CHECKING:
+    from scaling.config import StateDict
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 
@@ -99,9 +102,9 @@ def seed_all(seed: int, topology: Topology) -> RNGTracker:
     return tracker
 
 
-def get_rng_state(tracker: RNGTracker | None = None) -> dict[str, Any]:
+def get_rng_state(tracker: RNGTracker | None = None) -> StateDict:
     """Every RNG state of this process (python, numpy, torch CPU/CUDA, tracker streams)."""
-    state: dict[str, Any] = {
+    state: StateDict = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch_cpu": torch.get_rng_state(),
@@ -113,7 +116,7 @@ def get_rng_state(tracker: RNGTracker | None = None) -> dict[str, Any]:
     return state
 
 
-def set_rng_state(state: dict[str, Any], tracker: RNGTracker | None = None) -> None:
+def set_rng_state(state: StateDict, tracker: RNGTracker | None = None) -> None:
     """Restore what :func:`get_rng_state` captured."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from scaling.config import BaseConfig
 from scaling.topology import RNGTracker, Topology, get_rng_state, seed_all, set_rng_state
+
+if TYPE_CHECKING:
+    from scaling.config import StateDict
 
 ConfigT = TypeVar("ConfigT", bound=BaseConfig)
 
@@ -47,16 +50,16 @@ class BaseContext(Generic[ConfigT]):
         gbs = self.topology.config.global_batch_size
         self.consumed_samples += 0 if gbs is None else gbs
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """Counters (JSON-able); RNG states are saved per rank by the checkpointer."""
         return {"iterations": self.iterations, "consumed_samples": self.consumed_samples}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         self.iterations = int(state["iterations"])
         self.consumed_samples = int(state["consumed_samples"])
 
-    def rng_state(self) -> dict[str, Any]:
+    def rng_state(self) -> StateDict:
         return get_rng_state(self.rng_tracker)
 
-    def load_rng_state(self, state: dict[str, Any]) -> None:
+    def load_rng_state(self, state: StateDict) -> None:
         set_rng_state(state, self.rng_tracker)

@@ -21,13 +21,16 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import Field, model_validator
 
 from scaling.config import BaseConfig
 from scaling.trainer._config import TrainerConfig
+
+if TYPE_CHECKING:
+    from scaling.config import JsonDict
 
 
 class ProfilerConfig(BaseConfig):
@@ -155,7 +158,7 @@ class StepProfiler:
             path.write_text(json.dumps(self._instruction_trace(timings)))
             self.files.append(path)
 
-    def _instruction_trace(self, timings: list[tuple[str, float, float]]) -> dict[str, Any]:
+    def _instruction_trace(self, timings: list[tuple[str, float, float]]) -> JsonDict:
         """Chrome trace "complete" events (microseconds since the epoch), one per instruction."""
         steps, begin = [], 0
         for step, end in self._step_marks:

@@ -26,10 +26,11 @@ from typing import Any
 import torch
 
 from scaling.collectives import PendingCollective, all_reduce, broadcast, broadcast_async, broadcast_pytree
+from scaling.config import Metrics
 from scaling.pipeline import StageOutputs
 from scaling.topology import Topology
 
-MetricsAggregation = Callable[[Topology, list[dict[str, Any]]], dict[str, Any]]
+MetricsAggregation = Callable[[Topology, list[Metrics]], Metrics]
 
 # values[0] of the result broadcast: 1.0 names changed (a pytree broadcast follows),
 # _ABORTED the step raised on the last stage (no reader: see StepResults.abandon).
@@ -46,7 +47,7 @@ class _MetricNames:
 _NAMES: weakref.WeakKeyDictionary[Any, _MetricNames] = weakref.WeakKeyDictionary()
 
 
-def default_aggregation(topology: Topology, metrics: list[dict[str, Any]]) -> dict[str, Any]:
+def default_aggregation(topology: Topology, metrics: list[Metrics]) -> Metrics:
     """Mean of each metric over the micro-batches."""
     if not metrics:
         return {}
@@ -128,7 +129,7 @@ class StepResults:
         topo = self.topology
         return topo.pipe_rank_of_stage(self.num_stages - 1)
 
-    def _broadcast(self, result: dict[str, Any] | None) -> dict[str, Any]:
+    def _broadcast(self, result: Metrics | None) -> Metrics:
         group, names, src = self.topology.pipe_parallel_result_group, self._names.names, self._last_stage_rank()
         if self._posted is not None:
             self._posted[0].wait()

@@ -23,6 +23,7 @@ from scaling.trainer.loggers import MetricsLogger
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from scaling.config import StateDict
     from scaling.optim import Optimizer
     from scaling.pipeline import ParallelModule
     from scaling.trainer.checkpoint import PendingSave, StagingBuffers
@@ -58,7 +59,7 @@ class TrainerCheckpointer:
         self.last_loaded_step: int | None = None
         self.last_saved_step: int | None = None
 
-    def _state(self) -> dict[str, Any]:
+    def _state(self) -> StateDict:
         t = self.trainer
         t.wait_for_parameters()  # the last step's gathers may still be in flight
         return {
@@ -66,7 +67,7 @@ class TrainerCheckpointer:
             "optimizer": t.optimizer.state_dict(),
         }
 
-    def _extra(self) -> dict[str, Any]:
+    def _extra(self) -> StateDict:
         t = self.trainer
         return {
             "context": t.context.state_dict(),

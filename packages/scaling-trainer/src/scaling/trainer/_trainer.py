@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,9 @@ from scaling.trainer._signals import SignalWatcher, exit_code_for
 from scaling.trainer._state import TrainerCheckpointer
 from scaling.trainer._step import evaluation_step, train_step
 from scaling.trainer.loggers import LoggerConfig, MetricsLogger
+
+if TYPE_CHECKING:
+    from scaling.config import Metrics
 
 ContextT = TypeVar("ContextT", bound=BaseContext[Any])
 FlopsEstimate = float | Callable[[], float]
@@ -119,13 +122,13 @@ class BaseTrainer(Generic[ContextT]):
         )
         self.compile_log = CompileLog(parallel_module, topology.global_rank, topology.device)
         self.checkpointer = TrainerCheckpointer(self)
-        self.history: list[dict[str, Any]] = []
+        self.history: list[Metrics] = []
         self._running_max_loss: float | None = None
         if config.load_dir is not None:
             self.checkpointer.load(config.load_dir)
 
     # ---------------------------------------------------------------- steps
-    def train_step(self) -> dict[str, Any]:
+    def train_step(self) -> Metrics:
         """One optimizer step; returns the metrics of that step (same on every rank)."""
         start = time.perf_counter()
         micro_batches = self.loader.next_step()
@@ -144,7 +147,7 @@ class BaseTrainer(Generic[ContextT]):
         samples_per_second = gbs / duration if duration > 0 else 0.0
         peak, tokens = self._peak_memory_and_tokens(micro_batches)
         loss = float(out.loss)
-        metrics: dict[str, Any] = {
+        metrics: Metrics = {
             "step": self.context.iterations,
             "training/loss": loss,
             **{f"training/{k}": _scalar(v) for k, v in (out.metrics or {}).items()},
@@ -213,7 +216,7 @@ class BaseTrainer(Generic[ContextT]):
         return bool(spike)
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, Any]:
+    def evaluate(self) -> Metrics:
         """Forward-only over ``eval_iterations`` global batches of the evaluation set, in order."""
         if self.dataset_evaluation is None:
             return {}
@@ -245,7 +248,7 @@ class BaseTrainer(Generic[ContextT]):
         }
 
     # ----------------------------------------------------------------- loop
-    def run_training(self, return_metrics: bool = False) -> list[dict[str, Any]] | None:
+    def run_training(self, return_metrics: bool = False) -> list[Metrics] | None:
         """Train until ``train_iterations``; evaluate, log and save on their intervals.
 
         SIGTERM or SIGINT on any rank stops every rank after the same step, saves a

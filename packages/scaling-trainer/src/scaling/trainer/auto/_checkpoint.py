@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -33,6 +33,9 @@ from scaling.trainer.auto._parallelize import ParallelModel
 from scaling.trainer.auto._plan import Plan
 from scaling.trainer.auto._tp import unshard_view
 from scaling.trainer.checkpoint import CheckpointError, load_checkpoint, model_state_dict, save_checkpoint
+
+if TYPE_CHECKING:
+    from scaling.config import StateDict
 
 #: Top-level key of each optimizer-state form in the checkpoint tree.
 _TORCH_FORM, _ENGINE_FORM = "optimizer", "scaling_optim"
@@ -71,9 +74,9 @@ def _fused_view(value: DTensor, dim: int, chunks: int) -> DTensor:
     return DTensor.from_local(local, value.device_mesh, placements, run_check=False, shape=logical, stride=stride)
 
 
-def _torch_tree(model: ParallelModel, optimizer: ParallelOptimizer) -> dict[str, Any]:
+def _torch_tree(model: ParallelModel, optimizer: ParallelOptimizer) -> StateDict:
     inner = optimizer.optimizer
-    per_key: dict[str, dict[str, Any]] = {}
+    per_key: dict[str, StateDict] = {}
     names = {n for s in inner.state.values() for n in s}
     for slot in sorted(names):
         tensors = {id(p): s[slot] for p, s in inner.state.items() if slot in s and s[slot].shape == p.shape}
@@ -91,7 +94,7 @@ def _groups(optimizer: ParallelOptimizer) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.optimizer.param_groups]
 
 
-def _engine_tree(model: ParallelModel, optimizer: ParallelOptimizer) -> dict[str, Any]:
+def _engine_tree(model: ParallelModel, optimizer: ParallelOptimizer) -> StateDict:
     """scaling.optim's own state dict (as the trainer saves it), fused weights viewed by part."""
     assert optimizer.engine is not None
     state = optimizer.engine.state_dict()
@@ -125,7 +128,7 @@ def _ensure_state(optimizer: ParallelOptimizer) -> None:
         g["lr"] = lr
 
 
-def _tree(state: dict[str, Any]) -> dict[str, Any]:
+def _tree(state: StateDict) -> StateDict:
     model = state["model"]
     if not isinstance(model, ParallelModel):
         raise TypeError(f"state['model'] must be the model parallelize() returned, got {type(model).__name__}")
@@ -134,7 +137,7 @@ def _tree(state: dict[str, Any]) -> dict[str, Any]:
         raise TypeError(
             f"state['optimizer'] must be the optimizer parallelize() returned, got {type(optimizer).__name__}"
         )
-    tree: dict[str, Any] = {"model": model_state_dict(_entries(model), model.topology)}
+    tree: StateDict = {"model": model_state_dict(_entries(model), model.topology)}
     if optimizer is not None:
         if optimizer.engine is None:
             tree[_TORCH_FORM] = _torch_tree(model, optimizer)
@@ -145,7 +148,7 @@ def _tree(state: dict[str, Any]) -> dict[str, Any]:
     return tree
 
 
-def _whole_parameters(state: dict[str, Any]) -> AbstractContextManager[None]:
+def _whole_parameters(state: StateDict) -> AbstractContextManager[None]:
     """Every parameter whole (ZeRO-3 gathers them through the optimizer); a no-op otherwise."""
     optimizer, model = state.get("optimizer"), state.get("model")
     if isinstance(optimizer, ParallelOptimizer) and optimizer.engine is not None:
@@ -155,7 +158,7 @@ def _whole_parameters(state: dict[str, Any]) -> AbstractContextManager[None]:
     return nullcontext()
 
 
-def save(path: str | Path, state: dict[str, Any], step: int = 0) -> Path:
+def save(path: str | Path, state: StateDict, step: int = 0) -> Path:
     """Save ``{"plan", "model", "optimizer", "lr_scheduler"}`` (collective, every rank).
 
     Works for every plan :func:`parallelize` runs (any pp, dp, tp, ZeRO stage and
@@ -180,7 +183,7 @@ def save(path: str | Path, state: dict[str, Any], step: int = 0) -> Path:
         return save_checkpoint(path, step, tree, state["model"].topology, extra={"plan": plan.to_dict()}).wait()
 
 
-def load(path: str | Path, state: dict[str, Any], step: int | None = None) -> Plan:
+def load(path: str | Path, state: StateDict, step: int | None = None) -> Plan:
     """Load a checkpoint written by :func:`save` into ``state``'s objects (any layout).
 
     Args:
@@ -226,7 +229,7 @@ def load(path: str | Path, state: dict[str, Any], step: int | None = None) -> Pl
     return Plan.from_dict(loaded.extra["plan"])
 
 
-def _raise_if_other_form(tree: dict[str, Any], error: CheckpointError) -> None:
+def _raise_if_other_form(tree: StateDict, error: CheckpointError) -> None:
     forms = {
         _TORCH_FORM: "zero_stage=0 and precision='float32'",
         _ENGINE_FORM: "zero_stage > 0, reduced precision or cpu_offload",
@@ -260,7 +263,7 @@ def _load_torch(model: ParallelModel, optimizer: ParallelOptimizer, loaded: Any,
         group.update(saved)
 
 
-def _load_engine(model: ParallelModel, optimizer: ParallelOptimizer, loaded: dict[str, Any]) -> None:
+def _load_engine(model: ParallelModel, optimizer: ParallelOptimizer, loaded: StateDict) -> None:
     """Hand the loaded state to scaling.optim's ``load_state_dict`` (fused views back to local shape)."""
     assert optimizer.engine is not None
     shapes = {meta.key: param.shape for _, param, meta in model.named_parameters_with_meta()}

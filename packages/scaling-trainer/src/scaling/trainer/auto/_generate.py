@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -12,6 +12,9 @@ from scaling.nn import check_context_parallel
 from scaling.trainer.auto._plan import CONTEXT_PARALLEL_METHODS, PIPELINE_SCHEDULES, PRECISIONS, Plan
 from scaling.trainer.auto._policy import apply_overrides, check_divisible, megatron_policy, out_in, shard_dim
 from scaling.trainer.auto._split import find_blocks, split_blocks
+
+if TYPE_CHECKING:
+    from scaling.config import JsonMapping
 
 CONSTRAINT_KEYS = (
     "data_parallel_size",
@@ -36,21 +39,21 @@ CONSTRAINT_KEYS = (
 )
 
 
-def _positive(constraints: Mapping[str, Any], key: str, default: int) -> int:
+def _positive(constraints: JsonMapping, key: str, default: int) -> int:
     value = constraints.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"constraint {key}={value!r} must be an int >= 1")
     return value
 
 
-def _choice(constraints: Mapping[str, Any], key: str, choices: tuple[Any, ...]) -> Any:
+def _choice(constraints: JsonMapping, key: str, choices: tuple[Any, ...]) -> Any:
     value = constraints.get(key, choices[0])
     if value not in choices:
         raise ValueError(f"constraint {key}={value!r} is invalid; choose one of {list(choices)}")
     return value
 
 
-def _pipeline_and_optimizer(constraints: Mapping[str, Any], plan: Plan) -> None:
+def _pipeline_and_optimizer(constraints: JsonMapping, plan: Plan) -> None:
     plan.pipeline_schedule = _choice(constraints, "pipeline_parallel.schedule", PIPELINE_SCHEDULES)
     per_rank = plan.global_batch_size // plan.data_parallel_size
     # Default: one micro-batch per stage where the per-rank batch allows it (gcd: always a divisor).
@@ -107,7 +110,7 @@ def _check_heads(model: torch.nn.Module, plan: Plan) -> None:
             )
 
 
-def _tp_plan(model: torch.nn.Module, constraints: Mapping[str, Any], plan: Plan) -> None:
+def _tp_plan(model: torch.nn.Module, constraints: JsonMapping, plan: Plan) -> None:
     policy = constraints.get("tensor_parallel.sharding_policy", "megatron")
     if policy != "megatron":
         raise ValueError(f"constraint tensor_parallel.sharding_policy={policy!r} is not supported; choose 'megatron'")
@@ -136,7 +139,7 @@ def _tp_plan(model: torch.nn.Module, constraints: Mapping[str, Any], plan: Plan)
             plan.parameter_sharding[full] = _placement(dim)
 
 
-def _context_parallel(model: torch.nn.Module, constraints: Mapping[str, Any], plan: Plan) -> None:
+def _context_parallel(model: torch.nn.Module, constraints: JsonMapping, plan: Plan) -> None:
     plan.context_parallel_size = cp = _positive(constraints, "context_parallel.size", 1)
     plan.context_parallel_method = _choice(constraints, "context_parallel.method", CONTEXT_PARALLEL_METHODS)
     if cp == 1:
@@ -156,7 +159,7 @@ def _placement(dim: int | None) -> str:
     return "Replicate()" if dim is None else f"Shard(dim={dim})"
 
 
-def generate_plan(model: torch.nn.Module, constraints: Mapping[str, Any] | None = None) -> Plan:
+def generate_plan(model: torch.nn.Module, constraints: JsonMapping | None = None) -> Plan:
     """Propose an nD-parallel :class:`Plan` for ``model`` under ``constraints``.
 
     Works on a model from :func:`deferred_init` (meta device) without allocating it. The

@@ -12,7 +12,7 @@ and each ``step()`` reads them, so any ``torch.optim.lr_scheduler`` works unchan
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,9 @@ from scaling.optim import (
 from scaling.topology import Topology
 from scaling.trainer.auto._pipeline import PipelineStage
 from scaling.trainer.auto._plan import Plan
+
+if TYPE_CHECKING:
+    from scaling.config import StateDict
 
 
 class PlannedModel(Protocol):
@@ -64,10 +67,10 @@ class _TorchGroupLR:
     def step(self) -> None:
         """The torch scheduler advances the LR (``scheduler.step()`` in the user's loop)."""
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Nothing to restore: the torch scheduler's state is saved on its own."""
 
 
@@ -214,11 +217,11 @@ class ParallelOptimizer:
         """The user's optimizer's state (empty when ``engine`` runs the update; see its ``slots``)."""
         return self.optimizer.state
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """This rank's state; use :func:`save` for layout-independent checkpoints."""
         return self.optimizer.state_dict() if self.engine is None else self.engine.state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: StateDict) -> None:
         if self.engine is None:
             self.optimizer.load_state_dict(state_dict)
         else:

@@ -20,7 +20,7 @@ Modules that own only buffers (e.g. rotary embeddings) are kept everywhere.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from scaling.pipeline import StageExecutor, StageTransports, TiedGroups, gpipe_s
 from scaling.topology import Topology
 from scaling.trainer.auto._context import sliced
 from scaling.trainer.auto._plan import Plan
+
+if TYPE_CHECKING:
+    from scaling.config import Metrics
 
 SCHEDULE_FNS = {"1f1b": one_f_one_b_schedule, "gpipe": gpipe_schedule}
 
@@ -237,7 +240,7 @@ class PipelineStage:
         return loss
 
 
-def _loss_of(output: Any, _targets: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+def _loss_of(output: Any, _targets: Any) -> tuple[torch.Tensor, Metrics]:
     loss = getattr(output, "loss", output)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise ValueError(

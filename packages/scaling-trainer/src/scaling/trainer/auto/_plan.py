@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import yaml
+
+if TYPE_CHECKING:
+    from scaling.config import JsonDict
 
 #: TP styles a module can get. ``column``/``row``: Megatron pair (output / input dim
 #: split); ``column_fused``: a fused projection (GPT-2 ``c_attn``) whose output holds
@@ -95,12 +98,12 @@ class Plan:
         """``dp * tp * pp * cp``."""
         return self.data_parallel_size * self.model_parallel_size * self.pipe_parallel_size * self.context_parallel_size
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonDict:
         """Plain dicts, lists and scalars only."""
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Plan:
+    def from_dict(cls, data: JsonDict) -> Plan:
         """Inverse of :meth:`to_dict`.
 
         Raises:

@@ -24,7 +24,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-Digest = dict[str, Any]
+from scaling.config import JsonDict, StateDict
+
+Digest = JsonDict
 
 
 class _HashingStream:
@@ -122,7 +124,7 @@ class HashingFileSystemWriter(FileSystemWriter):
         self.split_bytes = split_bytes
         self.staged = False  # set when the caller staged the tensors itself (StagingBuffers)
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def stage(self, state_dict: StateDict) -> StateDict:
         """DCP's async staging (a copy to CPU), skipped for tensors the caller staged already."""
         if self.staged:
             self.per_thread_copy_ahead = 0  # what FileSystemWriter.stage sets: the copies are on the CPU

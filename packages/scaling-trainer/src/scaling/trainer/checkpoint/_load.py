@@ -6,7 +6,7 @@ import inspect
 import json
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +30,7 @@ _LOAD_TAKES_NO_DIST = "no_dist" in inspect.signature(dcp_loader.load).parameters
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from scaling.config import JsonDict, StateDict
     from scaling.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -50,15 +51,15 @@ class LoadedCheckpoint:
 
     step: int
     path: Path
-    state: dict[str, Any]
-    extra: dict[str, Any]
+    state: StateDict
+    extra: StateDict
     rank_state: Any
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _verify(step_dir: Path, pg: Any) -> dict[str, Any]:
+def _verify(step_dir: Path, pg: Any) -> JsonDict:
     rank, world = _world(pg)
     try:
         marker = mk.read_marker(step_dir)
@@ -98,7 +99,7 @@ def _matches(key: str, patterns: Sequence[str]) -> bool:
 
 def load_checkpoint(
     load_dir: str | Path,
-    state_template: Mapping[str, Any],
+    state_template: StateDict,
     topology: Topology | None,
     *,
     step: int | None = None,
@@ -162,8 +163,8 @@ def _read_json(path: Path) -> Any:
 def _load_verified(
     step_dir: Path,
     step: int,
-    marker: dict[str, Any],
-    template: Mapping[str, Any],
+    marker: JsonDict,
+    template: StateDict,
     pg: Any,
     allowed_missing: Sequence[str],
     allowed_unexpected: Sequence[str],

@@ -16,9 +16,12 @@ import shutil
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scaling.trainer.checkpoint._errors import CheckpointError
+
+if TYPE_CHECKING:
+    from scaling.config import JsonDict
 
 MARKER = "commit.json"
 LATEST = "latest"
@@ -34,7 +37,7 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def hash_file(path: Path) -> dict[str, Any]:
+def hash_file(path: Path) -> JsonDict:
     """``{"size": bytes, "sha256": hex}`` of one file."""
     digest = hashlib.sha256()
     size = 0
@@ -48,7 +51,7 @@ def hash_file(path: Path) -> dict[str, Any]:
     return {"size": size, "sha256": digest.hexdigest()}
 
 
-def hash_files(paths: Sequence[Path]) -> list[dict[str, Any]]:
+def hash_files(paths: Sequence[Path]) -> list[JsonDict]:
     """:func:`hash_file` of each path, several files at once in threads."""
     if len(paths) <= 1:
         return [hash_file(p) for p in paths]
@@ -76,7 +79,7 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def write_marker(step_dir: Path, step: int, files: dict[str, dict[str, Any]], info: dict[str, Any]) -> None:
+def write_marker(step_dir: Path, step: int, files: dict[str, JsonDict], info: JsonDict) -> None:
     """Write ``commit.json`` last: from here on the step folder counts."""
     write_json_atomic(step_dir / MARKER, {"format": FORMAT, "step": step, "files": files, **info})
 
@@ -89,7 +92,7 @@ def write_latest(save_dir: Path, step: int) -> None:
     os.replace(tmp, save_dir / LATEST)
 
 
-def read_marker(step_dir: Path) -> dict[str, Any]:
+def read_marker(step_dir: Path) -> JsonDict:
     path = step_dir / MARKER
     try:
         marker = json.loads(path.read_text())
@@ -102,7 +105,7 @@ def read_marker(step_dir: Path) -> dict[str, Any]:
     return marker
 
 
-def verify_files(step_dir: Path, marker: dict[str, Any], names: list[str]) -> list[str]:
+def verify_files(step_dir: Path, marker: JsonDict, names: list[str]) -> list[str]:
     """Problems (each naming the file) among ``names`` of the marker's files."""
     problems = []
     to_hash = []
@@ -123,7 +126,7 @@ def verify_files(step_dir: Path, marker: dict[str, Any], names: list[str]) -> li
     return problems
 
 
-def unlisted_files(step_dir: Path, marker: dict[str, Any]) -> list[str]:
+def unlisted_files(step_dir: Path, marker: JsonDict) -> list[str]:
     """Problems for files in the folder that the marker does not list (never loaded)."""
     return [
         f"{step_dir / name}: not listed in {MARKER}; a file was added after the commit, refusing to load"

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from scaling.nn import ParameterMeta
 
 if TYPE_CHECKING:
+    from scaling.config import StateDict
     from scaling.topology import Topology
 
 NamedParameters = Iterable[tuple[str, torch.Tensor, ParameterMeta]]
@@ -48,7 +49,7 @@ def _check_local_shape(name: str, param: torch.Tensor, meta: ParameterMeta, tp_s
         )
 
 
-def model_state_dict(named_parameters_with_meta: NamedParameters, topology: Topology | None) -> dict[str, Any]:
+def model_state_dict(named_parameters_with_meta: NamedParameters, topology: Topology | None) -> StateDict:
     """DTensor views of this rank's parameters, keyed by ``meta.key``.
 
     Args:
@@ -64,7 +65,7 @@ def model_state_dict(named_parameters_with_meta: NamedParameters, topology: Topo
     Raises:
         ValueError: a duplicate key, or a local shape that does not match the meta.
     """
-    state: dict[str, Any] = {}
+    state: StateDict = {}
     tp_size = 1 if topology is None else topology.model_parallel_size
     mesh = None if topology is None else topology.device_mesh["tp"]
     for name, param, meta in named_parameters_with_meta:

@@ -25,6 +25,7 @@ from scaling.trainer.checkpoint._tree import encode_pytree, flatten_state
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from scaling.config import JsonDict, StateDict
     from scaling.topology import Topology
 
 EXTRA_FILE = "extra.json"
@@ -114,9 +115,9 @@ class StagingBuffers:
             for v in tensors.values()
         )
 
-    def stage(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
+    def stage(self, tensors: Mapping[str, Any]) -> StateDict:
         """``tensors`` copied into the kept buffers (a DTensor keeps its mesh, placements and global shape)."""
-        staged: dict[str, Any] = {}
+        staged: StateDict = {}
         for key, value in tensors.items():
             local = value.to_local() if isinstance(value, DTensor) else value
             buffer = self._buffers.get(key)
@@ -150,8 +151,8 @@ def _layout(topology: Topology | None) -> dict[str, int]:
     }
 
 
-def _merge_scalars(per_rank: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
-    merged: dict[str, Any] = {}
+def _merge_scalars(per_rank: list[StateDict]) -> tuple[StateDict, list[str]]:
+    merged: StateDict = {}
     conflicting: set[str] = set()
     for scalars in per_rank:
         for k, v in scalars.items():
@@ -183,7 +184,7 @@ def _commit(
     save_dir: Path,
     step_dir: Path,
     step: int,
-    info: dict[str, Any],
+    info: JsonDict,
     pg: Any,
     keep_last: int | None,
     known: dict[str, Digest],
@@ -197,7 +198,7 @@ def _commit(
     _hash_missing(step_dir, mine, own)
     gathered = _all_gather(mine, pg, world)
     if rank == 0:
-        files: dict[str, Any] = {}
+        files: JsonDict = {}
         for part in gathered:
             files.update(part)
         names = mk.list_files(step_dir)
@@ -269,7 +270,7 @@ def save_checkpoint(
     except TypeError as e:
         raise TypeError(f"extra must be JSON-able (counters, config dict, loader state): {e}") from e
     tensors, scalars = flatten_state(state)
-    rank_tensors: dict[str, Any] = {}
+    rank_tensors: StateDict = {}
     rank_json = {"rank_state": encode_pytree(rank_state, rank_tensors), "scalars": scalars}
 
     save_dir = Path(save_dir)

@@ -10,10 +10,13 @@ ints, numpy arrays, tensors) exactly, tensors going to a safetensors file.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from scaling.config import StateDict
 
 _SCALARS = (int, float, str, bool, type(None))
 
@@ -43,14 +46,14 @@ def iter_leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         )
 
 
-def flatten_state(tree: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def flatten_state(tree: Any) -> tuple[dict[str, torch.Tensor], StateDict]:
     """Split ``tree`` into ``({key: tensor}, {key: scalar})``.
 
     Raises:
         ValueError: two leaves get the same dotted key (e.g. keys ``"a.b"`` and ``a -> b``).
     """
     tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, Any] = {}
+    scalars: StateDict = {}
     for key, leaf in iter_leaves(tree):
         if key in tensors or key in scalars:
             raise ValueError(f"checkpoint state key {key!r} appears twice after flattening; rename one of them")

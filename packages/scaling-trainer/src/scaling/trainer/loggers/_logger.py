@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import numbers
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,6 +12,7 @@ from scaling.trainer.loggers._config import LoggerConfig
 from scaling.trainer.loggers._sinks import ConsoleSink, JsonlSink, TensorBoardSink, WandbSink
 
 if TYPE_CHECKING:
+    from scaling.config import JsonMapping
     from scaling.topology import Topology
 
 LOGGER_NAME = "scaling.trainer.metrics"
@@ -48,7 +48,7 @@ class MetricsLogger:
         self,
         config: LoggerConfig | None = None,
         topology: Topology | None = None,
-        run_config: Mapping[str, Any] | None = None,
+        run_config: JsonMapping | None = None,
     ) -> None:
         self.config = config or LoggerConfig()
         self.is_writer = topology is None or topology.global_rank == 0
@@ -84,7 +84,7 @@ class MetricsLogger:
                 )
             )
 
-    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+    def log(self, metrics: JsonMapping, step: int) -> None:
         """Log scalar ``metrics`` at ``step`` to every sink (no-op off rank 0).
 
         Non-numeric entries (e.g. a ``"step"`` counter) are dropped from the sinks.
