@@ -146,3 +146,35 @@ def test_fp8_all_gather_under_zero3_trains_as_gathering_in_bf16(tiny_corpus):
     quantise the gathered weight to the same float8 values as the bf16 one, so the run matches
     the one gathering in bf16 within 1e-5 per step (measured: equal)."""
     assert_parity(_fp8_zero3_run(tiny_corpus, True), _fp8_zero3_run(tiny_corpus, False), rtol=1e-5, name="losses")
+
+
+FP8_LAYOUTS = {
+    # pipeline stages, data parallel with ZeRO-1, LoRA adapters in high precision over float8 base products
+    "pp2-dp2-zero1-lora": (4, {"pp": 2, "dp": 2, "optimizer": {"zero_stage": 1}}, {"finetuning": LORA}),
+    "cp2-ring": (2, {"cp": 2}, {}),  # context parallelism: float8 blocks around ring attention
+    "fp16": (1, {}, {"precision": "fp16"}),  # fp16 parameters with the loss scaler
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.skipif(float8_supported(torch.device("cpu")) is not None, reason="no float8 products on CPU here")
+@pytest.mark.parametrize("layout", sorted(FP8_LAYOUTS))
+def test_fp8_composes_with_the_layout(tiny_corpus, layout):
+    """FP8 against the same layout in high precision, 20 steps: every step within 5 % (the tolerance of
+    test_fp8_training_tracks_bf16, whose reasons hold here), so float8 composes with the layout."""
+    world, sizes, extra = FP8_LAYOUTS[layout]
+
+    def run(fp8):
+        cfg = tiny_config(tiny_corpus, steps=20, training={"fp8": {"enabled": fp8, "min_features": 16}}, **sizes)
+        cfg["transformer_architecture"].update(FP8_ARCH)
+        if "precision" in extra:
+            cfg["transformer_architecture"]["precision"] = extra["precision"]
+            cfg["optimizer"] = {**cfg.get("optimizer", {}), "loss_scaler": {"enable": True}}
+        if "finetuning" in extra:
+            cfg["finetuning"] = extra["finetuning"]
+        return losses(run_distributed(train_worker, world, cfg, timeout_seconds=300)[-1])
+
+    high, fp8 = run(False), run(True)
+    assert fp8 != high  # the products really are float8
+    assert_parity(fp8, high, rtol=0.05, name=f"fp8 {layout} per-step losses")
