@@ -111,7 +111,7 @@ class _Pending(NamedTuple):
     """An all-gather in flight: its handle (None with one rank), the receive buffer, one rank's
     width in it, and (float8 all-gathers: a byte buffer) each float8 weight's inverse scale."""
 
-    work: Any
+    work: dist.Work | None
     buffer: torch.Tensor
     width: int
     inverse: dict[int, torch.Tensor]
