@@ -178,3 +178,20 @@ def test_fp8_composes_with_the_layout(tiny_corpus, layout):
     high, fp8 = run(False), run(True)
     assert fp8 != high  # the products really are float8
     assert_parity(fp8, high, rtol=0.05, name=f"fp8 {layout} per-step losses")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_compiled_fp16_run_matches_eager_fp16(tiny_corpus):
+    """fp16 parameters with the loss scaler, compiled (aot_eager) against eager, one rank, 10 steps:
+    the same products in the same dtype, so the losses agree within 1e-5 per step."""
+
+    def run(compile):
+        cfg = tiny_config(tiny_corpus, steps=STEPS, training={"compile": {"enabled": compile, "backend": "aot_eager"}})
+        cfg["transformer_architecture"]["precision"] = "fp16"
+        cfg["optimizer"] = {**cfg.get("optimizer", {}), "loss_scaler": {"enable": True}}
+        return run_distributed(train_worker, 1, cfg, timeout_seconds=300)[0]
+
+    compiled, eager = run(True), run(False)
+    assert compiled[-1]["compile/graphs"] > 0
+    assert_parity(losses(compiled), losses(eager), rtol=1e-5, name="fp16 compiled vs eager losses")
