@@ -5,6 +5,7 @@ import scaling.collectives
 
 def test_public_api():
     assert sorted(scaling.collectives.__all__) == [
+        "AutogradContext",
         "CollectiveDeviceError",
         "CollectiveError",
         "CollectiveMismatchError",
@@ -13,6 +14,7 @@ def test_public_api():
         "CollectiveTimeoutError",
         "PendingCollective",
         "PipeTransport",
+        "PyTree",
         "all_gather",
         "all_gather_async",
         "all_gather_flat",

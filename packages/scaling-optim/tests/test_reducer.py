@@ -126,6 +126,7 @@ def _plain_parameters_parity(bucket_size_bytes):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # the quick tier stays under 2 minutes; the auto API's parity tests use this path too
 @pytest.mark.parametrize("bucket_size_bytes", [64, 25_000_000], ids=["tiny-buckets", "one-bucket"])
 def test_over_parameters_matches_the_full_batch_with_accumulation(bucket_size_bytes):
     buckets = run_distributed(_plain_parameters_parity, 2, bucket_size_bytes, timeout_seconds=60)

@@ -41,6 +41,7 @@ from scaling.collectives._ops import (
     send,
 )
 from scaling.collectives._pipe import PipeTransport, tensors_requiring_grad
+from scaling.collectives._pytree import AutogradContext, PyTree
 from scaling.collectives._recorder import CollectiveRecord, CollectiveRecorder, get_recorder
 from scaling.collectives._regions import (
     copy_to_model_parallel_region,
@@ -53,6 +54,7 @@ from scaling.collectives._regions import (
 )
 
 __all__ = [
+    "AutogradContext",
     "CollectiveDeviceError",
     "CollectiveError",
     "CollectiveMismatchError",
@@ -61,6 +63,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "PendingCollective",
     "PipeTransport",
+    "PyTree",
     "all_gather",
     "all_gather_async",
     "all_gather_flat",

@@ -16,12 +16,15 @@ Shape legend: b batch, n heads, s this rank's sequence slice, d head dim, cp gro
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from scaling.collectives._ops import PendingCollective, _collective, group_size
+
+if TYPE_CHECKING:
+    from scaling.collectives._pytree import AutogradContext
 
 ProcessGroup = dist.ProcessGroup
 
@@ -89,12 +92,12 @@ class _SwapHeadsAndSequence(torch.autograd.Function):
     """Heads -> sequence (``to_sequence``) or back; each direction's backward is the other."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, to_sequence: bool) -> torch.Tensor:
+    def forward(ctx: AutogradContext, x: torch.Tensor, group: ProcessGroup, to_sequence: bool) -> torch.Tensor:
         ctx.group, ctx.to_sequence = group, to_sequence
         return (_heads_to_sequence if to_sequence else _sequence_to_heads)(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: AutogradContext, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return (_sequence_to_heads if ctx.to_sequence else _heads_to_sequence)(grad, ctx.group), None, None
 
 
@@ -129,13 +132,13 @@ def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], grou
 class _AllToAllTokens(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup
+        ctx: AutogradContext, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup
     ) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         return _exchange(x, out_splits, in_splits, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: AutogradContext, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         out_splits, in_splits = ctx.splits
         return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
 

@@ -45,6 +45,10 @@ class TensorMeta(NamedTuple):
 #: runtime check is :func:`flatten`'s, naming the path of an unsupported leaf.
 PyTree = Any
 
+#: The ``ctx`` of a ``torch.autograd.Function``. ``Any``: each function stores its own
+#: attributes on it, which torch's ``FunctionCtx`` does not declare (torch types it so too).
+AutogradContext = Any
+
 # Spec nodes are tuples: ("t", index) | ("v", value) | ("list"|"tuple", children)
 # | ("namedtuple", cls, children) | ("dict", keys, children) | ("dc", cls, names, children)
 # | ("obj", cls, names, children) (a plain class's instance attributes).

@@ -12,12 +12,15 @@ every function returns its input unchanged.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from scaling.collectives import _ops
+
+if TYPE_CHECKING:
+    from scaling.collectives._pytree import AutogradContext
 
 ProcessGroup = dist.ProcessGroup
 
@@ -30,22 +33,22 @@ def _reduced_copy(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 class _CopyToModelParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    def forward(ctx: AutogradContext, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: AutogradContext, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _reduced_copy(grad, ctx.group), None
 
 
 class _ReduceFromModelParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    def forward(ctx: AutogradContext, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         return _reduced_copy(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: AutogradContext, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
@@ -53,12 +56,12 @@ class _Split(torch.autograd.Function):
     """Forward: keep this rank's chunk along ``dim``. Backward: all-gather along ``dim``."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+    def forward(ctx: AutogradContext, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return _ops.split(x, group, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: AutogradContext, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _ops.all_gather(grad, ctx.group, ctx.dim), None, None
 
 
@@ -66,12 +69,14 @@ class _Gather(torch.autograd.Function):
     """Forward: all-gather along ``dim``. Backward: reduce-scatter (partial grads) or split."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, dim: int, reduce_grads: bool) -> torch.Tensor:
+    def forward(
+        ctx: AutogradContext, x: torch.Tensor, group: ProcessGroup, dim: int, reduce_grads: bool
+    ) -> torch.Tensor:
         ctx.group, ctx.dim, ctx.reduce_grads = group, dim, reduce_grads
         return _ops.all_gather(x, group, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: AutogradContext, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         if ctx.reduce_grads:
             return _ops.reduce_scatter(grad, ctx.group, ctx.dim), None, None, None
         return _ops.split(grad, ctx.group, ctx.dim), None, None, None
@@ -81,12 +86,12 @@ class _ReduceScatter(torch.autograd.Function):
     """Forward: reduce-scatter along ``dim``. Backward: all-gather along ``dim``."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+    def forward(ctx: AutogradContext, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
         return _ops.reduce_scatter(x, group, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: AutogradContext, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _ops.all_gather(grad, ctx.group, ctx.dim), None, None
 
 

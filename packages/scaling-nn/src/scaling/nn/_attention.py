@@ -42,7 +42,7 @@ from scaling.nn._rotary import KVCache, RotaryEmbedding, document_ids_and_positi
 from scaling.topology import zigzag_indices
 
 if TYPE_CHECKING:
-    from scaling.topology import Topology
+    from scaling.topology import RNGTracker, Topology
 
 
 def valid_model_parallel_sizes(num_attention_heads: int, num_kv_heads: int, fused_qkv: bool) -> list[int]:
@@ -129,7 +129,7 @@ class ParallelSelfAttention(torch.nn.Module):
         rotary_interleaved: bool = False,
         qk_norm: bool = False,
         attention_dropout: float = 0.0,
-        rng_tracker: Any = None,
+        rng_tracker: RNGTracker | None = None,
         sequence_parallel: bool = False,
         checkpoint_core_attention: bool = False,
         init_method: InitMethod | None = None,

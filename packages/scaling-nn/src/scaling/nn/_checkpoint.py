@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+if TYPE_CHECKING:
+    from scaling.topology import RNGTracker
 
-def tracker_checkpoint_context(rng_tracker: Any) -> Callable[[], tuple[Any, Any]]:
+
+def tracker_checkpoint_context(rng_tracker: RNGTracker | None) -> Callable[[], tuple[Any, Any]]:
     """A ``context_fn`` for ``torch.utils.checkpoint`` that replays ``rng_tracker``'s streams."""
     if rng_tracker is None:
         return lambda: (contextlib.nullcontext(), contextlib.nullcontext())
@@ -43,7 +46,7 @@ def tracker_checkpoint_context(rng_tracker: Any) -> Callable[[], tuple[Any, Any]
     return context_fn
 
 
-def checkpoint_layer(layer: Callable[..., Any], *inputs: Any, rng_tracker: Any = None) -> Any:
+def checkpoint_layer(layer: Callable[..., Any], *inputs: Any, rng_tracker: RNGTracker | None = None) -> Any:
     """Run ``layer(*inputs)`` keeping only its inputs; recompute the rest in the backward.
 
     Inputs and outputs may be LayerIO dataclasses. Dropout masks (default generator and
@@ -59,7 +62,9 @@ def checkpoint_layer(layer: Callable[..., Any], *inputs: Any, rng_tracker: Any =
     return checkpoint(layer, *inputs, use_reentrant=False, context_fn=tracker_checkpoint_context(rng_tracker))
 
 
-def checkpoint_sequential_layers(layers: Sequence[Callable[[Any], Any]], x: Any, rng_tracker: Any = None) -> Any:
+def checkpoint_sequential_layers(
+    layers: Sequence[Callable[[Any], Any]], x: Any, rng_tracker: RNGTracker | None = None
+) -> Any:
     """Run ``layers`` one after another inside one checkpoint (a whole pipeline stage):
     only the stage input is kept."""
 

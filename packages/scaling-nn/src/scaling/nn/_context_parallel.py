@@ -42,6 +42,8 @@ from scaling.topology import zigzag_indices
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from scaling.collectives import AutogradContext
+
 CONTEXT_PARALLEL_METHODS = ("ring", "all_to_all")
 
 
@@ -227,7 +229,7 @@ def _block(layout: TokenLayout, src: int, device: torch.device) -> _Block | None
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: AutogradContext,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -262,7 +264,7 @@ class _RingAttention(torch.autograd.Function):
         return result
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: AutogradContext, grad_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         layout, group, scale = ctx.layout, ctx.group, ctx.scale
         n, n_kv = q.shape[1], k.shape[1]

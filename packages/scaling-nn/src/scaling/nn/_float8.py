@@ -23,12 +23,15 @@ docs/architecture.md.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from pydantic import Field, model_validator
 
 from scaling.config import BaseConfig
+
+if TYPE_CHECKING:
+    from scaling.collectives import AutogradContext
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
@@ -97,7 +100,7 @@ def float8_mm(
 
 class _Float8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, config: Float8Config) -> torch.Tensor:
+    def forward(ctx: AutogradContext, x: torch.Tensor, weight: torch.Tensor, config: Float8Config) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.config = config
         x2 = x.reshape(-1, x.shape[-1])
@@ -105,7 +108,7 @@ class _Float8Linear(torch.autograd.Function):
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    def backward(ctx: AutogradContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, weight = ctx.saved_tensors
         config: Float8Config = ctx.config
         rowwise = config.scaling == "rowwise"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import re
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,9 @@ from scaling.nn._attention import _ReplicatedLinear
 from scaling.nn._init import TPInfo, default_weight_init, sharded_parameter
 from scaling.nn._layer import attach_parameter_metas
 from scaling.nn._linear import ColumnParallelLinear, RowParallelLinear
+
+if TYPE_CHECKING:
+    from scaling.topology import RNGTracker
 
 LORA_TYPES = (ColumnParallelLinear, RowParallelLinear, _ReplicatedLinear, torch.nn.Linear)
 
@@ -78,7 +81,7 @@ def _tp_of(module: torch.nn.Module) -> TPInfo:
 
 # ``module`` is Any here and in the hook: it gains plain ``lora_*`` attributes, which
 # ``torch.nn.Module.__setattr__``/``__getattr__`` type as tensors or modules only.
-def _add_adapter(module: Any, config: LoRAConfig, rng_tracker: Any) -> None:
+def _add_adapter(module: Any, config: LoRAConfig, rng_tracker: RNGTracker | None) -> None:
     tp = _tp_of(module)
     base_meta = getattr(module.weight, "parameter_meta", None)
     full_out, full_in = tuple(base_meta.logical_shape) if base_meta is not None else tuple(module.weight.shape)
@@ -154,7 +157,7 @@ def lora_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if hasattr(m, "lora_A")]
 
 
-def apply_lora(model: torch.nn.Module, config: LoRAConfig, rng_tracker: Any = None) -> list[str]:
+def apply_lora(model: torch.nn.Module, config: LoRAConfig, rng_tracker: RNGTracker | None = None) -> list[str]:
     """Add LoRA adapters to the modules of ``model`` named by ``config.target_modules``.
 
     ``A`` is initialised like ``torch.nn.Linear`` (kaiming-uniform, drawn whole and

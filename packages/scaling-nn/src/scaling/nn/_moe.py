@@ -56,6 +56,7 @@ from scaling.nn._meta import get_parameter_meta
 from scaling.nn._mlp import ParallelSwiGLUMLP
 
 if TYPE_CHECKING:
+    from scaling.collectives import AutogradContext
     from scaling.topology import Topology
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -86,12 +87,12 @@ class _InjectAuxLoss(torch.autograd.Function):
     """Identity on ``out``; in the backward, the auxiliary loss gets gradient ``scale``."""
 
     @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(ctx: AutogradContext, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale, ctx.aux_shape = scale, aux.shape
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(ctx: AutogradContext, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=torch.float32, device=grad.device), None
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,8 @@ from scaling.nn._meta import get_parameter_meta
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+    from scaling.topology import RNGTracker
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -114,7 +116,7 @@ def export_peft_adapter(
 
 
 def load_peft_adapter(
-    model: torch.nn.Module, path: str, name_map: dict[str, str] | None = None, rng_tracker: Any = None
+    model: torch.nn.Module, path: str, name_map: dict[str, str] | None = None, rng_tracker: RNGTracker | None = None
 ) -> LoRAConfig:
     """Add (if missing) and load the LoRA adapters of a PEFT adapter folder into ``model``.
 

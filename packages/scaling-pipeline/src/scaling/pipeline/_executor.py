@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
-from scaling.collectives import PipeTransport, tensors_requiring_grad
+from scaling.collectives import PipeTransport, PyTree, tensors_requiring_grad
 from scaling.config import Metrics
 from scaling.pipeline._instructions import (
     Backward,
@@ -52,7 +52,7 @@ class PipelineStage(Protocol):
     stage: int
     num_virtual_stages: int
 
-    def forward_chunk(self, chunk: int, x: Any) -> Any:
+    def forward_chunk(self, chunk: int, x: PyTree) -> PyTree:
         """Run local model chunk ``chunk`` on ``x`` (a micro-batch's inputs or a received activation)."""
         ...
 
@@ -61,7 +61,7 @@ class PipelineStage(Protocol):
         ...
 
 
-LossFunction = Callable[[Any, Any], tuple[torch.Tensor, Metrics]]
+LossFunction = Callable[[PyTree, PyTree], tuple[torch.Tensor, Metrics]]
 LossBackward = Callable[[torch.Tensor], None]
 InstructionTimings = list[tuple[str, float, float]]
 
@@ -75,12 +75,12 @@ class StageOutputs:
     metrics: dict[int, Metrics]
 
 
-def _grad_leaves(obj: Any) -> list[torch.Tensor]:
+def _grad_leaves(obj: PyTree) -> list[torch.Tensor]:
     # The transport's flatten order, so gradients line up with what the peer received.
     return tensors_requiring_grad(obj)
 
 
-def _detach_for_next_chunk(obj: Any) -> Any:
+def _detach_for_next_chunk(obj: PyTree) -> PyTree:
     """A copy whose float tensors are fresh leaves, as if the object had been sent."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().requires_grad_(obj.requires_grad)
@@ -164,7 +164,7 @@ class StageExecutor:
     def __init__(
         self,
         stage: PipelineStage,
-        micro_batches: Sequence[Any],
+        micro_batches: Sequence[PyTree],
         loss_function: LossFunction,
         transport: PipeTransport | None,
         *,
@@ -178,9 +178,9 @@ class StageExecutor:
         self._before_first_wait, self.timings = before_first_wait, timings
         self.p, self.s = stage.num_stages, stage.stage
         self.last_vs = self.p * stage.num_virtual_stages - 1
-        self.batches: dict[int, Any] = {}
-        self.inputs: dict[tuple[int, int], Any] = {}
-        self.outputs: dict[tuple[int, int], Any] = {}
+        self.batches: dict[int, PyTree] = {}
+        self.inputs: dict[tuple[int, int], PyTree] = {}
+        self.outputs: dict[tuple[int, int], PyTree] = {}
         # gradient w.r.t. each output (None where the next stage had none to send)
         self.grads_out: dict[tuple[int, int], list[torch.Tensor | None]] = {}
         self.grads_in: dict[tuple[int, int], list[torch.Tensor]] = {}  # gradient w.r.t. each input

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import torch
 
+from scaling.collectives import PyTree
+from scaling.config import Metrics
 from scaling.nn import (
     ColumnParallelLinear,
     CompileConfig,
     LayerInputError,
+    LayerSpec,
     ParameterMeta,
+    TiedLayerSpec,
     compile_layers,
     get_parameter_meta,
     set_layer_index,
@@ -79,7 +82,7 @@ class ParallelModule(torch.nn.Module):
 
     def __init__(
         self,
-        layer_specs: Sequence[Any],
+        layer_specs: Sequence[LayerSpec],
         topology: Topology,
         *,
         partition_method: str = "uniform",
@@ -168,7 +171,9 @@ class ParallelModule(torch.nn.Module):
         first: dict[tuple[str, str], torch.nn.Parameter] = {}
         for i, module in self.layers.items():
             spec = self.layer_specs[int(i)]
-            for path in getattr(spec, "tied_weight_attributes", []):
+            if not isinstance(spec, TiedLayerSpec):
+                continue
+            for path in spec.tied_weight_attributes:
                 owner_path, _, attr = path.rpartition(".")
                 owner = module.get_submodule(owner_path) if owner_path else module
                 key = (spec.key, path)
@@ -181,9 +186,9 @@ class ParallelModule(torch.nn.Module):
         stages: dict[str, list[int]] = {}
         for vs, r in enumerate(self.partition):
             for i in r:
-                key = getattr(self.layer_specs[i], "key", None)
-                if key is not None and vs % self.num_stages not in stages.setdefault(key, []):
-                    stages[key].append(vs % self.num_stages)
+                spec = self.layer_specs[i]
+                if isinstance(spec, TiedLayerSpec) and vs % self.num_stages not in stages.setdefault(spec.key, []):
+                    stages[spec.key].append(vs % self.num_stages)
         return {k: sorted(v) for k, v in sorted(stages.items()) if len(v) > 1}
 
     def reduce_tied_gradients(self) -> None:
@@ -206,7 +211,7 @@ class ParallelModule(torch.nn.Module):
         return [p for i in self.chunks[chunk] for p in self.layers[str(i)].parameters() if p.requires_grad]
 
     # ------------------------------------------------------------ forward
-    def forward_chunk(self, chunk: int, x: Any) -> Any:
+    def forward_chunk(self, chunk: int, x: PyTree) -> PyTree:
         """Run the layers of local ``chunk`` on ``x`` (a LayerIO).
 
         Raises:
@@ -248,7 +253,7 @@ class ParallelModule(torch.nn.Module):
         if hint is None:
             return loss_function
 
-        def checked(output: Any, targets: Any) -> Any:
+        def checked(output: PyTree, targets: PyTree) -> tuple[torch.Tensor, Metrics]:
             try:
                 return loss_function(output, targets)
             except (IndexError, RuntimeError, ValueError) as exc:
@@ -256,7 +261,7 @@ class ParallelModule(torch.nn.Module):
 
         return checked
 
-    def forward(self, batch: Any) -> Any:
+    def forward(self, batch: PyTree) -> PyTree:
         """Whole-model forward in one process (``pipe_parallel_size == 1`` only).
 
         Raises:
@@ -276,7 +281,7 @@ class ParallelModule(torch.nn.Module):
     # ------------------------------------------------------------ schedule
     def run_schedule(
         self,
-        micro_batches: Sequence[Any],
+        micro_batches: Sequence[PyTree],
         loss_function: LossFunction,
         *,
         forward_only: bool = False,
@@ -321,7 +326,7 @@ class ParallelModule(torch.nn.Module):
 
     def _executor(
         self,
-        micro_batches: Sequence[Any],
+        micro_batches: Sequence[PyTree],
         loss_function: LossFunction,
         loss_backward: LossBackward | None,
         loss_scale: float,

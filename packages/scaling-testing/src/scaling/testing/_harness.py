@@ -33,9 +33,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scaling.testing._worker import worker_main
+
+if TYPE_CHECKING:
+    import multiprocessing.context
 
 DEFAULT_TIMEOUT_SECONDS = 120.0
 # Imported once in the forkserver; every worker is forked with them loaded (preload() adds more).
@@ -72,7 +75,7 @@ class WorkerPool:
     """A reusable set of worker processes, one per rank."""
 
     def __init__(self) -> None:
-        self._ctx: Any
+        self._ctx: multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext
         if "forkserver" in mp.get_all_start_methods():
             self._ctx = mp.get_context("forkserver")
             self._ctx.set_forkserver_preload(_PRELOAD)

@@ -31,6 +31,7 @@ from scaling.trainer.auto._pipeline import PipelineStage
 from scaling.trainer.auto._plan import Plan
 
 if TYPE_CHECKING:
+    from scaling.collectives import AutogradContext
     from scaling.config import StateDict
 
 
@@ -134,12 +135,12 @@ class _ScaleGrad(torch.autograd.Function):
     """Identity forward; backward multiplies by the loss scale (fp16 with the plain ``loss.backward()``)."""
 
     @staticmethod
-    def forward(ctx: Any, loss: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(ctx: AutogradContext, loss: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
         return loss.view_as(loss)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: AutogradContext, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad * ctx.scale, None
 
 
