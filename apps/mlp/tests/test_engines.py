@@ -106,7 +106,7 @@ def cluster(tmp_path_factory):
         with slurm_cluster(tmp_path_factory.mktemp("slurm")) as running:
             yield running
     except EngineMissing as exc:
-        pytest.skip(f"no SLURM cluster can start here: {exc}")
+        pytest.skip(reason=f"no SLURM cluster can start here: {exc}")
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def image() -> str:
     try:
         return skeleton_image()
     except EngineMissing as exc:
-        pytest.skip(f"no container can run here: {exc}")
+        pytest.skip(reason=f"no container can run here: {exc}")
 
 
 def _slurm_runner(tmp: Path) -> dict[str, Any]:

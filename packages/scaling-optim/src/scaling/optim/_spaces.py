@@ -29,7 +29,8 @@ from scaling.optim._comm import group_size
 from scaling.optim._reducer import GradientReducer
 from scaling.optim._shard_gather import ShardGather
 from scaling.optim._slots import ParamSlot
-from scaling.optim._zero3 import GradientScatter, ParameterGatherer
+from scaling.optim._zero3 import ParameterGatherer
+from scaling.optim._zero3_scatter import GradientScatter
 from scaling.topology import Topology
 
 if TYPE_CHECKING:

@@ -10,6 +10,13 @@ Without context parallelism (cp = 1) this is the (pp, dp, tp) order of earlier v
 The ranks that hold the same parameters are those of one (pp, tp) pair: the DP × CP
 ranks. Gradients are averaged over them and ZeRO shards over them (Megatron-Core's
 data-parallel group "with context parallel", torchtitan's ``dp_shard_cp``).
+
+Over 500 lines on purpose: ``Topology`` is the one object every package and the
+walkthrough's user code read ranks, groups and the mesh from (``topology.<axis>_rank``,
+``<axis>_ranks``, ``<axis>_group``: four axes and their combinations, each a short
+documented property). What has its own concept already lives apart: group construction
+(``_groups.py``), RNG (``_rng.py``), teardown (``_teardown.py``), sequence splits
+(``_sequence.py``); splitting the properties over mixins would scatter one table.
 """
 
 from __future__ import annotations
