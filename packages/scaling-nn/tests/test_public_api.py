@@ -39,6 +39,7 @@ EXPECTED = [
     "enable_float8",
     "export_peft_adapter",
     "float8_linear",
+    "float8_quantize",
     "float8_supported",
     "get_parameter_meta",
     "load_peft_adapter",

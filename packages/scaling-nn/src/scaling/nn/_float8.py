@@ -79,13 +79,19 @@ class Float8Config(BaseConfig):
         return _FORMATS[self.grad_format or ("e5m2" if self.scaling == "tensorwise" else "e4m3")]
 
 
+def float8_quantize(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` cast to the float8 ``dtype`` with ``amax`` mapped to the format's largest value; and the
+    inverse scale (``quantized.float() * inverse`` dequantises). ``amax`` may be a tensor's own
+    (see the products here) or one taken over more (ZeRO-3's shards of one weight)."""
+    largest = torch.finfo(dtype).max
+    scale = largest / amax.float().clamp(min=1e-12)
+    return (t.float() * scale).clamp(-largest, largest).to(dtype), scale.reciprocal()
+
+
 def _scale(t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` cast to ``dtype`` with its amax (over all, or along ``dim``) at the format's max; and the inverse scale."""
     amax = t.detach().abs().float()
-    amax = amax.amax() if dim is None else amax.amax(dim=dim, keepdim=True)
-    scale = torch.finfo(dtype).max / amax.clamp(min=1e-12)
-    quantized = (t.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype)
-    return quantized, scale.reciprocal()
+    return float8_quantize(t, amax.amax() if dim is None else amax.amax(dim=dim, keepdim=True), dtype)
 
 
 def float8_mm(

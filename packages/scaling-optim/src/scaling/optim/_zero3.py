@@ -48,13 +48,11 @@ import torch
 import torch.distributed as dist
 
 from scaling.collectives import all_reduce
-from scaling.nn import ParameterMeta, TensorParallelLinear
+from scaling.nn import ParameterMeta, TensorParallelLinear, float8_quantize
 from scaling.optim._comm import group_size
 from scaling.optim._compat import all_gather_single, in_backward
 from scaling.optim._slots import ParamSlot
 from scaling.optim._weak import weak_hook
-
-FLOAT8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -236,15 +234,14 @@ class ParameterGatherer:
             ]
         )
         all_reduce(amax, self.group, op=dist.ReduceOp.MAX)
-        scales = FLOAT8_MAX / amax.clamp(min=1e-12)
-        scale_of = {id(s): scales[i] for i, s in enumerate(float8)}
-        parts = []
+        amax_of = {id(s): amax[i] for i, s in enumerate(float8)}
+        parts, inverse = [], {}
         for s in slots:
             chunk = s.padded_chunk(s.param_shard)  # type: ignore[arg-type]
-            if id(s) in scale_of:
-                chunk = (chunk.float() * scale_of[id(s)]).clamp(-FLOAT8_MAX, FLOAT8_MAX).to(self._float8[id(s)])
+            if id(s) in amax_of:
+                chunk, inverse[id(s)] = float8_quantize(chunk, amax_of[id(s)], self._float8[id(s)])
             parts.append(chunk.view(torch.uint8))
-        return torch.cat(parts), {k: v.reciprocal() for k, v in scale_of.items()}
+        return torch.cat(parts), inverse
 
     def gather(self, index: int, exact: bool = False) -> None:
         """Make layer ``index``'s parameters whole (waiting for a prefetch if one is running).
