@@ -96,7 +96,7 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
                 "training.fp8.min_features=16",
             ],
             r"fp8: layer 'block.mlp.gate_proj' has local weight shape \[100, 128\]; float8 products need sizes "
-            r"that are multiples of 16. Keep it in high precision: add the regex mlp\\.gate_proj to fp8.exclude",
+            r"that are multiples of 16. Keep it in high precision: add the regex mlp\\.gate_proj to training.fp8.exclude",
         ),
     ],
     ids=[

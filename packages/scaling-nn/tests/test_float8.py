@@ -95,6 +95,11 @@ def test_a_layer_not_a_multiple_of_16_is_refused_naming_it():
         ValueError, match=r"layer '0' has local weight shape \[24, 40\].*add the regex 0 to fp8.exclude"
     ):
         check_float8(model, Float8Config(enabled=True, min_features=16), 1, torch.device("cpu"))
+    # The error names the setting as the caller spells it (the transformer app's training.fp8).
+    with pytest.raises(
+        ValueError, match=r"^training\.fp8: layer '0'.*to training\.fp8\.exclude \(or raise training\.fp8"
+    ):
+        check_float8(model, Float8Config(enabled=True, min_features=16), 1, torch.device("cpu"), setting="training.fp8")
     # at tp2 the column-parallel output is split: 48 -> 24 per rank
     model = torch.nn.Sequential(ColumnParallelLinear(64, 48))
     check_float8(model, Float8Config(enabled=True, min_features=16), 1, torch.device("cpu"))

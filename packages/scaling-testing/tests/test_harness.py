@@ -242,6 +242,11 @@ def test_assert_parity_reports_worst_element():
         assert_parity(a, {"w": torch.tensor([1.0, 2.0, 3.1])})
     with pytest.raises(AssertionError, match="shape"):
         assert_parity(torch.zeros(2), torch.zeros(3))
+    # A container where another was expected is named, not a TypeError from inside the check.
+    with pytest.raises(AssertionError, match=r"value\['w'\]: a list, expected a mapping"):
+        assert_parity({"w": [1.0]}, {"w": {"x": 1.0}})
+    with pytest.raises(AssertionError, match="value: a Tensor, expected a sequence"):
+        assert_parity(torch.zeros(2), [0.0, 0.0])
 
 
 def test_shard():

@@ -74,4 +74,4 @@ def test_a_layer_float8_cannot_run_is_named_with_the_fix() -> None:
     message = run_distributed(_refused_worker, 1)[0]
     # A 40-wide MLP: gate_proj's weight is [40, 32], not a multiple of 16.
     assert "layer 'model.layers.0.mlp.gate_proj' has local weight shape [40, 32]" in message, message
-    assert "add the regex mlp\\.gate_proj to fp8.exclude" in message, message
+    assert "add the regex mlp\\.gate_proj to float8.exclude" in message, message

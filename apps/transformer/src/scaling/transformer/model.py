@@ -330,4 +330,6 @@ def check_fp8(config: TransformerConfig) -> None:
         topology.device == "auto" and topology.backend != "gloo" and torch.cuda.is_available()
     )
     assert topology.model_parallel_size is not None
-    check_float8(blocks, fp8, topology.model_parallel_size, torch.device("cuda" if cuda else "cpu"))
+    check_float8(
+        blocks, fp8, topology.model_parallel_size, torch.device("cuda" if cuda else "cpu"), setting="training.fp8"
+    )

@@ -143,7 +143,7 @@ def build_trainer(config: TransformerConfig, topology: Topology) -> TransformerT
         compile=config.training.compile,
     )
     # Float8 products in the blocks' linears (the embedding and head layers have none).
-    enable_float8(parallel_module, config.training.fp8)
+    enable_float8(parallel_module, config.training.fp8, setting="training.fp8")
     apply_finetuning(
         [(int(i), layer) for i, layer in parallel_module.layers.items()],
         config.finetuning,

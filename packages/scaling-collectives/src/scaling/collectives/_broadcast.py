@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar, cast
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -10,6 +10,10 @@ import torch.distributed as dist
 from scaling.collectives import _ops, _pytree
 
 T = TypeVar("T")
+
+
+# What the source sends first: the pytree's spec, its tensors' metas and their device type.
+_Header = tuple[_pytree.Spec, tuple[_pytree.TensorMeta, ...], str]
 
 
 def broadcast_pytree(obj: T, src: int, group: dist.ProcessGroup | None, *, device: torch.device | None = None) -> T:
@@ -55,13 +59,13 @@ def broadcast_pytree(obj: T, src: int, group: dist.ProcessGroup | None, *, devic
     # The bytes travel on the group's device (NCCL takes only CUDA tensors); received
     # tensors land on ``device``, by default where the source's were.
     wire = _ops.group_device(group)
-    header: Any = None
+    header: _Header | None = None
     if is_src:
         spec, tensors = _pytree.flatten(obj)
         metas = _pytree.tensor_metas(tensors)
         src_device = tensors[0].device if tensors else torch.device("cpu")
         header = (spec, metas, src_device.type)
-    spec, metas, device_type = cast(tuple[Any, tuple[Any, ...], str], _ops.broadcast_object(header, src, group))
+    spec, metas, device_type = cast(_Header, _ops.broadcast_object(header, src, group))
     if not metas:
         return obj if is_src else _pytree.unflatten(spec, [])
     if is_src:

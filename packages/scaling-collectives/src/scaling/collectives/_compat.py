@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 # torch 2.13 deprecates the *_into_tensor / *_tensor names in favour of *_single; 2.6
-# only has the former. Both take (output, input, ..., group=..., async_op=...).
+# only has the former. Both take (output, input, ..., group=..., async_op=...). Any: the
+# two names' signatures differ in their typing across those versions.
 all_gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

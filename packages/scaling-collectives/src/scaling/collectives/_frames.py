@@ -10,9 +10,10 @@ views cost a fraction of torch's (``bench/pipe_transport.py`` times a hand-off).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from scaling.collectives import _pytree
@@ -23,7 +24,7 @@ HEADER = 32  # bytes before the payload in a frame: int64[4], keeps the payload 
 FRAMED, PAYLOAD_ONLY, TYPED = HEADER, 0, -1
 
 # torch dtype -> numpy dtype, for the CPU receive path (dtypes numpy lacks, e.g. bfloat16, take the torch path).
-_NUMPY_DTYPES: dict[torch.dtype, Any] = {
+_NUMPY_DTYPES: dict[torch.dtype, type[np.generic]] = {
     torch.bool: np.bool_,
     torch.uint8: np.uint8,
     torch.int8: np.int8,
@@ -38,6 +39,10 @@ _NUMPY_DTYPES: dict[torch.dtype, Any] = {
 }
 
 
+#: A channel's metadata as sent once at the handshake: the pytree's spec and its tensors' metas.
+Meta: TypeAlias = "tuple[_pytree.Spec, tuple[_pytree.TensorMeta, ...]]"
+
+
 class Layout:
     """A channel's cached metadata and where each tensor sits in a frame's payload.
 
@@ -50,9 +55,9 @@ class Layout:
 
     __slots__ = ("form", "header", "meta", "metas", "np_dtypes", "pads", "size", "slices", "spec")
 
-    def __init__(self, meta: Any, device: torch.device, static: bool = False) -> None:
+    def __init__(self, meta: Meta | None, device: torch.device, static: bool = False) -> None:
         self.meta = meta
-        self.spec: Any = None if meta is None else meta[0]
+        self.spec: _pytree.Spec | None = None if meta is None else meta[0]
         self.metas: tuple[_pytree.TensorMeta, ...] = () if meta is None else meta[1]
         starts, self.size = _pytree.offsets(self.metas)
         self.slices = [(start, start + m.nbytes) for start, m in zip(starts, self.metas)]
@@ -68,10 +73,10 @@ class Layout:
         else:
             self.form = TYPED if len(self.metas) == 1 else PAYLOAD_ONLY
         # On CPU a received tensor is a numpy view of the frame (a third of the cost of torch's views).
-        np_dtypes = [_NUMPY_DTYPES.get(m.dtype) for m in self.metas]
-        self.np_dtypes = np_dtypes if device.type == "cpu" and None not in np_dtypes else None
+        np_dtypes = [_NUMPY_DTYPES[m.dtype] for m in self.metas if m.dtype in _NUMPY_DTYPES]
+        self.np_dtypes = np_dtypes if device.type == "cpu" and len(np_dtypes) == len(self.metas) else None
 
-    def fits(self, spec: Any, tensors: list[torch.Tensor]) -> bool:
+    def fits(self, spec: _pytree.Spec, tensors: list[torch.Tensor]) -> bool:
         """Whether a flattened pytree matches this layout (same spec, shapes, dtypes, grad flags): the steady state."""
         if spec != self.spec or len(tensors) != len(self.metas):
             return False
@@ -92,38 +97,40 @@ class Layout:
                 pieces.append(pad)
         return pieces
 
-    def unpack(self, buffer: Buffer, base: int, grad_leaves: bool) -> Any:
+    def unpack(self, buffer: Buffer, base: int, grad_leaves: bool) -> _pytree.PyTree:
         """The pytree whose payload starts at byte ``base`` of ``buffer`` (typed views, no copy).
 
         Views read no data, so this may run before the buffer is filled. ``None`` while
         nothing is cached (a channel's first message always comes with its metadata).
         """
-        if self.meta is None:
+        spec = self.spec
+        if spec is None:
             return None
         tensor, array = buffer
-        np_dtypes = self.np_dtypes if array is not None else None
+        np_dtypes = self.np_dtypes
         tensors = []
         for i, ((start, end), m) in enumerate(zip(self.slices, self.metas)):
             if end == start:
                 t = torch.empty(m.shape, dtype=m.dtype, device=tensor.device)
-            elif np_dtypes is not None:
+            elif np_dtypes is not None and array is not None:
                 t = torch.from_numpy(array[base + start : base + end].view(np_dtypes[i]).reshape(m.shape))
             else:
                 t = tensor[base + start : base + end].view(m.dtype).view(m.shape)
             if grad_leaves and m.requires_grad:
                 t.requires_grad_(True)
             tensors.append(t)
-        return _pytree.unflatten(self.spec, tensors)
+        return _pytree.unflatten(spec, tensors)
 
-    def unpack_typed(self, tensor: torch.Tensor, grad_leaf: bool) -> Any:
+    def unpack_typed(self, tensor: torch.Tensor, grad_leaf: bool) -> _pytree.PyTree:
         """The pytree of a single-tensor layout around ``tensor``, received as it is (dtype and shape)."""
+        assert self.spec is not None  # a TYPED layout holds one tensor's metadata
         if grad_leaf and self.metas[0].requires_grad:
             tensor.requires_grad_(True)
         return _pytree.unflatten(self.spec, [tensor])
 
 
 # A receive buffer: the uint8 tensor, and on CPU the numpy array it wraps (cheap header reads and views).
-Buffer = tuple[torch.Tensor, Any]
+Buffer: TypeAlias = "tuple[torch.Tensor, npt.NDArray[np.uint8] | None]"
 
 
 def empty_buffer(nbytes: int, device: torch.device) -> Buffer:
@@ -139,7 +146,7 @@ def header(changed: int, meta_len: int, payload_len: int, device: torch.device) 
     return torch.tensor([changed, meta_len, payload_len, 0], dtype=torch.int64).view(torch.uint8).to(device)
 
 
-def read_header(frame: torch.Tensor, array: Any) -> list[int]:
+def read_header(frame: torch.Tensor, array: npt.NDArray[np.uint8] | None) -> list[int]:
     """The four header fields of a received frame (through its numpy array on CPU)."""
     fields = frame[:HEADER].view(torch.int64) if array is None else array[:HEADER].view(np.int64)
     return list(fields.tolist())

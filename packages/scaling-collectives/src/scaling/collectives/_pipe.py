@@ -70,6 +70,7 @@ class _NoSend:
         return "<no send>"
 
 
+# Any: the sentinel stands in for a PyTree argument (send_forward's default).
 _NO_SEND: Any = _NoSend()
 
 
@@ -363,7 +364,7 @@ class PipeTransport:
                 frame = torch.cat(cached.payload_pieces(tensors, self.device))
             else:
                 frame = torch.cat([cached.header, *cached.payload_pieces(tensors, self.device)])
-        elif self.static_shapes and cached.meta is not None:
+        elif self.static_shapes and cached.spec is not None:
             raise ValueError(
                 f"PipeTransport(static_shapes=True): the {_PATHS[channel]} for rank {dst} changed after its first "
                 f"message: {_describe(cached.spec, cached.metas)} became "

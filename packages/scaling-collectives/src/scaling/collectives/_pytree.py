@@ -51,7 +51,8 @@ AutogradContext = Any
 
 # Spec nodes are tuples: ("t", index) | ("v", value) | ("list"|"tuple", children)
 # | ("namedtuple", cls, children) | ("dict", keys, children) | ("dc", cls, names, children)
-# | ("obj", cls, names, children) (a plain class's instance attributes).
+# | ("obj", cls, names, children) (a plain class's instance attributes). Any: the tuples'
+# members differ by node kind (a recursive union mypy would check no better).
 Spec = tuple[Any, ...]
 
 

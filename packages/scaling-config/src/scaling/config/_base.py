@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -42,7 +43,7 @@ class BaseConfig(BaseModel):
     _require_descriptions: ClassVar[bool] = True
 
     @classmethod
-    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+    def __pydantic_init_subclass__(cls, **kwargs: object) -> None:
         super().__pydantic_init_subclass__(**kwargs)
         if not cls._require_descriptions:
             return
@@ -53,14 +54,15 @@ class BaseConfig(BaseModel):
                 f"missing for {sorted(missing)}. Add Field(..., description='...')."
             )
 
-    def __init__(self, **data: Any) -> None:
+    def __init__(self, **data: object) -> None:
         try:
             super().__init__(**data)
         except ValidationError as exc:
             raise masked_error(exc, data, type(self)) from None
 
     @classmethod
-    def model_validate(cls: type[C], obj: Any, **kwargs: Any) -> C:  # type: ignore[override, unused-ignore]
+    # Any: the keywords go to pydantic's model_validate, whose set varies by pydantic version.
+    def model_validate(cls: type[C], obj: object, **kwargs: Any) -> C:  # type: ignore[override, unused-ignore]
         """pydantic's ``model_validate``, with secrets masked in any error (see ``_secrets.py``)."""
         try:
             return super().model_validate(obj, **kwargs)
@@ -69,7 +71,7 @@ class BaseConfig(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+    def _no_bool_for_a_number(cls, value: object, info: ValidationInfo) -> object:
         # pydantic would read a YAML `yes`/`true` as 1 in an int field (and 1.0 in a float one).
         if isinstance(value, bool) and info.field_name is not None:
             annotation = cls.model_fields[info.field_name].annotation
@@ -170,7 +172,7 @@ def load_mapping(path: str | Path) -> JsonDict:
     return _load_mapping(p, yaml.safe_load if p.suffix in (".yml", ".yaml") else json.loads)
 
 
-def _load_mapping(path: Path, parse: Any) -> JsonDict:
+def _load_mapping(path: Path, parse: Callable[[str], object]) -> JsonDict:
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist; pass the path of a YAML or JSON config")
     try:
@@ -189,7 +191,7 @@ def _load_mapping(path: Path, parse: Any) -> JsonDict:
     return data
 
 
-def _drop_secrets(value: Any) -> Any:
+def _drop_secrets(value: object) -> object:
     if isinstance(value, dict):
         return {
             k: MASK if isinstance(v, str) and v and is_secret_name(str(k)) else _drop_secrets(v)

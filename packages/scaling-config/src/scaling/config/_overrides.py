@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import Union
 
 import yaml
 
@@ -13,7 +13,7 @@ from scaling.config._types import JsonDict, JsonMapping
 Overrides = Union[JsonMapping, Sequence[str], None]
 
 
-def parse_override(text: str) -> tuple[str, Any]:
+def parse_override(text: str) -> tuple[str, object]:
     """Split ``"a.b=value"`` into ``("a.b", value)``; the value is parsed as a YAML scalar.
 
     Raises:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import re
 import typing
-from typing import Any
 
 from pydantic import BaseModel, SecretBytes, SecretStr, ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -46,7 +45,7 @@ def _submodel(model: type[BaseModel] | None, name: str) -> type[BaseModel] | Non
     return None
 
 
-def secret_values(data: Any, model: type[BaseModel] | None = None) -> set[str]:
+def secret_values(data: object, model: type[BaseModel] | None = None) -> set[str]:
     """Every secret string in ``data`` (a config mapping as given, validated against ``model``)."""
     found: set[str] = set()
     if isinstance(data, dict):
@@ -61,7 +60,7 @@ def secret_values(data: Any, model: type[BaseModel] | None = None) -> set[str]:
     return found
 
 
-def _strings(value: Any) -> set[str]:
+def _strings(value: object) -> set[str]:
     if isinstance(value, (SecretStr, SecretBytes)):
         value = value.get_secret_value()
     if isinstance(value, bytes):
@@ -81,7 +80,7 @@ def mask_text(text: str, secrets: set[str]) -> str:
     return text
 
 
-def _mask_value(value: Any, secrets: set[str]) -> Any:
+def _mask_value(value: object, secrets: set[str]) -> object:
     if isinstance(value, str):
         return mask_text(value, secrets)
     if isinstance(value, dict):
@@ -93,7 +92,7 @@ def _mask_value(value: Any, secrets: set[str]) -> Any:
     return value
 
 
-def masked_error(exc: ValidationError, data: Any, model: type[BaseModel]) -> ValidationError:
+def masked_error(exc: ValidationError, data: object, model: type[BaseModel]) -> ValidationError:
     """``exc`` with every secret of ``data`` masked in its inputs and messages (unchanged if none)."""
     secrets = secret_values(data, model)
     errors = exc.errors(include_url=False)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import inspect
 import textwrap
 import typing
-from typing import Any
 
 import yaml
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined, to_jsonable_python
 
 
-def _nested_model(annotation: Any) -> type[BaseModel] | None:
+def _nested_model(annotation: object) -> type[BaseModel] | None:
     candidates = [annotation, *typing.get_args(annotation)]
     for c in candidates:
         if inspect.isclass(c) and issubclass(c, BaseModel):
@@ -20,7 +19,7 @@ def _nested_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _scalar(value: Any) -> str:
+def _scalar(value: object) -> str:
     text = yaml.safe_dump(value, default_flow_style=True).strip()
     return text.removesuffix("\n...").removesuffix("...").strip()
 

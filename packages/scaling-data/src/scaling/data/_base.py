@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 from torch.utils.data import Dataset
@@ -83,7 +84,7 @@ class BaseDatasetBatch(ABC):
         return _map_tensors(self, lambda t: t.pin_memory() if t.device.type == "cpu" else t)
 
 
-def _map_tensors(batch: _B, fn: Any) -> _B:
+def _map_tensors(batch: _B, fn: Callable[[torch.Tensor], torch.Tensor]) -> _B:
     """``batch`` with ``fn`` applied to each tensor field (dataclass fields or instance attributes)."""
     if dataclasses.is_dataclass(batch):
         changes = {
@@ -177,5 +178,6 @@ class BaseDataset(Dataset[ItemT], Generic[ItemT, BatchT], ABC):
                 "rank 0, which is the rank that reads data and broadcasts it; pass the loader's batch there"
             )
         src = topology.model_parallel_ranks[0]
-        out: Any = broadcast_pytree(batch, src=src, group=topology.model_parallel_group)
+        out = broadcast_pytree(batch, src=src, group=topology.model_parallel_group)
+        assert out is not None  # model-parallel rank 0 sent its batch (checked above)
         return out

@@ -8,11 +8,10 @@ import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from scaling.data._base import BaseDataset
+from scaling.data._base import BaseDataset, BatchT, ItemT
 from scaling.data._weights import explicit_weights
 
 _INDEX_VERSION = 1
@@ -54,7 +53,7 @@ def build_blend_index(
     return dataset_index, sample_index
 
 
-class BlendedDataset(BaseDataset[Any, Any]):
+class BlendedDataset(BaseDataset[ItemT, BatchT]):
     """``num_samples`` samples drawn from several datasets in proportion to ``weights``.
 
     The interleaving is a deterministic function of (datasets, weights, num_samples,
@@ -76,7 +75,7 @@ class BlendedDataset(BaseDataset[Any, Any]):
 
     def __init__(
         self,
-        datasets: Sequence[BaseDataset[Any, Any]],
+        datasets: Sequence[BaseDataset[ItemT, BatchT]],
         weights: Sequence[float],
         num_samples: int,
         seed: int = 0,
@@ -162,9 +161,9 @@ class BlendedDataset(BaseDataset[Any, Any]):
     def __len__(self) -> int:
         return self.num_samples
 
-    def __getitem__(self, index: int) -> Any:
+    def __getitem__(self, index: int) -> ItemT:
         dataset_index, sample_index = self._ensure_index()
         return self.datasets[int(dataset_index[index])][int(sample_index[index])]
 
-    def collate(self, items: list[Any]) -> Any:
+    def collate(self, items: list[ItemT]) -> BatchT:
         return self.datasets[0].collate(items)

@@ -5,20 +5,38 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import types
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from scaling.data._mmap import MMapTokenBuilder, smallest_dtype, token_dtype
 from scaling.data._tokens import MMapTokenDataset
 
 _SUFFIXES = (".jsonl", ".txt")
-_tokenizer: Any = None  # one per worker process, loaded by _init_worker
 
 
-def _require(module: str) -> Any:
+class _Encoding(Protocol):
+    ids: list[int]
+
+
+class _Tokenizer(Protocol):
+    """The part of a ``tokenizers.Tokenizer`` the build uses (the package is optional)."""
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[_Encoding]: ...
+
+
+class _Progress(Protocol):
+    def update(self, n: int = 1) -> object: ...
+
+
+_tokenizer: _Tokenizer | None = None  # one per worker process, loaded by _init_worker
+
+
+def _require(module: str) -> types.ModuleType:
     try:
         return __import__(module)
     except ImportError as err:
@@ -76,6 +94,7 @@ def _init_worker(tokenizer_path: str) -> None:
 
 def _encode(chunk: tuple[list[str], int]) -> tuple[list[np.ndarray], int]:
     texts, consumed = chunk
+    assert _tokenizer is not None  # _init_worker ran in this process
     encodings = _tokenizer.encode_batch(texts, add_special_tokens=False)
     return [np.asarray(e.ids, dtype=np.int64) for e in encodings], consumed
 
@@ -85,7 +104,7 @@ def tokenize_files(
     tokenizer_path: str | os.PathLike[str],
     output_prefix: str | os.PathLike[str],
     *,
-    dtype: Any = None,
+    dtype: npt.DTypeLike | None = None,
     num_workers: int = 1,
     text_key: str = "text",
     txt_whole_file: bool = False,
@@ -154,7 +173,7 @@ def tokenize_files(
 
 
 def _write(
-    builder: MMapTokenBuilder, results: Iterator[tuple[list[np.ndarray], int]], eod: list[int], bar: Any
+    builder: MMapTokenBuilder, results: Iterator[tuple[list[np.ndarray], int]], eod: list[int], bar: _Progress
 ) -> None:
     for docs, consumed in results:
         for ids in docs:

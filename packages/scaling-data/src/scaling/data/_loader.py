@@ -61,7 +61,7 @@ class DataLoader(Generic[BatchT]):
 
     def __init__(
         self,
-        dataset: BaseDataset[Any, BatchT],
+        dataset: BaseDataset[Any, BatchT],  # Any: the loader never sees an item, only batches
         *,
         seed: int,
         topology: Topology | None = None,
@@ -109,12 +109,8 @@ class DataLoader(Generic[BatchT]):
         self.topology = topology
         self.shuffle = shuffle
         self._sizes: dict[str, int] = explicit  # type: ignore[assignment]
-        self._loader_kwargs: dict[str, Any] = dict(
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers and num_workers > 0,
-        )
+        self._num_workers, self._pin_memory, self._prefetch_factor = num_workers, pin_memory, prefetch_factor
+        self._persistent_workers = persistent_workers and num_workers > 0
         self._skip_reading = (
             read_on_model_parallel_rank_zero_only
             and topology is not None
@@ -142,7 +138,10 @@ class DataLoader(Generic[BatchT]):
             collate_fn=self.dataset.collate,
             # Worker seeds derive from this generator, so worker-side randomness is reproducible too.
             generator=torch.Generator().manual_seed(seed),
-            **self._loader_kwargs,
+            num_workers=self._num_workers,
+            pin_memory=self._pin_memory,
+            prefetch_factor=self._prefetch_factor,
+            persistent_workers=self._persistent_workers,
         )
 
     # ----------------------------------------------------------------- sizes
@@ -168,10 +167,10 @@ class DataLoader(Generic[BatchT]):
     def __iter__(self) -> DataLoader[BatchT]:
         return self
 
-    def __next__(self) -> BatchT:
+    def __next__(self) -> BatchT | None:
         """The next micro-batch of this DP rank (``None`` on TP ranks that do not read)."""
         if self._skip_reading:
-            batch: Any = None
+            batch: BatchT | None = None
         else:
             if self._iterator is None:
                 self._iterator = iter(self._torch_loader)
@@ -182,7 +181,7 @@ class DataLoader(Generic[BatchT]):
             self._consumed_samples += self.global_batch_size
         return batch
 
-    def next_step(self) -> list[BatchT]:
+    def next_step(self) -> list[BatchT | None]:
         """This rank's ``gradient_accumulation_steps`` micro-batches of the next optimizer step.
 
         Raises:

@@ -22,9 +22,10 @@ import os
 import struct
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
+import numpy.typing as npt
 
 if TYPE_CHECKING:
     from scaling.config import JsonDict
@@ -54,7 +55,7 @@ def paths(prefix: str | os.PathLike[str]) -> tuple[Path, Path]:
     return Path(p + ".bin"), Path(p + ".idx")
 
 
-def token_dtype(dtype: Any) -> np.dtype:
+def token_dtype(dtype: npt.DTypeLike) -> np.dtype:
     """Normalise ``dtype`` to one of the supported token dtypes.
 
     Raises:
@@ -93,16 +94,16 @@ class MMapTokenBuilder:
             builder.add_document([5, 17, 2])
     """
 
-    def __init__(self, prefix: str | os.PathLike[str], dtype: Any = np.uint16) -> None:
+    def __init__(self, prefix: str | os.PathLike[str], dtype: npt.DTypeLike = np.uint16) -> None:
         self.dtype = token_dtype(dtype)
         self.bin_path, self.idx_path = paths(prefix)
         self._tmp_bin = self.bin_path.with_name(self.bin_path.name + ".tmp")
-        self._file: Any = open(self._tmp_bin, "wb")  # noqa: SIM115  (closed in finalize/abort)
+        self._file: BinaryIO = open(self._tmp_bin, "wb")  # noqa: SIM115  (closed in finalize/abort)
         self._offsets = [0]
         self._crc = 0
         self._info = np.iinfo(self.dtype)
 
-    def add_document(self, tokens: Any) -> None:
+    def add_document(self, tokens: npt.ArrayLike) -> None:
         """Append one document (a sequence or array of ints).
 
         Raises:
@@ -149,7 +150,7 @@ class MMapTokenBuilder:
     def __enter__(self) -> MMapTokenBuilder:
         return self
 
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is None:
             self.finalize()
         else:

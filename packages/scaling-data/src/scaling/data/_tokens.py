@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 from scaling.data._mmap import HEADER_SIZE, TokenFileError, paths, read_header, token_dtype
 
@@ -33,7 +34,9 @@ class MMapTokenDataset:
             corrupted, or of another dtype than ``dtype``; the message names the file.
     """
 
-    def __init__(self, prefix: str | os.PathLike[str], dtype: Any = None, verify_data: bool = False) -> None:
+    def __init__(
+        self, prefix: str | os.PathLike[str], dtype: npt.DTypeLike | None = None, verify_data: bool = False
+    ) -> None:
         self.prefix = str(prefix)
         self._expected_dtype = None if dtype is None else token_dtype(dtype)
         self._verify_data = verify_data

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -55,22 +55,30 @@ class BottleneckAdapter(torch.nn.Module):
         init_method: InitMethod | None = None,
     ) -> None:
         super().__init__()
-        common: dict[str, Any] = dict(topology=topology, dtype=dtype, sequence_parallel=sequence_parallel)
-        self.down = ColumnParallelLinear(hidden_size, bottleneck_size, init_method=init_method, **common)
+        self.down = ColumnParallelLinear(
+            hidden_size,
+            bottleneck_size,
+            topology=topology,
+            dtype=dtype,
+            sequence_parallel=sequence_parallel,
+            init_method=init_method,
+        )
         self.up = RowParallelLinear(
             bottleneck_size,
             hidden_size,
+            topology=topology,
+            dtype=dtype,
+            sequence_parallel=sequence_parallel,
             init_method=torch.nn.init.zeros_,
             bias_init_method=torch.nn.init.zeros_,
-            **common,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.up(F.gelu(self.down(x)))
 
 
-def _adapter_hook(module: Any, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-    return module.adapter(output)
+def _adapter_hook(module: torch.nn.Module, args: tuple[object, ...], output: torch.Tensor) -> torch.Tensor:
+    return module.get_submodule("adapter")(output)
 
 
 def apply_bottleneck_adapters(

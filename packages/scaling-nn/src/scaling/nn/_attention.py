@@ -22,7 +22,9 @@ that layout hold whole groups.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +38,15 @@ from scaling.nn._context_parallel import (
     all_to_all_attention,
     ring_attention,
 )
-from scaling.nn._init import InitMethod, check_dtype, default_bias_init, default_weight_init, sharded_parameter, tp_info
+from scaling.nn._init import (
+    InitMethod,
+    TPInfo,
+    check_dtype,
+    default_bias_init,
+    default_weight_init,
+    sharded_parameter,
+    tp_info,
+)
 from scaling.nn._linear import ColumnParallelLinear, RowParallelLinear
 from scaling.nn._rotary import KVCache, RotaryEmbedding, document_ids_and_positions, packed_attention_mask
 from scaling.topology import zigzag_indices
@@ -57,7 +67,9 @@ def valid_model_parallel_sizes(num_attention_heads: int, num_kv_heads: int, fuse
 class _ReplicatedLinear(torch.nn.Module):
     """Key or value projection kept whole on every rank; this rank uses rows ``[start, end)``."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: Any, dtype: torch.dtype, init: Any):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: TPInfo, dtype: torch.dtype, init: InitMethod
+    ) -> None:
         super().__init__()
         self._tp = tp
         self.weight = sharded_parameter((out_features, in_features), init, tp, None, dtype, "weight")
@@ -177,13 +189,18 @@ class ParallelSelfAttention(torch.nn.Module):
         self.attention_dropout, self.rng_tracker = attention_dropout, rng_tracker
         self.checkpoint_core_attention = checkpoint_core_attention
         init = init_method or default_weight_init
-        column: dict[str, Any] = dict(
-            bias=bias, topology=topology, dtype=dtype, init_method=init, sequence_parallel=sequence_parallel
+        column = partial(
+            ColumnParallelLinear,
+            bias=bias,
+            topology=topology,
+            dtype=dtype,
+            init_method=init,
+            sequence_parallel=sequence_parallel,
         )
         if fused_qkv:
-            self.qkv = ColumnParallelLinear(hidden_size, (nq + 2 * nkv) * d, **column)
+            self.qkv = column(hidden_size, (nq + 2 * nkv) * d)
         else:
-            self.query = ColumnParallelLinear(hidden_size, nq * d, **column)
+            self.query = column(hidden_size, nq * d)
             if self.kv_replicated:
                 key = _ReplicatedLinear(hidden_size, nkv * d, bias, tp, dtype, init)
                 value = _ReplicatedLinear(hidden_size, nkv * d, bias, tp, dtype, init)
@@ -193,8 +210,8 @@ class ParallelSelfAttention(torch.nn.Module):
                 self.key: torch.nn.Module = key
                 self.value: torch.nn.Module = value
             else:
-                self.key = ColumnParallelLinear(hidden_size, nkv * d, **column)
-                self.value = ColumnParallelLinear(hidden_size, nkv * d, **column)
+                self.key = column(hidden_size, nkv * d)
+                self.value = column(hidden_size, nkv * d)
         self.rotary = (
             RotaryEmbedding(d, rotary_percentage, rotary_base, rotary_interleaved) if rotary_percentage > 0 else None
         )
@@ -234,7 +251,9 @@ class ParallelSelfAttention(torch.nn.Module):
         s = q.shape[1]
         return q.view(b, s, nq, d), k.view(b, s, nkv, d), v.view(b, s, nkv, d)
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, is_causal: bool) -> torch.Tensor:
+    def _core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool
+    ) -> torch.Tensor:
         p = self.attention_dropout if self.training else 0.0
         fork = self.rng_tracker.fork() if (p > 0.0 and self.rng_tracker is not None) else contextlib.nullcontext()
         with fork:
@@ -303,7 +322,7 @@ class ParallelSelfAttention(torch.nn.Module):
         out = self._maybe_checkpointed(self._core, q, k, v, mask, is_causal)
         return self.dense(out.transpose(1, 2).reshape(b, s, self.num_local_heads * self.head_dim))
 
-    def _maybe_checkpointed(self, fn: Any, *args: Any) -> torch.Tensor:
+    def _maybe_checkpointed(self, fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
         """``fn(*args)``, recomputed in the backward under ``checkpoint_core_attention``."""
         if self.checkpoint_core_attention and torch.is_grad_enabled():
             context_fn = tracker_checkpoint_context(self.rng_tracker)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -18,13 +18,17 @@ from torch.utils.checkpoint import checkpoint
 if TYPE_CHECKING:
     from scaling.topology import RNGTracker
 
+T = TypeVar("T")
+#: The pair a ``context_fn`` returns: the context of the forward, then of the recomputation.
+ContextPair = tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]
 
-def tracker_checkpoint_context(rng_tracker: RNGTracker | None) -> Callable[[], tuple[Any, Any]]:
+
+def tracker_checkpoint_context(rng_tracker: RNGTracker | None) -> Callable[[], ContextPair]:
     """A ``context_fn`` for ``torch.utils.checkpoint`` that replays ``rng_tracker``'s streams."""
     if rng_tracker is None:
         return lambda: (contextlib.nullcontext(), contextlib.nullcontext())
 
-    def context_fn() -> tuple[Any, Any]:
+    def context_fn() -> ContextPair:
         saved: dict[str, torch.Tensor] = {}
 
         @contextlib.contextmanager
@@ -46,7 +50,7 @@ def tracker_checkpoint_context(rng_tracker: RNGTracker | None) -> Callable[[], t
     return context_fn
 
 
-def checkpoint_layer(layer: Callable[..., Any], *inputs: Any, rng_tracker: RNGTracker | None = None) -> Any:
+def checkpoint_layer(layer: Callable[..., T], *inputs: object, rng_tracker: RNGTracker | None = None) -> T:
     """Run ``layer(*inputs)`` keeping only its inputs; recompute the rest in the backward.
 
     Inputs and outputs may be LayerIO dataclasses. Dropout masks (default generator and
@@ -62,13 +66,11 @@ def checkpoint_layer(layer: Callable[..., Any], *inputs: Any, rng_tracker: RNGTr
     return checkpoint(layer, *inputs, use_reentrant=False, context_fn=tracker_checkpoint_context(rng_tracker))
 
 
-def checkpoint_sequential_layers(
-    layers: Sequence[Callable[[Any], Any]], x: Any, rng_tracker: RNGTracker | None = None
-) -> Any:
+def checkpoint_sequential_layers(layers: Sequence[Callable[[T], T]], x: T, rng_tracker: RNGTracker | None = None) -> T:
     """Run ``layers`` one after another inside one checkpoint (a whole pipeline stage):
     only the stage input is kept."""
 
-    def run(inp: Any) -> Any:
+    def run(inp: T) -> T:
         for layer in layers:
             inp = layer(inp)
         return inp

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Iterable
-from typing import Any, Literal
+from collections.abc import Iterable, Mapping
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -106,13 +106,13 @@ class CompileMonitor:
 
     def __init__(self) -> None:
         self._graphs = 0
-        self._seen: dict[Any, int] = {}
+        self._seen: dict[object, int] = {}  # guard failures seen, per code object
         self._breaks: set[str] = set()
         self.poll()
         self.new_graph_breaks()
 
     @staticmethod
-    def _state() -> tuple[int, Any]:
+    def _state() -> tuple[int, Mapping[object, list[object]]]:
         from torch._dynamo.utils import counters, guard_failures
 
         return int(counters["stats"]["unique_graphs"]), guard_failures

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -264,7 +264,7 @@ class _RingAttention(torch.autograd.Function):
         return result
 
     @staticmethod
-    def backward(ctx: AutogradContext, grad_out: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: AutogradContext, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         layout, group, scale = ctx.layout, ctx.group, ctx.scale
         n, n_kv = q.shape[1], k.shape[1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -29,7 +29,9 @@ class TensorParallelLinear(Protocol):
     def linear_shape(self) -> tuple[int, int]: ...  # the weight as F.linear takes it: [out, in]
 
 
-def _chosen(model: torch.nn.Module, config: Float8Config, tp: int) -> Iterator[tuple[str, Any, int, int]]:
+def _chosen(
+    model: torch.nn.Module, config: Float8Config, tp: int, setting: str
+) -> Iterator[tuple[str, TensorParallelLinear, int, int]]:
     """``(name, linear, out_local, in_local)`` of each linear that ``config`` puts in float8 (at TP size ``tp``).
 
     A column-parallel linear splits its output over TP, a row-parallel one its input.
@@ -46,15 +48,22 @@ def _chosen(model: torch.nn.Module, config: Float8Config, tp: int) -> Iterator[t
             continue
         if out_size % 16 or in_size % 16:
             raise ValueError(
-                f"fp8: layer {name!r} has local weight shape [{out_size}, {in_size}]; float8 products need "
+                f"{setting}: layer {name!r} has local weight shape [{out_size}, {in_size}]; float8 products need "
                 f"sizes that are multiples of 16. Keep it in high precision: add the regex "
-                f"{re.escape('.'.join(name.split('.')[-2:]))} to fp8.exclude (or raise fp8.min_features above its "
-                "size)"
+                f"{re.escape('.'.join(name.split('.')[-2:]))} to {setting}.exclude (or raise {setting}.min_features "
+                "above its size)"
             )
         yield name, module, out_size, in_size
 
 
-def check_float8(model: torch.nn.Module, config: Float8Config, tensor_parallel_size: int, device: torch.device) -> None:
+def check_float8(
+    model: torch.nn.Module,
+    config: Float8Config,
+    tensor_parallel_size: int,
+    device: torch.device,
+    *,
+    setting: str = "fp8",
+) -> None:
     """Refuse a float8 setup that cannot run, before any process group starts.
 
     Args:
@@ -62,39 +71,42 @@ def check_float8(model: torch.nn.Module, config: Float8Config, tensor_parallel_s
         config: the float8 settings (nothing is checked unless enabled).
         tensor_parallel_size: the TP size the layers will be split over.
         device: where training runs.
+        setting: the name of ``config`` in the user's settings, which the errors name
+            (the transformer app's ``training.fp8``; the auto API's ``float8``).
 
     Raises:
         ValueError: float8 does not run on ``device`` with this torch, or a chosen layer's
             local sizes are not multiples of 16 (named, with its shape and the fix).
     """
     if config.enabled:
-        _chosen_checked(model, config, tensor_parallel_size, device)
+        _chosen_checked(model, config, tensor_parallel_size, device, setting)
 
 
 def _chosen_checked(
-    model: torch.nn.Module, config: Float8Config, tp: int, device: torch.device
-) -> list[tuple[str, Any, int, int]]:
+    model: torch.nn.Module, config: Float8Config, tp: int, device: torch.device, setting: str
+) -> list[tuple[str, TensorParallelLinear, int, int]]:
     """:func:`_chosen` as a list, then the machine's support (the shapes first: they do not depend on it)."""
-    chosen = list(_chosen(model, config, tp))
+    chosen = list(_chosen(model, config, tp, setting))
     why = float8_supported(device)
     if why is not None:
-        raise ValueError(f"fp8.enabled=true: {why}; set fp8.enabled=false to train in bf16")
+        raise ValueError(f"{setting}.enabled=true: {why}; set {setting}.enabled=false to train in bf16")
     return chosen
 
 
-def enable_float8(model: torch.nn.Module, config: Float8Config) -> list[str]:
+def enable_float8(model: torch.nn.Module, config: Float8Config, *, setting: str = "fp8") -> list[str]:
     """Make the column- and row-parallel linears of ``model`` (built, TP-local; any
     :class:`TensorParallelLinear`) multiply in float8.
 
     Layers matching ``config.exclude`` or with a local size below ``config.min_features``
     keep their precision. A no-op unless ``config.enabled``. Returns the chosen layers' names.
+    ``setting`` names ``config`` in the errors, as for :func:`check_float8`.
 
     Raises:
         ValueError: as :func:`check_float8`.
     """
     if not config.enabled:
         return []
-    chosen = _chosen_checked(model, config, 1, next(model.parameters()).device)
+    chosen = _chosen_checked(model, config, 1, next(model.parameters()).device, setting)
     for _, linear, _, _ in chosen:
         linear.float8 = config
     return [name for name, _, _, _ in chosen]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
     from scaling.topology import Topology
 
-InitMethod = Callable[[torch.Tensor], Any]
+#: Fills a weight in place (``torch.nn.init``'s functions); what it returns is ignored.
+InitMethod = Callable[[torch.Tensor], object]
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def sharded_parameter(
     return param
 
 
-def check_dtype(dtype: Any, owner: str) -> torch.dtype:
+def check_dtype(dtype: object, owner: str) -> torch.dtype:
     """Reject a non-floating dtype with a clear error."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"{owner}: dtype must be a floating torch.dtype (e.g. torch.float32), got {dtype!r}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
@@ -44,7 +44,7 @@ class BaseLayer(torch.nn.Module, Generic[Input, Output], abc.ABC):
                 return MLPLayerIO(activations=torch.relu(self.linear(x.activations)))
     """
 
-    def __class_getitem__(cls, params: Any) -> Any:
+    def __class_getitem__(cls, params: object) -> object:
         # The original library wrote BaseLayer[Input, Output, LastLayerOutput]; the third
         # parameter (what the last layer returns) is accepted and carries no meaning here.
         if isinstance(params, tuple) and len(params) == 3:
@@ -105,7 +105,7 @@ class LayerSpec:
         layer = spec.initialize()
     """
 
-    def __init__(self, module_class: type[torch.nn.Module], *args: Any, **kwargs: Any) -> None:
+    def __init__(self, module_class: type[torch.nn.Module], *args: object, **kwargs: object) -> None:
         if not (isinstance(module_class, type) and issubclass(module_class, torch.nn.Module)):
             raise TypeError(
                 f"LayerSpec: module_class must be a torch.nn.Module subclass (usually a BaseLayer), "
@@ -115,7 +115,7 @@ class LayerSpec:
         self.args = args
         self.kwargs = kwargs
 
-    def initialize(self, **extra_kwargs: Any) -> torch.nn.Module:
+    def initialize(self, **extra_kwargs: object) -> torch.nn.Module:
         """Build the module (``extra_kwargs`` override the spec's) with metas attached."""
         module = self.module_class(*self.args, **{**self.kwargs, **extra_kwargs})
         return attach_parameter_metas(module)
@@ -126,8 +126,8 @@ class LayerSpec:
         return f"{type(self).__name__}({', '.join(parts)})"
 
 
-def _get_attr_path(module: torch.nn.Module, path: str) -> Any:
-    obj: Any = module
+def _get_attr_path(module: torch.nn.Module, path: str) -> object:
+    obj: object = module
     for part in path.split("."):
         if not hasattr(obj, part):
             raise ValueError(
@@ -156,8 +156,8 @@ class TiedLayerSpec(LayerSpec):
         key: str,
         tied_weight_attributes: list[str] | tuple[str, ...] | str,
         module_class: type[torch.nn.Module],
-        *args: Any,
-        **kwargs: Any,
+        *args: object,
+        **kwargs: object,
     ) -> None:
         super().__init__(module_class, *args, **kwargs)
         if not key:
@@ -169,7 +169,7 @@ class TiedLayerSpec(LayerSpec):
         self.key = key
         self.tied_weight_attributes = list(tied_weight_attributes)
 
-    def initialize(self, **extra_kwargs: Any) -> torch.nn.Module:
+    def initialize(self, **extra_kwargs: object) -> torch.nn.Module:
         """Build the module and mark its tied parameters with ``tied_key=key``."""
         module = super().initialize(**extra_kwargs)
         for path in self.tied_weight_attributes:

@@ -119,7 +119,7 @@ def _add_adapter(module: Any, config: LoRAConfig, rng_tracker: RNGTracker | None
     module._lora_hook = module.register_forward_hook(_lora_forward_hook)
 
 
-def _lora_delta(module: Any, x: torch.Tensor) -> torch.Tensor:
+def _lora_delta(module: Any, x: torch.Tensor) -> torch.Tensor:  # Any: see _add_adapter
     tp, kind = _tp_of(module), module.lora_kind
     group, sp = tp.group, bool(getattr(module, "sequence_parallel", False))
     a_w, b_w = module.lora_A.weight, module.lora_B.weight
@@ -146,7 +146,8 @@ def _lora_delta(module: Any, x: torch.Tensor) -> torch.Tensor:
     return F.linear(F.linear(x, a_w), b_w)
 
 
-def _lora_forward_hook(module: Any, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+# Any: see _add_adapter.
+def _lora_forward_hook(module: Any, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
     if module.lora_merged:
         return output
     return output + module.lora_scaling * _lora_delta(module, args[0])
@@ -223,7 +224,7 @@ def _fold(model: torch.nn.Module, sign: float) -> None:
         _fold_module(m, sign)
 
 
-def _fold_module(module: Any, sign: float) -> None:
+def _fold_module(module: Any, sign: float) -> None:  # Any: see _add_adapter
     if module.lora_merged == (sign > 0):
         return
     # Each rank folds its own shards: the product of the shards is this rank's block of B A.

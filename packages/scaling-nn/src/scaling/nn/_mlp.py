@@ -7,7 +7,8 @@ sequence parallelism) per block in the forward.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -54,9 +55,12 @@ class ParallelMLP(torch.nn.Module):
             raise ValueError(f"ParallelMLP: gelu_approximate={gelu_approximate!r}; choose 'none' or 'tanh'")
         self.gelu_approximate = gelu_approximate
         self.hidden_size = hidden_size
-        common: dict[str, Any] = dict(bias=bias, topology=topology, dtype=dtype, sequence_parallel=sequence_parallel)
-        self.fc1 = ColumnParallelLinear(hidden_size, intermediate_size, init_method=init_method, **common)
-        self.fc2 = RowParallelLinear(intermediate_size, hidden_size, init_method=output_init_method, **common)
+        column = partial(
+            ColumnParallelLinear, bias=bias, topology=topology, dtype=dtype, sequence_parallel=sequence_parallel
+        )
+        row = partial(RowParallelLinear, bias=bias, topology=topology, dtype=dtype, sequence_parallel=sequence_parallel)
+        self.fc1 = column(hidden_size, intermediate_size, init_method=init_method)
+        self.fc2 = row(intermediate_size, hidden_size, init_method=output_init_method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x), approximate=self.gelu_approximate))
@@ -85,10 +89,13 @@ class ParallelSwiGLUMLP(torch.nn.Module):
         super().__init__()
         check_divisible("intermediate_size", intermediate_size, tp_info(topology).size, "ParallelSwiGLUMLP")
         self.hidden_size = hidden_size
-        common: dict[str, Any] = dict(bias=bias, topology=topology, dtype=dtype, sequence_parallel=sequence_parallel)
-        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, init_method=init_method, **common)
-        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, init_method=init_method, **common)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, init_method=output_init_method, **common)
+        column = partial(
+            ColumnParallelLinear, bias=bias, topology=topology, dtype=dtype, sequence_parallel=sequence_parallel
+        )
+        row = partial(RowParallelLinear, bias=bias, topology=topology, dtype=dtype, sequence_parallel=sequence_parallel)
+        self.gate_proj = column(hidden_size, intermediate_size, init_method=init_method)
+        self.up_proj = column(hidden_size, intermediate_size, init_method=init_method)
+        self.down_proj = row(intermediate_size, hidden_size, init_method=output_init_method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

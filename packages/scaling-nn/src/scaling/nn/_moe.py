@@ -37,7 +37,7 @@ stay layout-independent. Their ``ParameterMeta.is_expert`` is True.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -259,7 +259,8 @@ class ParallelMoE(torch.nn.Module):
         outputs = []
         first = self._ep_rank * local
         for j, chunk in enumerate(rows.split(sizes)):
-            w: Any = self.experts[str(first + j)]
+            w = self.experts[str(first + j)]
+            assert isinstance(w, torch.nn.ParameterDict)
             outputs.append(F.linear(F.silu(F.linear(chunk, w["gate"])) * F.linear(chunk, w["up"]), w["down"]))
         out = torch.cat(outputs) if outputs else rows.new_zeros((0, self.hidden_size))
         if by_expert is not None:

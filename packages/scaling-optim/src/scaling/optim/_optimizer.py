@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +33,8 @@ from scaling.optim._zero3 import (
 from scaling.topology import Topology
 
 if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
     from scaling.config import StateDict
 
 
@@ -149,7 +151,7 @@ class Optimizer:
                 slot.param_shard = slot.flat_param()[slot.start : slot.end].clone()
         #: ZeRO-3: the dense parameters' gatherer (the experts' is ``spaces[1].gatherer``).
         self.gatherer: ParameterGatherer | None = None
-        self._hooks: list[Any] = []
+        self._hooks: list[RemovableHandle] = []
         self._model_attached = False
         # ZeRO-3 with cpu_offload: the host update of the last step, running in a thread.
         self._host_update = HostUpdate()
@@ -225,7 +227,7 @@ class Optimizer:
         scale = self.loss_scaler.scale
         (loss * scale if scale != 1.0 else loss).backward()
 
-    def _make_grad_hook(self, index: int) -> Any:
+    def _make_grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         # The hook holds the optimizer weakly (see weak_hook) and finds its slot by index: the
         # slot holds the parameter, so capturing it would make the same cycle.
         def hook(optimizer: Optimizer, param: torch.Tensor) -> None:

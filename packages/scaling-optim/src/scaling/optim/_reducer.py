@@ -45,8 +45,8 @@ are reduced there, with zeros for missing gradients.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -134,7 +134,7 @@ class GradientReducer:
         return cls(slots, group, bucket_size_bytes, "all_reduce")
 
     # The hooks hold the reducer weakly (see weak_hook).
-    def _hook(self, slot: ParamSlot) -> Any:
+    def _hook(self, slot: ParamSlot) -> Callable[[torch.Tensor], None]:
         index = self._bucket_of[id(slot)]
 
         def hook(reducer: GradientReducer, param: torch.Tensor) -> None:
@@ -144,7 +144,7 @@ class GradientReducer:
 
         return weak_hook(self, hook)
 
-    def _pre_hook(self, slot: ParamSlot) -> Any:
+    def _pre_hook(self, slot: ParamSlot) -> Callable[[torch.Tensor], None]:
         index = self._bucket_of[id(slot)]
 
         def hook(reducer: GradientReducer, grad: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ waits, with :meth:`ShardGather.wait`, for just the entries a module's parameters
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +34,7 @@ from scaling.optim._weak import weak_hook
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.utils.hooks import RemovableHandle
 
 # A parameter of at least this many bytes gets its own gather (in place, no copies);
 # smaller ones share a bucket, so a model of many biases does not pay one call each.
@@ -111,7 +112,7 @@ class ShardGather:
         grid = send.new_empty(send.numel() * self.world)
         self._pending[entry] = (all_gather_async(grid, send, self.group), grid)
 
-    def wait_hooks(self, model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[Any]:
+    def wait_hooks(self, model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[RemovableHandle]:
         """A forward pre-hook on each module of ``model`` owning a slot's parameter: wait for its
         gathers (``overlap_param_gather``). Returns the hook handles."""
         index_of = {id(slot.param): i for i, slot in enumerate(self.slots)}
@@ -123,7 +124,10 @@ class ShardGather:
                     entries = sorted({self.entry_of[i] for i in own})
 
                     def hook(
-                        gather: ShardGather, _module: torch.nn.Module, _args: Any, entries: list[int] = entries
+                        gather: ShardGather,
+                        _module: torch.nn.Module,
+                        _args: tuple[object, ...],
+                        entries: list[int] = entries,
                     ) -> None:
                         if gather.pending:
                             gather.wait(entries)

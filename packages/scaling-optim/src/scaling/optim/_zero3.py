@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,7 @@ from scaling.optim._weak import weak_hook
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.utils.hooks import RemovableHandle
 
     from scaling.optim._config import OptimizerConfig
     from scaling.topology import TopologyConfig
@@ -90,7 +91,7 @@ def _own_parameters(modules: Sequence[torch.nn.Module]) -> list[list[torch.nn.Pa
     return out
 
 
-def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+def _iter_tensors(obj: object) -> Iterator[torch.Tensor]:
     """Tensors inside a layer's output: tensors, sequences, mappings and dataclasses (LayerIO)."""
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -186,7 +187,7 @@ class ParameterGatherer:
         self.sent_bytes, self.gathers = 0, 0
         #: Called before a gather reads the shards (the optimizer's wait for a host update).
         self.before_gather: Callable[[], None] | None = None
-        self.handles: list[Any] = []
+        self.handles: list[RemovableHandle] = []
         for index, module in enumerate(modules):
             self.handles.append(module.register_forward_pre_hook(self._pre_forward(index)))
             # Before the module's other forward hooks: one may raise to end a pipeline stage
@@ -342,8 +343,8 @@ class ParameterGatherer:
 
     # ----------------------------------------------------------------- hooks
     # The hooks hold the gatherer weakly (see weak_hook).
-    def _pre_forward(self, index: int) -> Any:
-        def hook(gatherer: ParameterGatherer, module: torch.nn.Module, args: Any) -> None:
+    def _pre_forward(self, index: int) -> Callable[[torch.nn.Module, tuple[object, ...]], None]:
+        def hook(gatherer: ParameterGatherer, module: torch.nn.Module, args: tuple[object, ...]) -> None:
             gatherer.gather(index)
             if in_backward():  # a recomputation goes on backwards
                 return
@@ -355,8 +356,10 @@ class ParameterGatherer:
 
         return weak_hook(self, hook)
 
-    def _post_forward(self, index: int) -> Any:
-        def hook(gatherer: ParameterGatherer, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _post_forward(self, index: int) -> Callable[[torch.nn.Module, tuple[object, ...], object], None]:
+        def hook(
+            gatherer: ParameterGatherer, module: torch.nn.Module, args: tuple[object, ...], output: object
+        ) -> None:
             if in_backward():  # a checkpointed recomputation: the backward reads these parameters next
                 return
             if gatherer.reshard_after_forward:

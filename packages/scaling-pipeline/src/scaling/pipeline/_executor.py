@@ -204,6 +204,7 @@ class StageExecutor:
         waits for them.
         """
         timings = self.timings
+        # Any: each handler takes its own instruction type, which a dict keyed by type cannot say.
         handlers: dict[type, Callable[[Any], None]] = {}
         for ins in instructions:
             handler = handlers.get(type(ins))
@@ -304,6 +305,8 @@ class StageExecutor:
 
     def _Exchange(self, ins: Exchange) -> None:
         # Any mix of the four transfers (1F1B pairs; interleaved rounds post up to all four).
+        # Any: transport.exchange's keywords, each of its own type; an absent send_forward means
+        # no forward send (None is a pytree), so the call is built from this dict.
         kwargs: dict[str, Any] = {"wait_sends": False}
         recv_forward = recv_backward = None
         for op in ins.ops:

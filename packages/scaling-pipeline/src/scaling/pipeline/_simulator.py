@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from scaling.pipeline._instructions import (
     Backward,
@@ -28,6 +27,7 @@ from scaling.pipeline._instructions import (
     RecvGrad,
     SendActivation,
     SendGrad,
+    _Message,
 )
 from scaling.pipeline._render import render_program_grid, render_timeline, save_timeline_png
 from scaling.pipeline.schedules._common import accepts_old_keyword
@@ -75,6 +75,20 @@ class SimulationResult:
     def save_png(self, path: str) -> None:
         """Draw the stage × time grid into a PNG (needs matplotlib: ``pip install scaling-pipeline[plot]``)."""
         save_timeline_png(self.timeline, self.makespan, path)
+
+
+@dataclass
+class _Posted:
+    """A message a stage has posted, and the stage whose matching message it met (None: not yet)."""
+
+    msg: _Message
+    partner: int | None = None
+
+
+def _message(op: Instruction) -> _Message:
+    if not isinstance(op, _Message):
+        raise TypeError(f"{op!r} inside a communication instruction is not a message")
+    return op
 
 
 def simulate(
@@ -134,27 +148,27 @@ def simulate(
             return ("out", mb, c)
         return ("grad", mb, c) if p > 1 else ("grad_in", mb, c + 1)
 
-    posted: list[list[list[Any]] | None] = [None] * p  # rendezvous: [instruction, partner stage or None]
+    posted: list[list[_Posted] | None] = [None] * p  # rendezvous: each stage's posted messages
     post_time = [0.0] * p
 
     def match(s: int) -> bool:
         matched = False
         for op in posted[s] or []:
-            ins = op[0]
+            ins = op.msg
             peer_group = posted[ins.peer]
-            if op[1] is not None or peer_group is None:
+            if op.partner is not None or peer_group is None:
                 continue
             sending = isinstance(ins, (SendActivation, SendGrad))
             for other in peer_group:
-                o = other[0]
-                if other[1] is not None or o.peer != s or isinstance(o, (SendActivation, SendGrad)) == sending:
+                o = other.msg
+                if other.partner is not None or o.peer != s or isinstance(o, (SendActivation, SendGrad)) == sending:
                     continue
                 sent, got = (ins, o) if sending else (o, ins)
                 sender, receiver = (s, ins.peer) if sending else (ins.peer, s)
                 want, label = got.label(receiver, p)[:3], sent.label(sender, p)[:3]
                 if want != label:
                     fail(f"stage {receiver}: {got!r} expects {want} but stage {sender} sends {label}")
-                op[1], other[1], matched = ins.peer, s, True
+                op.partner, other.partner, matched = ins.peer, s, True
                 break
         return matched
 
@@ -168,12 +182,12 @@ def simulate(
         seen, todo = {s}, [s]
         while todo:
             group = posted[todo.pop()]
-            if group is None or any(op[1] is None for op in group):
+            if group is None or any(op.partner is None for op in group):
                 return None
-            for op in group:
-                if op[1] not in seen:
-                    seen.add(op[1])
-                    todo.append(op[1])
+            for partner in {op.partner for op in group} - seen:
+                assert partner is not None  # checked above
+                seen.add(partner)
+                todo.append(partner)
         return sorted(seen)
 
     progressed = True
@@ -186,7 +200,7 @@ def simulate(
                 if ins.is_communication and rendezvous:
                     if posted[s] is None:
                         ops = ins.ops if isinstance(ins, Exchange) else (ins,)
-                        posted[s] = [[op, None] for op in ops]
+                        posted[s] = [_Posted(_message(op)) for op in ops]
                         post_time[s] = clock[s]
                         progressed = match(s) or progressed
                     linked = component(s)
@@ -198,9 +212,9 @@ def simulate(
                         assert group is not None
                         clock[o] = finish
                         for op in group:
-                            if isinstance(op[0], (RecvActivation, RecvGrad)):
-                                kind = "act" if isinstance(op[0], RecvActivation) else "grad"
-                                have[o].add((kind, op[0].micro_batch, op[0].chunk))
+                            if isinstance(op.msg, (RecvActivation, RecvGrad)):
+                                kind = "act" if isinstance(op.msg, RecvActivation) else "grad"
+                                have[o].add((kind, op.msg.micro_batch, op.msg.chunk))
                         pc[o] += 1
                         posted[o] = None
                     progressed = True

@@ -56,6 +56,8 @@ __all__ = [
 ]
 
 
+# Any: a module __getattr__ returns whichever name was asked for (mypy types each name
+# from its definition; this is only the fallback for imports at run time).
 def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
     if home is None:

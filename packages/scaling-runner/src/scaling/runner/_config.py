@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -299,7 +299,7 @@ class LaunchedConfig(BaseConfig):
 
     @model_validator(mode="before")
     @classmethod
-    def _default_script(cls, data: Any) -> Any:
+    def _default_script(cls, data: object) -> object:
         """Every process runs the app's train.py unless runner.script says otherwise."""
         if isinstance(data, dict) and cls.default_script is not None:
             runner = dict(data.get("runner") or {})

@@ -10,7 +10,6 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Mapping
-from typing import Any
 
 # A bare name counts too: a payload key ``api_key`` is as secret as ``wandb_api_key``.
 SECRET_PATTERNS: tuple[str, ...] = (
@@ -57,7 +56,7 @@ def mask_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: (MASK if is_secret(k) else v) for k, v in env.items()}
 
 
-def find_secret_keys(payload: Any, prefix: str = "") -> list[str]:
+def find_secret_keys(payload: object, prefix: str = "") -> list[str]:
     """Dotted keys of ``payload`` that look like secrets and hold a non-empty value."""
     found: list[str] = []
     if isinstance(payload, Mapping):

@@ -22,11 +22,16 @@ import subprocess
 import sys
 import threading
 import time
+import types
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from scaling.runner._commands import Launch
 from scaling.runner._failures import FailureParser, RunReport
+
+#: What ``signal.signal`` returns and takes back: a handler, ``SIG_DFL``/``SIG_IGN``, or None.
+SignalHandler = Callable[[int, types.FrameType | None], object] | int | None
 
 _KILL_GRACE_S = 10.0
 # After a forwarded signal: time for torchrun to stop its workers (its own grace is 30 s) before SIGKILL.
@@ -96,7 +101,7 @@ class _Forwarder:
         self.procs = procs
         self.received: int | None = None
         self.at: float | None = None
-        self._previous: dict[int, Any] = {}
+        self._previous: dict[int, SignalHandler] = {}
         self._signalled: set[int] = set()
         self._announced = False
 
@@ -111,7 +116,7 @@ class _Forwarder:
             signal.signal(sig, handler)
         self._previous.clear()
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: types.FrameType | None) -> None:
         # No printing here: the handler may interrupt a write to the same stream (see announce).
         if self.received is None:
             self.received, self.at = signum, time.monotonic()

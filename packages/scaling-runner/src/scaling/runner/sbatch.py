@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+import types
 
 _ENDED = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
           "TIMEOUT"}  # fmt: skip
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Submitted batch job {job_id}", flush=True)
     cancelled: list[int] = []
 
-    def cancel(signum: int, frame: Any) -> None:
+    def cancel(signum: int, frame: types.FrameType | None) -> None:
         if not cancelled:
             cancelled.append(signum)
             subprocess.run(["scancel", job_id], capture_output=True)

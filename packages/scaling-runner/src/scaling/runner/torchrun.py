@@ -22,17 +22,19 @@ from __future__ import annotations
 import json
 import socket
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from scaling.runner._failures import REPORT_PREFIX, STOP_PREFIX
 
 if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
     from scaling.config import JsonDict
 
 _NO_FILE = "<N/A>"
 
 
-def failure_records(failures: dict[int, Any], host: str) -> list[JsonDict]:
+def failure_records(failures: dict[int, ProcessFailure], host: str) -> list[JsonDict]:
     """One JSON-able record per failed rank of a ``ChildFailedError.failures`` mapping.
 
     The first failure by timestamp is the node's root cause (torchrun's own rule); ``message``

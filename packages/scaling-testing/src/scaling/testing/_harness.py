@@ -33,12 +33,16 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar, cast
 
-from scaling.testing._worker import worker_main
+from scaling.testing._worker import Reply, Task, worker_main
 
 if TYPE_CHECKING:
     import multiprocessing.context
+    import multiprocessing.process
+    import multiprocessing.queues
+
+R = TypeVar("R")
 
 DEFAULT_TIMEOUT_SECONDS = 120.0
 # Imported once in the forkserver; every worker is forked with them loaded (preload() adds more).
@@ -81,9 +85,9 @@ class WorkerPool:
             self._ctx.set_forkserver_preload(_PRELOAD)
         else:
             self._ctx = mp.get_context("spawn")
-        self._procs: list[Any] = []
-        self._task_queues: list[Any] = []
-        self._results: Any = None
+        self._procs: list[multiprocessing.process.BaseProcess] = []
+        self._task_queues: list[multiprocessing.queues.Queue[Task | None]] = []
+        self._results: multiprocessing.queues.Queue[Reply] | None = None
         self._task_ids = itertools.count()
         self._rendezvous_dir: str | None = None  # while workers live; see the module docstring
 
@@ -91,12 +95,11 @@ class WorkerPool:
         global _forkserver_started
         if self._results is None:
             self._results = self._ctx.Queue()
+        results = self._results
         while len(self._procs) < n:
             idx = len(self._procs)
             tq = self._ctx.Queue()
-            proc = self._ctx.Process(
-                target=worker_main, args=(idx, tq, self._results), name=f"scaling-rank-worker-{idx}"
-            )
+            proc = self._ctx.Process(target=worker_main, args=(idx, tq, results), name=f"scaling-rank-worker-{idx}")
             _forkserver_started = _forkserver_started or self._ctx.get_start_method() == "forkserver"
             proc.start()
             self._procs.append(proc)
@@ -132,22 +135,26 @@ class WorkerPool:
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+        return [p.pid for p in self._procs if p.pid is not None]
 
     def run(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[..., R],
         world_size: int,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
         timeout_seconds: float,
         backend: str,
         env: dict[str, str] | None,
-    ) -> list[Any]:
+    ) -> list[R]:
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be >= 1")
         module = sys.modules.get(fn.__module__)
-        task = {
+        self._ensure(world_size)
+        if self._rendezvous_dir is None:
+            self._rendezvous_dir = tempfile.mkdtemp(prefix="scaling-rdzv-")
+        task_id = next(self._task_ids)
+        task: Task = {
             "module": fn.__module__,
             "module_file": getattr(module, "__file__", None),
             "qualname": fn.__qualname__,
@@ -159,19 +166,19 @@ class WorkerPool:
             # hung peer raise and report, and the peer that never answers is the one named.
             "pg_timeout": max(1.0, timeout_seconds * 0.6),
             "env": dict(env or {}),
+            # The ranks' last store removes the file; the directory goes with the workers.
+            "init_method": "file://" + os.path.join(self._rendezvous_dir, f"rendezvous-{task_id}"),
+            "task_id": task_id,
+            "rank": 0,
         }
-        self._ensure(world_size)
-        if self._rendezvous_dir is None:
-            self._rendezvous_dir = tempfile.mkdtemp(prefix="scaling-rdzv-")
-        task_id = next(self._task_ids)
-        # The ranks' last store removes the file; the directory goes with the workers.
-        task["init_method"] = "file://" + os.path.join(self._rendezvous_dir, f"rendezvous-{task_id}")
         for rank in range(world_size):
-            self._task_queues[rank].put({**task, "task_id": task_id, "rank": rank})
-        return self._collect(task_id, world_size, timeout_seconds, fn.__qualname__)
+            self._task_queues[rank].put({**task, "rank": rank})
+        # Each rank's result is what ``fn`` returned there, unpickled.
+        return cast("list[R]", self._collect(task_id, world_size, timeout_seconds, fn.__qualname__))
 
-    def _collect(self, task_id: int, world_size: int, timeout_seconds: float, name: str) -> list[Any]:
-        results: dict[int, Any] = {}
+    def _collect(self, task_id: int, world_size: int, timeout_seconds: float, name: str) -> list[object]:
+        assert self._results is not None  # _ensure made it
+        results: dict[int, object] = {}
         errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout_seconds
         first_failure: float | None = None
@@ -190,7 +197,7 @@ class WorkerPool:
                 continue
             if msg["task_id"] != task_id:
                 continue
-            if msg["ok"]:
+            if isinstance(msg["payload"], bytes):
                 results[msg["rank"]] = pickle.loads(msg["payload"])
             else:
                 errors[msg["rank"]] = msg["payload"]
@@ -259,14 +266,14 @@ def _pool() -> WorkerPool:
 
 
 def run_distributed(
-    fn: Callable[..., Any],
+    fn: Callable[..., R],
     world_size: int,
-    *args: Any,
+    *args: object,
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
     backend: str = "gloo",
     env: dict[str, str] | None = None,
-    **kwargs: Any,
-) -> list[Any]:
+    **kwargs: object,
+) -> list[R]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return each rank's result.
 
     ``fn`` must be a module-level function (it is sent by module and name; test modules

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,7 +14,7 @@ def make_topology(
     model_parallel_size: int = 1,
     pipe_parallel_size: int = 1,
     data_parallel_size: int | None = None,
-    **config: Any,
+    **config: object,
 ) -> Topology:
     """A CPU :class:`Topology` over the already-initialised default process group.
 
@@ -52,8 +51,8 @@ def _describe(actual: torch.Tensor, expected: torch.Tensor) -> str:
 
 
 def assert_parity(
-    actual: Any,
-    expected: Any,
+    actual: object,
+    expected: object,
     *,
     rtol: float = 1e-6,
     atol: float = 0.0,
@@ -67,13 +66,17 @@ def assert_parity(
     element and both values.
     """
     if isinstance(expected, Mapping):
-        if not isinstance(actual, Mapping) or set(actual) != set(expected):
+        if not isinstance(actual, Mapping):
+            raise AssertionError(f"{name}: a {type(actual).__name__}, expected a mapping")
+        if set(actual) != set(expected):
             raise AssertionError(f"{name}: keys differ: {sorted(map(str, actual))} vs {sorted(map(str, expected))}")
         for k in expected:
             assert_parity(actual[k], expected[k], rtol=rtol, atol=atol, name=f"{name}[{k!r}]", bitwise=bitwise)
         return
     if isinstance(expected, Sequence) and not isinstance(expected, (str, bytes)):
-        if not isinstance(actual, Sequence) or len(actual) != len(expected):
+        if not isinstance(actual, Sequence):
+            raise AssertionError(f"{name}: a {type(actual).__name__}, expected a sequence")
+        if len(actual) != len(expected):
             raise AssertionError(f"{name}: lengths differ: {len(actual)} vs {len(expected)}")
         for i, (a, e) in enumerate(zip(actual, expected)):
             assert_parity(a, e, rtol=rtol, atol=atol, name=f"{name}[{i}]", bitwise=bitwise)

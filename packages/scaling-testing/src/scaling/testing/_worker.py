@@ -13,10 +13,39 @@ import queue
 import sys
 import traceback
 import types
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypedDict
 
 # Imported here, so the forkserver (which preloads this module) imports it once for every worker.
 from scaling.topology import destroy_process_group
+
+if TYPE_CHECKING:
+    import multiprocessing.queues
+
+
+class Task(TypedDict):
+    """What one rank is told to run (pickled through its task queue)."""
+
+    module: str
+    module_file: str | None
+    qualname: str
+    sys_path: list[str]
+    payload: bytes  # pickled (args, kwargs)
+    world_size: int
+    backend: str
+    pg_timeout: float
+    env: dict[str, str]
+    init_method: str
+    task_id: int
+    rank: int
+
+
+class Reply(TypedDict):
+    """One rank's answer: ``payload`` is its pickled result (bytes) or its failure's traceback (str)."""
+
+    task_id: int
+    rank: int
+    payload: bytes | str
 
 
 def _register_parents(name: str, module_file: str) -> None:
@@ -36,7 +65,7 @@ def _register_parents(name: str, module_file: str) -> None:
         folder = os.path.dirname(folder)
 
 
-def _resolve(task: dict[str, Any]) -> Any:
+def _resolve(task: Task) -> Callable[..., object]:
     for p in task["sys_path"]:
         if p not in sys.path:
             sys.path.append(p)
@@ -53,13 +82,15 @@ def _resolve(task: dict[str, Any]) -> Any:
         _register_parents(name, task["module_file"])
         sys.modules[name] = module
         spec.loader.exec_module(module)
-    obj: Any = module
+    obj: object = module
     for part in task["qualname"].split("."):
         obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"{name}.{task['qualname']} is a {type(obj).__name__}, not a function")
     return obj
 
 
-def _run_task(task: dict[str, Any]) -> Any:
+def _run_task(task: Task) -> object:
     import torch
     import torch.distributed as dist
 
@@ -94,7 +125,9 @@ def _run_task(task: dict[str, Any]) -> Any:
         os.environ.update(saved_env)
 
 
-def worker_main(idx: int, tasks: Any, results: Any) -> None:
+def worker_main(
+    idx: int, tasks: multiprocessing.queues.Queue[Task | None], results: multiprocessing.queues.Queue[Reply]
+) -> None:
     """Serve tasks until told to stop (``None``) or the test process is gone."""
     import torch
 
@@ -116,13 +149,11 @@ def worker_main(idx: int, tasks: Any, results: Any) -> None:
             continue
         if task is None:
             return
-        reply = {"task_id": task["task_id"], "rank": task["rank"]}
         try:
-            value = _run_task(task)
-            reply.update(ok=True, payload=pickle.dumps(value))
+            payload: bytes | str = pickle.dumps(_run_task(task))
         except BaseException as exc:  # noqa: BLE001 - every failure is reported to the parent
-            tb = traceback.format_exc()
-            reply.update(ok=False, payload=f"{type(exc).__name__}: {exc}\n{tb}")
+            payload = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        reply: Reply = {"task_id": task["task_id"], "rank": task["rank"], "payload": payload}
         results.put(reply)
         del task, reply
         # What the task imported or cached lives as long as this worker: collect the task's

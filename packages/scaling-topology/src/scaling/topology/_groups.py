@@ -3,12 +3,48 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 RanksOf = Callable[[int], list[int]]
 
 
-def group_specs(topo: Any) -> list[tuple[str, RanksOf]]:
+class _Coordinates(Protocol):
+    @property
+    def dp(self) -> int: ...
+
+    @property
+    def cp(self) -> int: ...
+
+
+class _Grid(Protocol):
+    """What the group table reads of a ``Topology`` (its sizes and rank arithmetic)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def pipe_parallel_size(self) -> int: ...
+
+    @property
+    def data_parallel_size(self) -> int: ...
+
+    @property
+    def data_parallel_shard_size(self) -> int: ...
+
+    @property
+    def context_parallel_size(self) -> int: ...
+
+    @property
+    def expert_parallel_size(self) -> int: ...
+
+    def coordinates(self, rank: int | None = None) -> _Coordinates: ...
+
+    def _ranks_along(self, rank: int, axis: str) -> list[int]: ...
+
+    def _dp_ranks_where(self, rank: int, key: Callable[[int, int], object]) -> list[int]: ...
+
+
+def group_specs(topo: _Grid) -> list[tuple[str, RanksOf]]:
     """``(name, ranks_of)`` for every group the ``Topology`` ``topo`` creates, in creation order (the same on every rank).
 
     Groups that would equal another are left out; the ``Topology`` properties fall back to

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     )
 
 
+# Any: a module __getattr__ returns whichever name was asked for (mypy types each name
+# from its definition; this is only the fallback for imports at run time).
 def __getattr__(name: str) -> Any:
     """The checkpoint names that need DCP, imported on first use (see scaling.trainer.checkpoint)."""
     if name in checkpoint.__all__:

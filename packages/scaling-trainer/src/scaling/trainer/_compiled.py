@@ -13,7 +13,6 @@ warm-up; a recompile later is what a user wants to see.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,7 @@ logger = logging.getLogger("scaling.trainer")
 class CompileLog:
     """Compilation metrics and recompile warnings for ``module`` (nothing when it is not compiled)."""
 
-    def __init__(self, module: Any, rank: int, device: torch.device) -> None:
+    def __init__(self, module: object, rank: int, device: torch.device) -> None:
         config = getattr(module, "compile_config", None)
         enabled = isinstance(config, CompileConfig) and config.enabled
         self.monitor = CompileMonitor() if enabled else None

@@ -9,12 +9,20 @@ current stream, which the forward pass uses too, so no synchronisation is needed
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol, TypeVar
 
 import torch
 
+B = TypeVar("B", bound="MovableBatch")
 
-def to_device(batch: Any, device: torch.device) -> Any:
+
+class MovableBatch(Protocol):
+    """A batch that can copy itself to a device (``BaseDatasetBatch`` and tensors are)."""
+
+    def to(self: B, device: torch.device, non_blocking: bool = False) -> B: ...
+
+
+def to_device(batch: B | None, device: torch.device) -> B | None:
     """``batch`` on ``device``: a tensor, ``None`` (a rank that reads no data), or anything with ``.to``.
 
     Raises:

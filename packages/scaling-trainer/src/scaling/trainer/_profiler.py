@@ -21,7 +21,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from pydantic import Field, model_validator
@@ -31,6 +31,22 @@ from scaling.trainer._config import TrainerConfig
 
 if TYPE_CHECKING:
     from scaling.config import JsonDict
+
+
+class TimedStage(Protocol):
+    """A stage whose executor records ``(instruction, start, end)`` while the list is set (``ParallelModule``)."""
+
+    instruction_timings: list[tuple[str, float, float]] | None
+
+
+class ProgressBar(Protocol):
+    """The part of a tqdm bar the trainer uses."""
+
+    def update(self, n: int = 1) -> object: ...
+
+    def set_postfix(self, refresh: bool = True, **kwargs: str) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class ProfilerConfig(BaseConfig):
@@ -80,7 +96,9 @@ class StepProfiler:
         profiler.close()
     """
 
-    def __init__(self, config: ProfilerConfig | None, rank: int, module: Any, device: Any = None) -> None:
+    def __init__(
+        self, config: ProfilerConfig | None, rank: int, module: TimedStage, device: torch.device | str | None = None
+    ) -> None:
         self.config = config or ProfilerConfig()
         self.rank, self.module = rank, module
         self.active = self.config.enabled and (self.config.all_ranks or rank == 0)
@@ -121,7 +139,7 @@ class StepProfiler:
         """Call after optimizer step ``step``; closes and exports at the window's last step."""
         if self._prof is None:
             return
-        timings = getattr(self.module, "instruction_timings", None)
+        timings = self.module.instruction_timings
         self._step_marks.append((step, len(timings) if timings is not None else 0))
         self._prof.step()
         self._last = step
@@ -151,7 +169,7 @@ class StepProfiler:
         board = tensorboard / f"rank{self.rank}.{int(time.time() * 1000)}.pt.trace.json"
         shutil.copyfile(chrome, board)
         self.files.append(board)
-        timings = getattr(self.module, "instruction_timings", None)
+        timings = self.module.instruction_timings
         if timings is not None:
             self.module.instruction_timings = None
             path = trace_dir / f"instructions_{suffix}.json"
@@ -189,7 +207,7 @@ def peak_memory_mib(device: torch.device) -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
 
-def num_tokens(batch: Any) -> int | None:
+def num_tokens(batch: object) -> int | None:
     """Tokens a batch reports through a ``num_tokens`` attribute or method, else None."""
     value = getattr(batch, "num_tokens", None)
     if callable(value):
@@ -197,7 +215,7 @@ def num_tokens(batch: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def progress_bar(config: TrainerConfig, rank: int, initial: int) -> Any:
+def progress_bar(config: TrainerConfig, rank: int, initial: int) -> ProgressBar | None:
     """A tqdm bar over ``train_iterations`` on global rank 0 when ``progress_bar`` is set, else None."""
     if not config.progress_bar or rank != 0:
         return None

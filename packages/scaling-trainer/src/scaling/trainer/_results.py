@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -43,8 +43,18 @@ class _MetricNames:
     names: tuple[str, ...] | None = None
 
 
+class _Stage(Protocol):
+    """What the results need of the stage that ran the step (``ParallelModule`` has it)."""
+
+    @property
+    def topology(self) -> Topology: ...
+
+    @property
+    def num_stages(self) -> int: ...
+
+
 # Per module (weakly): the names outlive one step so later steps broadcast one tensor.
-_NAMES: weakref.WeakKeyDictionary[Any, _MetricNames] = weakref.WeakKeyDictionary()
+_NAMES: weakref.WeakKeyDictionary[_Stage, _MetricNames] = weakref.WeakKeyDictionary()
 
 
 def default_aggregation(topology: Topology, metrics: list[Metrics]) -> Metrics:
@@ -64,7 +74,7 @@ class StepResults:
             default: the mean per key over micro-batches.
     """
 
-    def __init__(self, module: Any, aggregate: MetricsAggregation | None = None) -> None:
+    def __init__(self, module: _Stage, aggregate: MetricsAggregation | None = None) -> None:
         self.topology: Topology = module.topology
         self.num_stages: int = module.num_stages
         self.aggregate = aggregate or default_aggregation
@@ -106,7 +116,7 @@ class StepResults:
         """Loss and metrics from the last stage, broadcast over the pipe group, averaged over DP."""
         self.post_receive()  # a stage that never waited for a message posts it now
         topo = self.topology
-        result: Any = None
+        result: Metrics | None = None
         if topo.is_last_pipe_stage:
             mb = sorted(outputs.losses)
             loss = sum(float(outputs.losses[i]) for i in mb) / len(mb)
@@ -114,6 +124,7 @@ class StepResults:
             result = {"loss": loss, "metrics": {k: float(v) for k, v in metrics.items()}}
         if self.num_stages > 1:
             result = self._broadcast(result)
+        assert result is not None  # the last stage made it; the broadcast brought it to the others
         if topo.data_context_parallel_size > 1:
             # Over DP × CP: a CP rank's loss is its share of the sequence's loss, scaled so
             # that the mean over the CP ranks is the sequence's loss.

@@ -21,12 +21,15 @@ import signal
 import sys
 import threading
 import types
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from scaling.collectives import get_recorder
+
+#: What ``signal.signal`` returns and takes back: a handler, ``SIG_DFL``/``SIG_IGN``, or None.
+SignalHandler = Callable[[int, types.FrameType | None], object] | int | None
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -43,7 +46,7 @@ class SignalWatcher:
         self.device = device
         self.grace_seconds = grace_seconds
         self.received: int = 0
-        self._previous: dict[int, Any] = {}
+        self._previous: dict[int, SignalHandler] = {}
         self._watchdog: threading.Timer | None = None
 
     def install(self) -> SignalWatcher:

@@ -35,11 +35,12 @@ class CheckpointedTrainer(Protocol):
     config: TrainerConfig
     parallel_module: ParallelModule
     optimizer: Optimizer
-    loader: DataLoader[Any]
+    loader: DataLoader[Any]  # Any: the batches are the user's dataset's (BaseTrainer is not generic in them)
     metrics_logger: MetricsLogger
 
     @property
-    def context(self) -> BaseContext[Any]: ...  # read-only: BaseTrainer's is a BaseContext subclass
+    # Read-only: BaseTrainer's is a BaseContext subclass. Any: the config type is the app's.
+    def context(self) -> BaseContext[Any]: ...
 
     def wait_for_parameters(self) -> None: ...
 

@@ -21,16 +21,30 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
+from scaling.collectives import PyTree
 from scaling.pipeline import LossBackward, LossFunction, StageOutputs
 from scaling.topology import Topology
 from scaling.trainer._placement import to_device
 from scaling.trainer._results import MetricsAggregation, StepResults
 
-SyncBatch = Callable[[Topology, Any], Any]
+B = TypeVar("B", bound="StepBatch")
+
+
+class StepBatch(Protocol):
+    """What the step needs of a micro-batch (``scaling.data.BaseDatasetBatch`` has it)."""
+
+    def to(self: B, device: torch.device, non_blocking: bool = False) -> B: ...
+
+    def context_parallel_split(self: B, rank: int, size: int) -> B: ...
+
+
+#: ``(topology, batch or None) -> batch``: TP rank 0's batch on every rank of its TP group
+#: (``BaseDataset.sync_batch_to_model_parallel``).
+SyncBatch = Callable[[Topology, B | None], B]
 
 
 class ScheduledStage(Protocol):
@@ -40,11 +54,11 @@ class ScheduledStage(Protocol):
     num_stages: int
     training: bool
 
-    def train(self, mode: bool = True) -> Any: ...
+    def train(self, mode: bool = True) -> object: ...
 
     def run_schedule(
         self,
-        micro_batches: Sequence[Any],
+        micro_batches: Sequence[PyTree],
         loss_function: LossFunction,
         *,
         forward_only: bool = False,
@@ -113,11 +127,11 @@ class TrainStepOutput:
 
 def train_step(
     module: ScheduledStage,
-    micro_batches: Sequence[Any],
+    micro_batches: Sequence[B | None],
     optimizer: OptimizerLike,
     loss_function: LossFunction,
     metrics_aggregation_fn: MetricsAggregation | None = None,
-    sync_batch_to_model_parallel: SyncBatch | None = None,
+    sync_batch_to_model_parallel: SyncBatch[B] | None = None,
 ) -> TrainStepOutput:
     """One optimizer step over this rank's ``micro_batches`` (see the module docstring).
 
@@ -174,10 +188,10 @@ def train_step(
 @torch.no_grad()
 def evaluation_step(
     module: ScheduledStage,
-    micro_batches: Sequence[Any],
+    micro_batches: Sequence[B | None],
     loss_function: LossFunction,
     metrics_aggregation_fn: MetricsAggregation | None = None,
-    sync_batch_to_model_parallel: SyncBatch | None = None,
+    sync_batch_to_model_parallel: SyncBatch[B] | None = None,
 ) -> TrainStepOutput:
     """Forward-only pass over ``micro_batches``: loss and metrics on every rank, no update.
 
@@ -202,7 +216,7 @@ def evaluation_step(
     return TrainStepOutput(loss, metrics, None, {}, None, time.perf_counter() - start)
 
 
-def _placed(topology: Topology, micro_batches: Sequence[Any], sync: SyncBatch | None) -> list[Any]:
+def _placed(topology: Topology, micro_batches: Sequence[B | None], sync: SyncBatch[B] | None) -> list[B | None]:
     """Each micro-batch on the device; on the stages that read data, synced over TP and cut to this CP rank's slice."""
     batches = [to_device(b, topology.device) for b in micro_batches]
     if topology.is_first_pipe_stage or topology.is_last_pipe_stage:

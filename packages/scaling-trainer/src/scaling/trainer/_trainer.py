@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -20,19 +20,21 @@ import torch.distributed as dist
 from scaling.collectives import all_reduce, get_recorder
 from scaling.data import BaseDataset, DataLoader
 from scaling.optim import Optimizer
-from scaling.pipeline import ParallelModule
+from scaling.pipeline import LossFunction, ParallelModule
 from scaling.trainer._compiled import CompileLog
 from scaling.trainer._config import TrainerConfig
 from scaling.trainer._context import BaseContext
 from scaling.trainer._profiler import ProfilerConfig, StepProfiler, num_tokens, peak_memory_mib, progress_bar
+from scaling.trainer._results import MetricsAggregation
 from scaling.trainer._signals import SignalWatcher, exit_code_for
 from scaling.trainer._state import TrainerCheckpointer
-from scaling.trainer._step import evaluation_step, train_step
+from scaling.trainer._step import SyncBatch, evaluation_step, train_step
 from scaling.trainer.loggers import LoggerConfig, MetricsLogger
 
 if TYPE_CHECKING:
     from scaling.config import Metrics
 
+# Any: a context of any config type (BaseContext's parameter; the subclass's ContextT fixes it).
 ContextT = TypeVar("ContextT", bound=BaseContext[Any])
 FlopsEstimate = float | Callable[[], float]
 
@@ -78,11 +80,13 @@ class BaseTrainer(Generic[ContextT]):
         context: ContextT,
         parallel_module: ParallelModule,
         optimizer: Optimizer,
+        # Any: the trainer is generic in its context only (the seeds' BaseTrainer[Context]), so
+        # the items and batches of its datasets are whatever the user's dataset makes.
         dataset: BaseDataset[Any, Any],
         dataset_evaluation: BaseDataset[Any, Any] | None,
-        sync_batch_to_model_parallel: Callable[..., Any] | None,
-        metrics_aggregation_fn: Callable[..., Any] | None,
-        loss_function: Callable[..., Any],
+        sync_batch_to_model_parallel: SyncBatch[Any] | None,  # Any: as for the datasets
+        metrics_aggregation_fn: MetricsAggregation | None,
+        loss_function: LossFunction,
         metrics_logger: MetricsLogger | None = None,
         *,
         profiler_config: ProfilerConfig | None = None,
@@ -164,7 +168,7 @@ class BaseTrainer(Generic[ContextT]):
         }
         return {k: v for k, v in metrics.items() if v is not None}
 
-    def _peak_memory_and_tokens(self, micro_batches: list[Any]) -> tuple[float, float | None]:
+    def _peak_memory_and_tokens(self, micro_batches: Sequence[object]) -> tuple[float, float | None]:
         """Peak memory (MiB, max over all ranks) and this step's tokens (summed over DP), or None."""
         topology = self.context.topology
         device = topology.device
@@ -348,7 +352,7 @@ class BaseTrainer(Generic[ContextT]):
         sys.exit(exit_code_for(signum))
 
 
-def _scalar(value: Any) -> float:
+def _scalar(value: float | torch.Tensor) -> float:
     if isinstance(value, torch.Tensor):
         return float(value.detach().float().mean().item())
     return float(value)

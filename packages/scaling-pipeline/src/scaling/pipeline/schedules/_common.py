@@ -31,7 +31,7 @@ from scaling.pipeline._instructions import (
     _Message,
 )
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., object])
 
 
 def accepts_old_keyword(fn: F) -> F:
@@ -39,7 +39,7 @@ def accepts_old_keyword(fn: F) -> F:
     DeprecationWarning, as ``num_micro_batches=``; the old keyword goes in 0.2."""
 
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: object, **kwargs: object) -> object:
         if "num_microbatches" in kwargs:
             warnings.warn(
                 f"{fn.__name__}(num_microbatches=...) is deprecated; use num_micro_batches=",
@@ -244,6 +244,7 @@ def lower_lockstep(
 
 
 def build(
+    # Any: instructions, or with lockstep=True rounds of them (one list per round).
     compute_order: Callable[[int], Iterable[Any]],
     num_stages: int,
     stage: int,

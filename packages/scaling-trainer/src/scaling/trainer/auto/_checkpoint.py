@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -47,7 +47,9 @@ def _chunks(model: ParallelModel, meta: ParameterMeta) -> int:
     return owner.chunks if owner is not None and meta.parallel_dim is not None else 1
 
 
-def _entries(model: ParallelModel, tensors: dict[int, torch.Tensor] | None = None) -> list[tuple[str, Any, Any]]:
+def _entries(
+    model: ParallelModel, tensors: dict[int, torch.Tensor] | None = None
+) -> list[tuple[str, torch.Tensor, ParameterMeta]]:
     """``(path, view, meta)`` per parameter (or per same-shaped tensor in ``tensors``)."""
     out = []
     for name, param, meta in model.named_parameters_with_meta():
@@ -89,7 +91,7 @@ def _torch_tree(model: ParallelModel, optimizer: ParallelOptimizer) -> StateDict
     return {"state": per_key, "param_groups": _groups(optimizer)}
 
 
-def _groups(optimizer: ParallelOptimizer) -> list[dict[str, Any]]:
+def _groups(optimizer: ParallelOptimizer) -> list[StateDict]:
     """The user's optimizer's hyperparameters per group (the LR its scheduler set among them)."""
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.optimizer.param_groups]
 
@@ -244,7 +246,7 @@ def _raise_if_other_form(tree: StateDict, error: CheckpointError) -> None:
             ) from error
 
 
-def _load_torch(model: ParallelModel, optimizer: ParallelOptimizer, loaded: Any, missing: set[str]) -> None:
+def _load_torch(model: ParallelModel, optimizer: ParallelOptimizer, loaded: StateDict, missing: set[str]) -> None:
     inner = optimizer.optimizer
     for _name, param, meta in model.named_parameters_with_meta():
         slots = {f"{_TORCH_FORM}.state.{meta.key}.{slot}" for slot in inner.state.get(param, {})}

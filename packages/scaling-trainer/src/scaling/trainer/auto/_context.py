@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator, Mapping
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +35,7 @@ def _attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    **kwargs: Any,
+    **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: ``[b, n, s, d]`` in, ``[b, s, n, d]`` out."""
     active = _ACTIVE.get()
@@ -74,7 +73,7 @@ def enable(model: torch.nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def sliced(batch: Any, topology: Topology, method: str) -> Iterator[dict[str, Any]]:
+def sliced(batch: object, topology: Topology, method: str) -> Iterator[dict[str, object]]:
     """The model's keyword arguments for this CP rank's slice of ``batch``, with the attention active.
 
     Raises:

@@ -15,7 +15,7 @@ import ctypes
 import functools
 import zlib
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -23,7 +23,7 @@ M = TypeVar("M", bound=torch.nn.Module)
 ShardFn = Callable[[str, torch.nn.Module], "torch.nn.Module | None"]
 
 
-def deferred_init(model_class: type[M], *args: Any, **kwargs: Any) -> M:
+def deferred_init(model_class: type[M], *args: object, **kwargs: object) -> M:
     """Build ``model_class(*args, **kwargs)`` on the meta device, allocating no parameters.
 
     The model can be planned (:func:`generate_plan`) and later materialised shard by

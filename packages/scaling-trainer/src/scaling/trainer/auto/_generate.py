@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -46,7 +46,10 @@ def _positive(constraints: JsonMapping, key: str, default: int) -> int:
     return value
 
 
-def _choice(constraints: JsonMapping, key: str, choices: tuple[Any, ...]) -> Any:
+T = TypeVar("T")
+
+
+def _choice(constraints: JsonMapping, key: str, choices: tuple[T, ...]) -> T:
     value = constraints.get(key, choices[0])
     if value not in choices:
         raise ValueError(f"constraint {key}={value!r} is invalid; choose one of {list(choices)}")

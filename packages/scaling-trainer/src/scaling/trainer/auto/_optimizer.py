@@ -12,7 +12,7 @@ and each ``step()`` reads them, so any ``torch.optim.lr_scheduler`` works unchan
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from scaling.optim import (
     OptimizerConfig,
     OptimizerParamGroup,
     OptimizerParamGroupConfig,
+    OptimizerStepOutput,
 )
 from scaling.topology import Topology
 from scaling.trainer.auto._pipeline import PipelineStage
@@ -49,13 +50,17 @@ class PlannedModel(Protocol):
     def layer_modules(self) -> list[torch.nn.Module]: ...
 
 
+#: One of a torch optimizer's ``param_groups``: ``params`` and the hyperparameters by name.
+#: ``Any``: torch types them so (each optimizer has its own keys and value types).
+ParamGroup: TypeAlias = dict[str, Any]
+
 _PRECISION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class _TorchGroupLR:
     """A ``scaling.optim`` group schedule that reads the LR a torch scheduler set on a torch param group."""
 
-    def __init__(self, group: dict[str, Any]) -> None:
+    def __init__(self, group: ParamGroup) -> None:
         self.group = group
 
     def get_lr(self, step: int) -> float:
@@ -93,18 +98,15 @@ def _config(
             raise ValueError(f"{why}, which takes one {key} for all parameter groups; {kind} has {sorted(values)}")
     g = groups[0]
     loss_scaler = LossScalerConfig(enable=precision == "float16")
-    common: dict[str, Any] = {
-        "zero_stage": zero_stage,
-        "loss_scaler": loss_scaler,
-        "master_weights": True,
-        "cpu_offload": cpu_offload,
-    }
+    common = {"zero_stage": zero_stage, "loss_scaler": loss_scaler, "master_weights": True, "cpu_offload": cpu_offload}
     if kind in ("AdamW", "Adam"):
         method = "adamw" if kind == "AdamW" or g.get("decoupled_weight_decay") else "adam"
         beta1, beta2 = g["betas"]
-        return OptimizerConfig(method=method, beta1=beta1, beta2=beta2, eps=g["eps"], **common)
+        return OptimizerConfig.model_validate(
+            {"method": method, "beta1": beta1, "beta2": beta2, "eps": g["eps"], **common}
+        )
     if kind == "SGD":
-        return OptimizerConfig(method="sgd", momentum=g.get("momentum", 0.0), **common)
+        return OptimizerConfig.model_validate({"method": "sgd", "momentum": g.get("momentum", 0.0), **common})
     raise ValueError(
         f"{why}, which implements AdamW, Adam and SGD; optimizer_fn returned {kind}. Use one of those, or "
         f"zero_stage=0 and precision='float32' to keep {kind} as is"
@@ -188,7 +190,7 @@ class ParallelOptimizer:
         else:
             loss.backward()
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], float] | None = None) -> OptimizerStepOutput | float | None:
         """Reduce gradients (tied weights over stages, DP), then update."""
         stage = self.model.pipeline
         if self.engine is not None:
@@ -210,11 +212,11 @@ class ParallelOptimizer:
         return self.optimizer.step(closure)
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[ParamGroup]:
         return self.optimizer.param_groups
 
     @property
-    def state(self) -> Any:
+    def state(self) -> dict[torch.Tensor, StateDict]:
         """The user's optimizer's state (empty when ``engine`` runs the update; see its ``slots``)."""
         return self.optimizer.state
 

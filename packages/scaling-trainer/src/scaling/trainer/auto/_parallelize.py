@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,7 @@ class ParallelModel(torch.nn.Module):
         #: The modules multiplying in float8 (``parallelize(float8=...)``).
         self.float8_layers: list[str] = []
 
-    def forward(self, batch: Any) -> Any:
+    def forward(self, batch: object) -> torch.Tensor:
         if self.pipeline is not None:
             if not self.training:
                 raise RuntimeError("a pipelined model runs training steps only (model.train())")
@@ -149,18 +149,21 @@ def attach_metas(module: torch.nn.Module, plan: Plan, pipeline: PipelineStage | 
             ParameterMeta(full, tuple(shape), dim, tp, tied_key=tied.get(id(p))).attach(p)
 
 
+S = TypeVar("S")  # what lr_scheduler_fn returns
+
+
 def parallelize(
     plan: Plan,
     model: torch.nn.Module,
     optimizer_fn: Callable[[torch.nn.Module], torch.optim.Optimizer],
-    lr_scheduler_fn: Callable[[torch.optim.Optimizer], Any] | None,
+    lr_scheduler_fn: Callable[[torch.optim.Optimizer], S] | None,
     dataset: Dataset | None,
     *,
-    collate_fn: Callable[[list[Any]], Any] | None = None,
+    collate_fn: Callable[..., object] | None = None,
     topology: Topology | None = None,
     compile: CompileConfig | bool = False,
     float8: Float8Config | bool = False,
-) -> tuple[ParallelModel, ParallelOptimizer, Any, DataLoader | None]:
+) -> tuple[ParallelModel, ParallelOptimizer, S | None, DataLoader | None]:
     """Make ``model`` nD-parallel per ``plan``; the returned objects run the plain loop.
 
     Keeps only this rank's pipeline stage, materialises a deferred model shard by shard
@@ -222,7 +225,7 @@ def parallelize(
     if plan.context_parallel_size > 1:
         enable_context_parallel(model)
     float8_config = float8 if isinstance(float8, Float8Config) else Float8Config(enabled=float8)
-    float8_layers = enable_float8(model, float8_config)
+    float8_layers = enable_float8(model, float8_config, setting="float8")
     wrapped = ParallelModel(model, plan, topology, pipeline)
     wrapped.float8_layers = float8_layers
     wrapped.compile_config = compile if isinstance(compile, CompileConfig) else CompileConfig(enabled=compile)
@@ -232,7 +235,7 @@ def parallelize(
     scheduler = lr_scheduler_fn(optimizer.optimizer) if lr_scheduler_fn is not None else None
     loader = None
     if dataset is not None:
-        sampler: DistributedSampler[Any] = DistributedSampler(
+        sampler: DistributedSampler[object] = DistributedSampler(
             dataset, num_replicas=topology.data_parallel_size, rank=topology.data_parallel_rank, shuffle=False
         )
         per_rank = plan.global_batch_size // plan.data_parallel_size

@@ -20,11 +20,11 @@ Modules that own only buffers (e.g. rotary embeddings) are kept everywhere.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, overload
 
 import torch
 
-from scaling.collectives import broadcast
+from scaling.collectives import PyTree, broadcast
 from scaling.pipeline import StageExecutor, StageTransports, TiedGroups, gpipe_schedule, one_f_one_b_schedule
 from scaling.topology import Topology
 from scaling.trainer.auto._context import sliced
@@ -44,7 +44,11 @@ class _StageBlocks(torch.nn.ModuleList):
         for index, block in blocks.items():
             self.add_module(index, block)
 
-    def __getitem__(self, idx: Any) -> Any:
+    @overload
+    def __getitem__(self, idx: slice) -> torch.nn.ModuleList: ...
+    @overload
+    def __getitem__(self, idx: int) -> torch.nn.Module: ...
+    def __getitem__(self, idx: int | slice) -> torch.nn.Module:
         values = list(self._modules.values())
         return torch.nn.ModuleList(values[idx]) if isinstance(idx, slice) else values[idx]
 
@@ -59,7 +63,7 @@ class _Absent(torch.nn.Module):
         self.dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
         self.kind = type(original).__name__
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         if self.embedding_dim is None:
             return x
         # The first block's input is replaced by the received activation: the value is unused.
@@ -70,7 +74,7 @@ class _Absent(torch.nn.Module):
 
 
 class _StageDone(Exception):  # noqa: N818 (control flow, not an error)
-    def __init__(self, output: Any) -> None:
+    def __init__(self, output: object) -> None:
         super().__init__()
         self.output = output
 
@@ -154,7 +158,7 @@ class PipelineStage:
         self.blocks = _StageBlocks({str(i): full[i] for i in local})
         parent, _, name = plan.blocks_path.rpartition(".")
         setattr(model.get_submodule(parent), name, self.blocks)
-        self._incoming: Any = None
+        self._incoming: torch.Tensor | None = None
         first, last = self.blocks[0], self.blocks[-1]
         if self.stage > 0:
             first.register_forward_pre_hook(self._swap_input, with_kwargs=True)
@@ -175,19 +179,21 @@ class PipelineStage:
         self.tied.reduce_gradients(lambda path: [self.model.get_parameter(path)])
 
     # ------------------------------------------------------------ forward
-    def _swap_input(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _swap_input(
+        self, module: torch.nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         if args:
             return (self._incoming, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": self._incoming}
 
-    def _stop(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _stop(self, module: torch.nn.Module, args: tuple[object, ...], output: object) -> None:
         raise _StageDone(output)
 
     def chunk_parameters(self, chunk: int) -> list[torch.nn.Parameter]:
         """This stage's trainable parameters (one chunk per stage here)."""
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def forward_chunk(self, chunk: int, x: Any) -> Any:
+    def forward_chunk(self, chunk: int, x: PyTree) -> PyTree:
         """The executor's hook: micro-batch (first stage) or received activation in, activation or output out."""
         if self.stage == 0:
             batch = x
@@ -205,7 +211,7 @@ class PipelineStage:
             self._incoming = None
 
     # ------------------------------------------------------------ one schedule
-    def run(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def run(self, batch: object) -> torch.Tensor:
         """Forward and backward of ``batch`` (this DP rank's) over the schedule; the mean loss.
 
         Gradients accumulate into ``.grad``; tied-weight and DP reductions and the update
@@ -240,7 +246,7 @@ class PipelineStage:
         return loss
 
 
-def _loss_of(output: Any, _targets: Any) -> tuple[torch.Tensor, Metrics]:
+def _loss_of(output: PyTree, _targets: PyTree) -> tuple[torch.Tensor, Metrics]:
     loss = getattr(output, "loss", output)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise ValueError(

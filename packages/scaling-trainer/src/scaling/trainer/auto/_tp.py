@@ -9,7 +9,8 @@ what is here is only the sharding of an existing module's parameters.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,11 +45,9 @@ def unshard_view(local: torch.Tensor, dim: int, chunks: int) -> tuple[torch.Tens
     return local.view(shape), dim + 1
 
 
-def _local_param(source: torch.Tensor | None, dim: int | None, rank: int, size: int, chunks: int) -> Any:
-    if source is None:
-        return None
+def _local_param(source: torch.Tensor, dim: int | None, rank: int, size: int, chunks: int) -> torch.nn.Parameter:
     if getattr(source, _LOCAL, False) or dim is None or size == 1:
-        param = source
+        param = source if isinstance(source, torch.nn.Parameter) else torch.nn.Parameter(source, source.requires_grad)
     else:
         param = torch.nn.Parameter(shard_tensor(source.detach(), dim, rank, size, chunks), source.requires_grad)
     setattr(param, _LOCAL, True)
@@ -78,7 +77,8 @@ class ShardedLinear(torch.nn.Module):
         self.float8: Float8Config | None = None
         chunks = sharding.chunks
         self.weight = _local_param(source.get_parameter("weight"), shard_dim(sharding, "weight"), rank, size, chunks)
-        self.bias = _local_param(getattr(source, "bias", None), shard_dim(sharding, "bias"), rank, size, chunks)
+        bias = getattr(source, "bias", None)
+        self.bias = None if bias is None else _local_param(bias, shard_dim(sharding, "bias"), rank, size, chunks)
 
     @property
     def tensor_parallel_split(self) -> str | None:
@@ -130,7 +130,7 @@ class ShardedEmbedding(torch.nn.Module):
 
 def make_shard_fn(
     model: torch.nn.Module, shardings: dict[str, ModuleSharding], group: ProcessGroup | None, rank: int, size: int
-) -> Any:
+) -> Callable[[str, torch.nn.Module], torch.nn.Module | None]:
     """The ``shard_fn`` for :func:`materialize`: replaces each planned module by its TP shard."""
 
     def shard_fn(path: str, module: torch.nn.Module) -> torch.nn.Module | None:

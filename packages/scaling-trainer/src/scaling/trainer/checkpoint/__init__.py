@@ -30,6 +30,8 @@ _LAZY = {
 }
 
 
+# Any: a module __getattr__ returns whichever name was asked for (mypy types each name
+# from its definition; this is only the fallback for imports at run time).
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 # The defining submodule: mypy sees the package __init__'s names as not re-exported.
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
@@ -32,13 +32,13 @@ Digest = JsonDict
 class _HashingStream:
     """A binary file whose bytes are hashed on their way to the file."""
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: IO[bytes]) -> None:
         self.raw = raw
         self.digest = hashlib.sha256()
         self.size = 0
         self.seeked = False
 
-    def write(self, data: Any) -> int:
+    def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data)
         self.digest.update(view)
         self.size += view.nbytes
@@ -82,6 +82,8 @@ class HashingFileSystem(FileSystem):
         self.digests: dict[Path, Digest] = {}
         self._lock = threading.Lock()
 
+    # Any: the stream yielded is torch's IOBase or a _HashingStream, which has only the
+    # methods DCP's writer calls (write, seek, tell) and is not an IOBase.
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
         if "w" not in mode or "+" in mode:

@@ -9,7 +9,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from safetensors.torch import load_file
@@ -53,13 +53,13 @@ class LoadedCheckpoint:
     path: Path
     state: StateDict
     extra: StateDict
-    rank_state: Any
+    rank_state: StateDict | None
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _verify(step_dir: Path, pg: Any) -> JsonDict:
+def _verify(step_dir: Path, pg: ProcessGroup | None) -> JsonDict:
     rank, world = _world(pg)
     try:
         marker = mk.read_marker(step_dir)
@@ -152,12 +152,15 @@ def load_checkpoint(
     raise CheckpointError(f"no loadable checkpoint in {load_dir}")
 
 
-def _read_json(path: Path) -> Any:
-    """Parse one of our JSON side files; anything else is a CheckpointError naming the file."""
+def _read_json(path: Path) -> JsonDict:
+    """Parse one of our JSON side files (each an object); anything else is a CheckpointError naming the file."""
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: not a valid checkpoint JSON file ({type(e).__name__}: {e})") from e
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: not a valid checkpoint JSON file (a {type(value).__name__}, not an object)")
+    return value
 
 
 def _load_verified(
@@ -165,7 +168,7 @@ def _load_verified(
     step: int,
     marker: JsonDict,
     template: StateDict,
-    pg: Any,
+    pg: ProcessGroup | None,
     allowed_missing: Sequence[str],
     allowed_unexpected: Sequence[str],
     ignored: Sequence[str],
@@ -228,6 +231,9 @@ def _load_verified(
             tensors = load_file(str(st)) if st.is_file() else {}
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
             raise CheckpointError(f"{st}: not a valid safetensors file ({e})") from e
-        rank_state = decode_pytree(own["rank_state"], tensors)
+        decoded = decode_pytree(own["rank_state"], tensors)
+        if decoded is not None and not isinstance(decoded, dict):
+            raise CheckpointError(f"{step_dir / rank_file(rank, 'json')}: rank_state is a {type(decoded).__name__}")
+        rank_state = decoded
     extra = _read_json(step_dir / EXTRA_FILE)
     return LoadedCheckpoint(step, step_dir, state, extra, rank_state, missing, unexpected)

@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from scaling.trainer.checkpoint._errors import CheckpointError
 
@@ -70,7 +70,7 @@ def list_files(step_dir: Path) -> list[str]:
     return sorted(out)
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
+def write_json_atomic(path: Path, obj: object) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1, sort_keys=True)

@@ -9,7 +9,7 @@ stages hold different keys, so DCP can load the state into any (dp, tp, pp) layo
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -87,7 +87,7 @@ def model_state_dict(named_parameters_with_meta: NamedParameters, topology: Topo
 
 
 def load_model_state_dict(
-    named_parameters_with_meta: NamedParameters, state: Mapping[str, Any], strict: bool = True
+    named_parameters_with_meta: NamedParameters, state: Mapping[str, torch.Tensor], strict: bool = True
 ) -> list[str]:
     """Copy loaded values back into the local parameters.
 

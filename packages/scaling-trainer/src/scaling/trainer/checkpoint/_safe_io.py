@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import pathlib
 import pickle
-from typing import Any
+from typing import IO
 
 import torch
 
@@ -22,6 +22,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 
 from scaling.trainer.checkpoint._errors import CheckpointError
 
@@ -46,11 +47,11 @@ _ALLOWED: dict[str, set[str]] = {
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, file: Any, path: str) -> None:
+    def __init__(self, file: IO[bytes], path: str) -> None:
         super().__init__(file)
         self._path = path
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:
         if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         if name in _ALLOWED.get(module, ()):
@@ -79,7 +80,7 @@ def safe_load_metadata(path: str | pathlib.Path) -> Metadata:
 class SafeFileSystemReader(FileSystemReader):
     """A ``FileSystemReader`` whose metadata is read without arbitrary unpickling."""
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
         rank = kwargs.get("rank")
         name = ".metadata" if rank is None else f"__{rank}.metadata"
         metadata = safe_load_metadata(pathlib.Path(self.path) / name)
@@ -93,7 +94,7 @@ class SafeFileSystemReader(FileSystemReader):
 class SafeLoadPlanner(DefaultLoadPlanner):
     """A ``DefaultLoadPlanner`` that refuses pickled (non-tensor) items."""
 
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         raise CheckpointError(
             f"checkpoint item {read_item.dest_index.fqn!r} is a pickled object; scaling.trainer.checkpoint "
             "stores only tensors in DCP shards (scalars go to JSON) and refuses to unpickle it"

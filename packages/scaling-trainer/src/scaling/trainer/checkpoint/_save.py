@@ -7,7 +7,7 @@ import threading
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -45,21 +45,24 @@ def rank_file(rank: int, suffix: str) -> str:
     return f"ranks/rank_{rank:05d}.{suffix}"
 
 
-def _world(pg: Any) -> tuple[int, int]:
+T = TypeVar("T")
+
+
+def _world(pg: ProcessGroup | None) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
     return dist.get_rank(), dist.get_world_size(pg)
 
 
-def _all_gather(obj: Any, pg: Any, world: int) -> list[Any]:
+def _all_gather(obj: T, pg: ProcessGroup | None, world: int) -> list[T]:
     if world == 1:
         return [obj]
-    out: list[Any] = [None] * world
+    out: list[object] = [None] * world
     dist.all_gather_object(out, obj, group=pg)
-    return out
+    return cast("list[T]", out)  # every rank sent a T
 
 
-def _barrier(pg: Any, world: int) -> None:
+def _barrier(pg: ProcessGroup | None, world: int) -> None:
     if world > 1:
         dist.barrier(group=pg)
 
@@ -108,14 +111,14 @@ class StagingBuffers:
         self._buffers: dict[str, torch.Tensor] = {}
 
     @staticmethod
-    def can_stage(tensors: Mapping[str, Any]) -> bool:
+    def can_stage(tensors: Mapping[str, torch.Tensor]) -> bool:
         """Whether every value is a CPU tensor or a DTensor on a CPU mesh."""
         return all(
             v.device_mesh.device_type == "cpu" if isinstance(v, DTensor) else v.device.type == "cpu"
             for v in tensors.values()
         )
 
-    def stage(self, tensors: Mapping[str, Any]) -> StateDict:
+    def stage(self, tensors: Mapping[str, torch.Tensor]) -> StateDict:
         """``tensors`` copied into the kept buffers (a DTensor keeps its mesh, placements and global shape)."""
         staged: StateDict = {}
         for key, value in tensors.items():
@@ -185,7 +188,7 @@ def _commit(
     step_dir: Path,
     step: int,
     info: JsonDict,
-    pg: Any,
+    pg: ProcessGroup | None,
     keep_last: int | None,
     known: dict[str, Digest],
 ) -> None:
@@ -213,11 +216,11 @@ def _commit(
 def save_checkpoint(
     save_dir: str | Path,
     step: int,
-    state: Mapping[str, Any],
+    state: Mapping[str, object],
     topology: Topology | None,
     *,
-    extra: Mapping[str, Any] | None = None,
-    rank_state: Any = None,
+    extra: Mapping[str, object] | None = None,
+    rank_state: StateDict | None = None,
     keep_last: int | None = None,
     async_save: bool = False,
     process_group: ProcessGroup | None = None,
@@ -320,7 +323,7 @@ def save_checkpoint(
     return pending
 
 
-def new_checkpoint_group() -> Any:
+def new_checkpoint_group() -> ProcessGroup | None:
     """A gloo group over all ranks for checkpoint collectives (collective; create once)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None

@@ -9,8 +9,8 @@ ints, numpy arrays, tensors) exactly, tensors going to a safetensors file.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,16 +19,17 @@ if TYPE_CHECKING:
     from scaling.config import StateDict
 
 _SCALARS = (int, float, str, bool, type(None))
+Scalar = int | float | str | bool | None
 
 
-def _children(node: Any) -> Iterator[tuple[Any, Any]]:
+def _children(node: Mapping[object, object] | Sequence[object]) -> Iterator[tuple[object, object]]:
     if isinstance(node, Mapping):
         yield from node.items()
     else:
         yield from enumerate(node)
 
 
-def iter_leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+def iter_leaves(tree: object, prefix: str = "") -> Iterator[tuple[str, torch.Tensor | Scalar]]:
     """``(dotted_key, leaf)`` for every tensor or scalar leaf of ``tree``.
 
     Raises:
@@ -46,7 +47,7 @@ def iter_leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         )
 
 
-def flatten_state(tree: Any) -> tuple[dict[str, torch.Tensor], StateDict]:
+def flatten_state(tree: object) -> tuple[dict[str, torch.Tensor], StateDict]:
     """Split ``tree`` into ``({key: tensor}, {key: scalar})``.
 
     Raises:
@@ -57,21 +58,28 @@ def flatten_state(tree: Any) -> tuple[dict[str, torch.Tensor], StateDict]:
     for key, leaf in iter_leaves(tree):
         if key in tensors or key in scalars:
             raise ValueError(f"checkpoint state key {key!r} appears twice after flattening; rename one of them")
-        (tensors if isinstance(leaf, torch.Tensor) else scalars)[key] = leaf
+        if isinstance(leaf, torch.Tensor):
+            tensors[key] = leaf
+        else:
+            scalars[key] = leaf
     return tensors, scalars
 
 
-def fill_state(tree: Any, values: Mapping[str, Any], prefix: str = "") -> Any:
+def fill_state(tree: StateDict, values: Mapping[str, object]) -> StateDict:
     """A copy of ``tree``'s containers with each leaf replaced by ``values[key]`` if present."""
+    return {k: _fill(v, values, str(k)) for k, v in tree.items()}
+
+
+def _fill(tree: object, values: Mapping[str, object], prefix: str) -> object:
     if isinstance(tree, Mapping):
-        return {k: fill_state(v, values, f"{prefix}.{k}" if prefix else str(k)) for k, v in tree.items()}
+        return {k: _fill(v, values, f"{prefix}.{k}") for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        out = [fill_state(v, values, f"{prefix}.{i}" if prefix else str(i)) for i, v in enumerate(tree)]
+        out = [_fill(v, values, f"{prefix}.{i}") for i, v in enumerate(tree)]
         return type(tree)(out)
     return values.get(prefix, tree)
 
 
-def encode_pytree(obj: Any, tensors: dict[str, torch.Tensor], path: str = "root") -> Any:
+def encode_pytree(obj: object, tensors: dict[str, torch.Tensor], path: str = "root") -> object:
     """JSON-able form of ``obj``; tensors and numpy arrays are moved into ``tensors``."""
     if isinstance(obj, torch.Tensor):
         tensors[path] = obj.detach().to("cpu").contiguous().clone()
@@ -95,7 +103,7 @@ def encode_pytree(obj: Any, tensors: dict[str, torch.Tensor], path: str = "root"
     raise TypeError(f"{path}: cannot save {type(obj).__name__} without pickling; use tensors, arrays and scalars")
 
 
-def decode_pytree(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+def decode_pytree(obj: object, tensors: Mapping[str, torch.Tensor]) -> object:
     """Inverse of :func:`encode_pytree`."""
     if isinstance(obj, list):
         return [decode_pytree(v, tensors) for v in obj]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import numbers
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from scaling.trainer.loggers._config import LoggerConfig
-from scaling.trainer.loggers._sinks import ConsoleSink, JsonlSink, TensorBoardSink, WandbSink
+from scaling.trainer.loggers._sinks import ConsoleSink, JsonlSink, Sink, TensorBoardSink, WandbSink
 
 if TYPE_CHECKING:
     from scaling.config import JsonMapping
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 LOGGER_NAME = "scaling.trainer.metrics"
 
 
-def _to_float(key: str, value: Any) -> float:
+def _to_float(key: str, value: object) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"metric {key!r} is a tensor of shape {list(value.shape)}; log a scalar")
@@ -59,7 +59,7 @@ class MetricsLogger:
             handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
             self.logger.addHandler(handler)
             self.logger.propagate = False
-        self.sinks: list[Any] = []
+        self.sinks: list[Sink] = []
         if not self.is_writer:
             return
         self.sinks.append(ConsoleSink(self.logger))

@@ -7,7 +7,6 @@ the name tags every line, so the launcher's lines and each rank's lines tell apa
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from scaling.trainer.loggers._config import LoggerConfig
 
@@ -34,16 +33,16 @@ class ScalingLogger:
         self._logger.setLevel(level)
         self._logger.propagate = False
 
-    def debug(self, msg: str, *args: Any) -> None:
+    def debug(self, msg: str, *args: object) -> None:
         self._logger.debug(msg, *args)
 
-    def info(self, msg: str, *args: Any) -> None:
+    def info(self, msg: str, *args: object) -> None:
         self._logger.info(msg, *args)
 
-    def warning(self, msg: str, *args: Any) -> None:
+    def warning(self, msg: str, *args: object) -> None:
         self._logger.warning(msg, *args)
 
-    def error(self, msg: str, *args: Any) -> None:
+    def error(self, msg: str, *args: object) -> None:
         self._logger.error(msg, *args)
 
 

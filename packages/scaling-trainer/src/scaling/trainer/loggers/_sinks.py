@@ -6,7 +6,10 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    from scaling.config import JsonMapping
 
 # Keys shown first, in this order, on the console line; the rest follow sorted.
 _CONSOLE_ORDER = (
@@ -30,6 +33,14 @@ def _fmt(value: float) -> str:
 def console_line(step: int, metrics: dict[str, float]) -> str:
     keys = [k for k in _CONSOLE_ORDER if k in metrics] + sorted(k for k in metrics if k not in _CONSOLE_ORDER)
     return f"step {step} | " + " | ".join(f"{k} {_fmt(metrics[k])}" for k in keys)
+
+
+class Sink(Protocol):
+    """Where a logged step's metrics go."""
+
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class ConsoleSink:
@@ -82,7 +93,7 @@ class WandbSink:
         entity: str | None,
         mode: Literal["online", "offline"],
         name: str | None,
-        config: Any,
+        config: JsonMapping | None,
     ) -> None:
         try:
             import wandb
@@ -90,7 +101,13 @@ class WandbSink:
             raise ImportError("use_wandb=True needs wandb: pip install 'scaling-trainer[wandb]'") from e
         log_dir.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
-            project=project, entity=entity, mode=mode, name=name, dir=str(log_dir), config=config, reinit="create_new"
+            project=project,
+            entity=entity,
+            mode=mode,
+            name=name,
+            dir=str(log_dir),
+            config=None if config is None else dict(config),
+            reinit="create_new",
         )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
