@@ -1,6 +1,6 @@
 """Our data-parallel training step against DistributedDataParallel + torch.optim.AdamW, same run.
 
-Run: python bench/dp_step.py [--hidden 512] [--layers 4] [--batch 32] [--steps 40] [--block 4]
+Run: python bench/dp_step.py [--hidden 512] [--layers 4] [--batch 32] [--steps 40] [--block 4] [--micro-batches 1]
 
 Two gloo ranks hold five identical MLPs: one wrapped in ``DistributedDataParallel``
 with ``torch.optim.AdamW`` (the reference, its default single-tensor update on CPU),
@@ -16,7 +16,13 @@ rotate through the five (reference first and last in each round, so drifting mac
 load hits all of them); a sample's time is its slowest rank's, divided by ``--block``. The table shows each one's median step time and
 the median over rounds of its time divided by the reference's in the same round, with
 the quartiles of that per-round ratio (the spread a loaded machine puts on it).
-Goals from issue 5: ratio <= 1.05 for plain DP and <= 1.15 for ZeRO-1. Last, the raw
+Goals from issue 5: ratio <= 1.05 for plain DP and <= 1.15 for ZeRO-1.
+
+With ``--micro-batches M`` each step accumulates M micro-batches of the local batch: DDP
+runs the first M - 1 backwards inside ``no_sync()`` (its documented accumulation loop),
+ours sets ``set_gradient_accumulation_steps(M)`` (what the trainer's step does), and a
+sixth run, "ours ZeRO-0 per-pass", reduces in every backward (before 0.1's change: the
+DP traffic of M steps). Last, the raw
 gloo collectives a step is made of are timed on a model-sized fp32 buffer (all-reduce:
 DDP and ZeRO-0; reduce-scatter + all-gather: ZeRO-1), with the send/receive exchange
 of half the buffer that ``scaling.collectives`` posts for either on two CPU ranks.
@@ -25,6 +31,7 @@ of half the buffer that ``scaling.collectives`` posts for either on two CPU rank
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -44,7 +51,7 @@ def _mlp(hidden: int, layers: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(*mods)
 
 
-def _ours(model: torch.nn.Sequential, zero: int, topo, overlap: bool = False) -> Optimizer:  # noqa: ANN001
+def _ours(model: torch.nn.Sequential, zero: int, topo, overlap: bool = False, micro: int = 1) -> Optimizer:  # noqa: ANN001
     triples = []
     for name, p in model.named_parameters():
         index, local = name.split(".", 1)
@@ -53,30 +60,38 @@ def _ours(model: torch.nn.Sequential, zero: int, topo, overlap: bool = False) ->
     # Default buckets, like DDP's: the first closes at 1 MiB, the next at 25 MB.
     config = OptimizerConfig(zero_stage=zero, overlap_param_gather=overlap)
     group = OptimizerParamGroup(triples, OptimizerParamGroupConfig(name="all", weight_decay=0.01))
-    return Optimizer(config=config, parameter_groups=[group], topology=topo, model=model)
+    opt = Optimizer(config=config, parameter_groups=[group], topology=topo, model=model)
+    opt.set_gradient_accumulation_steps(micro)
+    return opt
 
 
-def measure(hidden: int, layers: int, batch: int, steps: int, block: int) -> dict[str, float]:
+def measure(hidden: int, layers: int, batch: int, steps: int, block: int, micro: int = 1) -> dict[str, float]:
     topo = make_topology()
     x = torch.randn(batch, hidden, generator=torch.Generator().manual_seed(topo.data_parallel_rank))
+    xs = x.chunk(micro)
     ddp = DistributedDataParallel(_mlp(hidden, layers), process_group=topo.data_parallel_group, bucket_cap_mb=25)
     ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, weight_decay=0.01)
     ddp_fused = DistributedDataParallel(_mlp(hidden, layers), process_group=topo.data_parallel_group, bucket_cap_mb=25)
     fused_opt = torch.optim.AdamW(ddp_fused.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     plain, zero1, zero1_overlap = _mlp(hidden, layers), _mlp(hidden, layers), _mlp(hidden, layers)
-    plain_opt, zero1_opt = _ours(plain, 0, topo), _ours(zero1, 1, topo)
-    overlap_opt = _ours(zero1_overlap, 1, topo, overlap=True)
+    plain_opt, zero1_opt = _ours(plain, 0, topo, micro=micro), _ours(zero1, 1, topo, micro=micro)
+    overlap_opt = _ours(zero1_overlap, 1, topo, overlap=True, micro=micro)
+    per_pass = _mlp(hidden, layers)
+    per_pass_opt = _ours(per_pass, 0, topo)  # reduces in every backward
 
-    def ref_steps(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    def ref_steps(model: DistributedDataParallel, opt: torch.optim.Optimizer) -> None:
         for _ in range(block):
             opt.zero_grad()
-            model(x).pow(2).mean().backward()
+            for i, xm in enumerate(xs):
+                with model.no_sync() if i < micro - 1 else contextlib.nullcontext():
+                    (model(xm).pow(2).mean() / micro).backward()
             opt.step()
 
     def our_steps(model: torch.nn.Module, opt: Optimizer) -> None:
         for _ in range(block):
             opt.zero_grad()
-            opt.backward(model(x).pow(2).mean())
+            for xm in xs:
+                opt.backward(model(xm).pow(2).mean() / micro)
             opt.step()
         opt.finish_parameter_gather()
 
@@ -87,9 +102,11 @@ def measure(hidden: int, layers: int, batch: int, steps: int, block: int) -> dic
         "ours ZeRO-1": lambda: our_steps(zero1, zero1_opt),
         "ours ZeRO-1 overlap": lambda: our_steps(zero1_overlap, overlap_opt),
     }
+    if micro > 1:
+        runs["ours ZeRO-0 per-pass"] = lambda: our_steps(per_pass, per_pass_opt)
     times: dict[str, list[float]] = {k: [] for k in runs}
     ratios: dict[str, list[float]] = {k: [] for k in runs}
-    order = ["ddp+AdamW", "ours ZeRO-0", "ours ZeRO-1", "ours ZeRO-1 overlap", "ddp+fused"]
+    order = ["ddp+AdamW", *[k for k in runs if k.startswith("ours")], "ddp+fused"]
     order += order[::-1]
     for i in range(steps + 2):
         spent: dict[str, float] = dict.fromkeys(runs, 0.0)
@@ -167,20 +184,33 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=40, help="rounds; each runs every variant twice")
     parser.add_argument("--block", type=int, default=4, help="consecutive steps per timed sample")
+    parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches accumulated per step")
     args = parser.parse_args()
+    if args.batch % args.micro_batches:
+        parser.error(f"--micro-batches={args.micro_batches} must divide --batch={args.batch}")
     results = run_distributed(
-        measure, 2, args.hidden, args.layers, args.batch, args.steps, args.block, timeout_seconds=600
+        measure,
+        2,
+        args.hidden,
+        args.layers,
+        args.batch,
+        args.steps,
+        args.block,
+        args.micro_batches,
+        timeout_seconds=900,
     )
     r = results[0]
     psi = args.layers * (args.hidden * args.hidden + args.hidden)
     print(
-        f"2 gloo ranks, MLP {args.layers}x{args.hidden} (Ψ = {psi:,}), local batch {args.batch}, median of "
+        f"2 gloo ranks, MLP {args.layers}x{args.hidden} (Ψ = {psi:,}), local batch {args.batch} in "
+        f"{args.micro_batches} micro-batch(es), median of "
         f"{2 * args.steps} samples of {args.block} steps each"
     )
     print("ratio = median over rounds of (run's 2 samples / DDP+AdamW's 2 samples in the same round); q1-q3 its spread")
-    for name in ("ddp+AdamW", "ddp+fused", "ours ZeRO-0", "ours ZeRO-1", "ours ZeRO-1 overlap"):
+    names = ["ddp+AdamW", "ddp+fused", "ours ZeRO-0", "ours ZeRO-1", "ours ZeRO-1 overlap"]
+    for name in names + (["ours ZeRO-0 per-pass"] if args.micro_batches > 1 else []):
         print(
-            f"{name:>19}: {r[name] * 1e3:8.2f} ms/step  ratio {r[f'{name} ratio']:.3f} "
+            f"{name:>20}: {r[name] * 1e3:8.2f} ms/step  ratio {r[f'{name} ratio']:.3f} "
             f"(q1 {r[f'{name} q1']:.3f}, q3 {r[f'{name} q3']:.3f}; ratio of median times "
             f"{r[f'{name} median ratio of medians']:.3f})"
         )

@@ -128,6 +128,9 @@ class _NoUpdate:
     def zero_grad(self) -> None:
         self.module.zero_grad(set_to_none=True)
 
+    def set_gradient_accumulation_steps(self, steps: int) -> None:
+        pass  # one stage, no DP: nothing to reduce
+
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 

@@ -16,8 +16,8 @@ from scaling.testing import assert_parity, make_topology, run_distributed
 SHAPES = {"w1": (6, 5), "b1": (6,), "w2": (3, 6), "b2": (3,)}  # b2 (3 elements) pads to 4 on DP = 2
 
 
-def _one_step(zero):
-    topo = make_topology()
+def _two_layers(zero, topo):
+    """The parameters of SHAPES (seeded) and their optimizer, with small buckets (several per backward)."""
     g = torch.Generator().manual_seed(0)
     params = {n: torch.nn.Parameter(torch.randn(s, generator=g)) for n, s in SHAPES.items()}
     triples = []
@@ -25,10 +25,16 @@ def _one_step(zero):
         meta = ParameterMeta(name, tuple(p.shape), layer_index=0).attach(p).parameter_meta
         triples.append((meta.key, p, meta))
     opt = Optimizer(
-        config=OptimizerConfig(zero_stage=zero, allreduce_bucket_size=100),  # several buckets
+        config=OptimizerConfig(zero_stage=zero, allreduce_bucket_size=100),
         parameter_groups=[OptimizerParamGroup(triples, OptimizerParamGroupConfig(name="all"))],
         topology=topo,
     )
+    return params, opt
+
+
+def _one_step(zero):
+    topo = make_topology()
+    params, opt = _two_layers(zero, topo)
     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1 + topo.data_parallel_rank))
     recorder = get_recorder()
     recorder.reset_counters()
@@ -138,3 +144,59 @@ def test_over_parameters_matches_the_full_batch_with_accumulation(bucket_size_by
 def test_bad_bucket_size_is_named():
     with pytest.raises(ValueError, match=r"bucket_size_bytes=0 must be a positive int"):
         GradientReducer.over_parameters([torch.nn.Parameter(torch.zeros(2))], None, bucket_size_bytes=0)
+
+
+def _accumulated_steps(zero):
+    """Three micro-batches per step, reduced every pass, once (set_gradient_accumulation_steps) or after no_sync."""
+    topo = make_topology()
+    out = {}
+    for how in ("every", "accumulate", "no_sync"):
+        params, opt = _two_layers(zero, topo)
+        if how == "accumulate":
+            opt.set_gradient_accumulation_steps(3)
+        recorder = get_recorder()
+        recorder.reset_counters()
+        for step in range(2):
+            opt.zero_grad()
+            for micro in range(3):
+                seed = 100 * step + 10 * micro + topo.data_parallel_rank
+                x = torch.randn(4, 5, generator=torch.Generator().manual_seed(seed))
+                h = torch.tanh(x @ params["w1"].t() + params["b1"])
+                loss = (h @ params["w2"].t() + params["b2"]).pow(2).mean() / 3
+                if how == "no_sync" and micro < 2:
+                    with opt.no_sync():
+                        opt.backward(loss)
+                else:
+                    opt.backward(loss)
+            opt.step()
+        dp = recorder.group_name(topo.data_parallel_group)
+        op = "all_reduce" if zero == 0 else "reduce_scatter"
+        calls = recorder.calls_by_op_and_group().get((op, dp), 0)
+        out[how] = ({n: p.detach().clone() for n, p in params.items()}, calls)
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # the quick tier stays under 2 minutes
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_accumulated_micro_batches_reduce_once_per_step(zero):
+    for out in run_distributed(_accumulated_steps, 2, zero, timeout_seconds=120):
+        every_params, every_calls = out["every"]
+        for how in ("accumulate", "no_sync"):
+            params, calls = out[how]
+            for name, p in params.items():  # summing before or after the average: rounding only
+                assert_parity(p, every_params[name], name=f"{how} {name}", rtol=1e-6, atol=1e-7)
+            norm_calls = 2 if zero == 0 else 0  # ZeRO 0: the norm/verdict all-reduce, once per step
+            per_pass = (every_calls - norm_calls) // 6  # buckets launched by one backward pass
+            assert per_pass >= 2, every_calls  # several buckets, or the counts below would prove little
+            if zero == 2 and how == "accumulate":
+                # ZeRO-2 reduces every pass: a full gradient must not outlive its backward.
+                assert calls == every_calls, (how, calls, every_calls)
+            else:
+                assert calls - norm_calls == 2 * per_pass, (how, calls, every_calls)
+
+
+def test_bad_gradient_accumulation_steps_are_named():
+    reducer = GradientReducer.over_parameters([torch.nn.Parameter(torch.zeros(2))], None)
+    with pytest.raises(ValueError, match=r"backwards=0 must be a positive int"):
+        reducer.accumulate(0)

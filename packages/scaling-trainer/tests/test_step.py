@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from scaling.collectives import get_recorder
 from scaling.nn import BaseLayer, ColumnParallelLinear, LayerSpec, RowParallelLinear
 from scaling.optim import (
     LearningRateSchedulerConfig,
@@ -84,9 +85,21 @@ def build(tp: int = 1, pp: int = 1, lr: float = 0.1, optimizer_class: type = Opt
 def train_one_step(tp: int, pp: int, batches_per_replica: list[list[Pair]]) -> tuple[float, dict]:
     module, optimizer = build(tp, pp)
     topo = module.topology
+    recorder = get_recorder()
+    recorder.reset_counters()
     out = train_step(module, batches_per_replica[topo.data_parallel_rank], optimizer, mse)
     weights = {n: (p.detach().clone(), meta.parallel_dim) for n, p, meta in module.named_parameters_with_meta()}
-    return out.loss, {"weights": weights, "tp_rank": topo.model_parallel_rank, "lr": out.learning_rates}
+    reducer = optimizer.spaces[0].reducer
+    # DP all-reduces of the step, and the buckets one backward launches (no reducer without DP).
+    dp = recorder.group_name(topo.data_parallel_group)
+    calls = recorder.calls_by_op_and_group().get(("all_reduce", dp), 0)
+    buckets = 0 if reducer is None else len(reducer.buckets)
+    return out.loss, {
+        "weights": weights,
+        "tp_rank": topo.model_parallel_rank,
+        "lr": out.learning_rates,
+        "dp_all_reduces": (calls, buckets),
+    }
 
 
 @pytest.mark.distributed
@@ -104,6 +117,10 @@ def test_data_tensor_pipe_parallel_matches_one_process(world: int, tp: int, pp: 
             full = ref["weights"][name][0]
             expected = full if dim is None or tp == 1 else shard(full, dim, got["tp_rank"], tp)
             assert_parity(param, expected, rtol=1e-6, atol=1e-7, name=name)
+        # The micro-batches' gradients are reduced once, in the last backward, not once per micro-batch;
+        # two more all-reduces on the DP group: the gradient norm's and the step results' (loss, metrics).
+        calls, buckets = got["dp_all_reduces"]
+        assert buckets >= 1 and calls == buckets + 2, (calls, buckets, NUM_MICRO_BATCHES)
 
 
 def metrics_rank() -> list[tuple[float, dict[str, float]]]:

@@ -227,6 +227,37 @@ class Optimizer:
         scale = self.loss_scaler.scale
         (loss * scale if scale != 1.0 else loss).backward()
 
+    def set_gradient_accumulation_steps(self, steps: int) -> None:
+        """Each step's gradients accumulate over ``steps`` backward passes (its micro-batches).
+
+        With ZeRO 0 and 1 the DP reduction then runs once per step, overlapped with the last
+        pass, instead of once per pass (as Megatron-LM does; DeepSpeed's
+        ``gradient_accumulation_steps``). ZeRO 2 and 3 keep reducing in every pass, so that a
+        full gradient never outlives its backward (their point). The result is the same
+        either way, up to the rounding of summing before or after the average. The trainer's
+        step sets it to the number of micro-batches; the default is 1.
+
+        Raises:
+            ValueError: ``steps`` is not a positive int.
+        """
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"gradient accumulation steps={steps!r} must be a positive int (backward passes per step)")
+        for space in self.spaces:
+            if space.reducer is not None and space.reducer.mode != "shard_free":
+                space.reducer.accumulate(steps)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's ``no_sync``: backward passes inside it accumulate locally, and the first pass
+        after it (or :meth:`step`) runs the DP reduction of the sum. ZeRO 0-2; under ZeRO-3
+        every pass reduce-scatters all the same (its gradients are not kept whole).
+        """
+        with ExitStack() as stack:
+            for space in self.spaces:
+                if space.reducer is not None:
+                    stack.enter_context(space.reducer.no_sync())
+            yield
+
     def _make_grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         # The hook holds the optimizer weakly (see weak_hook) and finds its slot by index: the
         # slot holds the parameter, so capturing it would make the same cycle.

@@ -38,6 +38,13 @@ next average unchanged). Reduce-scatter modes zero ``.grad`` at launch and add t
 owner only (other ranks zeroed that element at launch), so the next sum adds exactly
 the new micro-batch's gradients.
 
+Reducing once per step: with :meth:`GradientReducer.accumulate` (``n`` backward passes
+per step) a bucket launches when its gradients have accumulated ``n`` times, in the last
+pass, so the DP traffic of a step with ``n`` micro-batches is one bucket set, not ``n``
+(Megatron-LM reduces in the last micro-batch's backward the same way).
+:meth:`GradientReducer.no_sync` is DDP's: passes inside it are not counted, and the first
+pass after it (or :meth:`finish`) reduces the sum.
+
 Every rank must produce gradients for the same parameters in a backward (as with
 DDP without ``find_unused_parameters``); buckets still incomplete at :meth:`finish`
 are reduced there, with zeros for missing gradients.
@@ -45,7 +52,8 @@ are reduced there, with zeros for missing gradients.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -104,6 +112,9 @@ class GradientReducer:
         # finish (the owned elements line up on every stage).
         self._keep_grad = {id(s) for s in slots if mode == "shard" or s.meta.tied_key is not None}
         self._ready = [0] * len(self.buckets)
+        # A bucket launches once its gradients have accumulated this many times (accumulate).
+        self._launch_at = [len(b) for b in self.buckets]
+        self._sync = True  # False inside no_sync
         self._pending: dict[int, tuple[PendingCollective, torch.Tensor]] = {}
         self.handles = [s.param.register_post_accumulate_grad_hook(self._hook(s)) for s in slots]
         if mode == "all_reduce":
@@ -138,8 +149,10 @@ class GradientReducer:
         index = self._bucket_of[id(slot)]
 
         def hook(reducer: GradientReducer, param: torch.Tensor) -> None:
+            if not reducer._sync:
+                return
             reducer._ready[index] += 1
-            if reducer._ready[index] == len(reducer.buckets[index]):
+            if reducer._ready[index] == reducer._launch_at[index]:
                 reducer._launch(index)
 
         return weak_hook(self, hook)
@@ -154,6 +167,29 @@ class GradientReducer:
                 reducer._complete(index)
 
         return weak_hook(self, hook)
+
+    def accumulate(self, backwards: int) -> None:
+        """Launch each bucket in the ``backwards``-th backward pass that accumulates into it (from now on).
+
+        A step that accumulates ``backwards`` micro-batches then reduces once, overlapped
+        with its last backward. ``1`` (the default): every pass reduces.
+
+        Raises:
+            ValueError: ``backwards`` is not a positive int.
+        """
+        if isinstance(backwards, bool) or not isinstance(backwards, int) or backwards < 1:
+            raise ValueError(f"backwards={backwards!r} must be a positive int (backward passes per step)")
+        self._launch_at = [len(b) * backwards for b in self.buckets]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate ``.grad`` locally, as in DDP's ``no_sync``; the first
+        pass after it (or :meth:`finish`) reduces what accumulated."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
 
     def _launch(self, index: int) -> None:
         self._complete(index)

@@ -7,7 +7,8 @@ A step takes one global batch's micro-batches on this rank and
    this CP rank's slice of each sequence (``batch.context_parallel_split``);
 2. runs the stage's pipeline schedule (forward, backward, transfers: ``scaling.pipeline``),
    the loss going through the optimizer's ``backward`` (loss scaling);
-3. finishes the data-parallel gradient reduction and sums tied weights' gradients over
+3. finishes the data-parallel gradient reduction (under ZeRO 0-1 it starts in the last
+   micro-batch's backward: once per step) and sums tied weights' gradients over
    the stages that hold a copy;
 4. steps the optimizer;
 5. returns the loss and metrics, the same on every rank (``_results.py``).
@@ -97,6 +98,8 @@ class OptimizerLike(Protocol):
 
     def zero_grad(self) -> None: ...
 
+    def set_gradient_accumulation_steps(self, steps: int) -> None: ...
+
     def backward(self, loss: torch.Tensor) -> None: ...
 
     def finish_gradient_reduction(self) -> None: ...
@@ -158,6 +161,7 @@ def train_step(
     if not module.training:  # train() walks every submodule: only when needed, not every step
         module.train()
     optimizer.zero_grad()
+    optimizer.set_gradient_accumulation_steps(len(batches))  # DP reduction in the last backward
     results = StepResults(module, metrics_aggregation_fn)
     try:
         outputs = module.run_schedule(

@@ -12,6 +12,7 @@ and each ``step()`` reads them, so any ``torch.optim.lr_scheduler`` works unchan
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import torch
@@ -44,6 +45,7 @@ class PlannedModel(Protocol):
     topology: Topology
     pipeline: PipelineStage | None
     scale_loss: Callable[[torch.Tensor], torch.Tensor] | None
+    gradient_sync: Callable[[], AbstractContextManager[None]] | None
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
 
@@ -173,6 +175,15 @@ class ParallelOptimizer:
             model.scale_loss = lambda loss: _ScaleGrad.apply(loss, self.engine.loss_scaler.scale)  # type: ignore[union-attr]
         if model.pipeline is not None:
             model.pipeline.backward_fn = self.backward
+            # model(batch) runs every micro-batch's backward: reduce over DP in the last one.
+            if self.engine is not None:
+                self.engine.set_gradient_accumulation_steps(plan.num_micro_batches)
+            elif self.reducer is not None:
+                self.reducer.accumulate(plan.num_micro_batches)
+        if self.engine is not None:
+            model.gradient_sync = self.engine.no_sync
+        elif self.reducer is not None:
+            model.gradient_sync = self.reducer.no_sync
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad`` (ZeRO gradient shards dropped too)."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import TypeVar
 
 import torch
@@ -50,6 +52,8 @@ class ParallelModel(torch.nn.Module):
         self.module, self.plan, self.topology = module, plan, topology
         self.pipeline = pipeline
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None  # fp16: set by the optimizer
+        #: The optimizer's ``no_sync`` of its DP reduction (set by the optimizer; None: nothing to sync).
+        self.gradient_sync: Callable[[], AbstractContextManager[None]] | None = None
         #: How the blocks are compiled (``parallelize(compile=...)``).
         self.compile_config = CompileConfig()
         #: The modules multiplying in float8 (``parallelize(float8=...)``).
@@ -78,6 +82,19 @@ class ParallelModel(torch.nn.Module):
         value = loss.detach().float().reshape(1).clone()
         all_reduce(value, self.topology.data_context_parallel_group)
         return float(value) / self.topology.data_context_parallel_size
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """As DDP's ``no_sync``: backward passes inside accumulate gradients on each rank, and
+        the first backward after it (or ``optimizer.step()``) averages the sum over DP once.
+
+        For gradient accumulation over several ``model(batch)`` calls per step, run all but
+        the last inside it: the DP traffic is then one reduction per step instead of one per
+        call. The gradients are the same either way (up to the rounding of summing before or
+        after averaging). Under ZeRO-3 every backward still reduce-scatters (its gradients
+        are never kept whole). A pipelined ``model(batch)`` reduces once per call already,
+        in its last micro-batch's backward.
+        """
+        return self.gradient_sync() if self.gradient_sync is not None else contextlib.nullcontext()
 
     def layer_modules(self) -> list[torch.nn.Module]:
         """The units ZeRO-3 gathers one at a time, in forward order: the model itself (for what
