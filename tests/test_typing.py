@@ -1,4 +1,4 @@
-"""``Any`` in the packages' code: rare, and each use says why (issue #32, "types at the seams").
+"""``Any`` in the packages' and apps' code: rare, and each use says why (issue #32, "types at the seams").
 
 mypy (``nox -s typecheck``, strict) checks what is typed; an ``Any`` opts a value out of
 that check, so each one must carry its reason: a comment that mentions ``Any`` on its line
@@ -14,8 +14,8 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# The issue asked for fewer than 100; 32 remained when it was met (2026-11-27). Raise this
-# only together with the reason for the new use.
+# The issue asked for fewer than 100 in packages/*/src; 32 remained there when it was met, and 7
+# in the apps (2026-11-27). Raise this only together with the reason for the new use.
 LIMIT = 50
 REASON_WINDOW = 4  # lines above a use where its reason may stand
 
@@ -38,13 +38,13 @@ def _unexplained(path: Path) -> list[int]:
     return [line for line in _any_lines(path) if not any(line - k in reasons for k in range(REASON_WINDOW + 1))]
 
 
-SOURCES = sorted(ROOT.glob("packages/*/src/**/*.py"))
+SOURCES = sorted([*ROOT.glob("packages/*/src/**/*.py"), *ROOT.glob("apps/*/src/**/*.py")])
 
 
 def test_any_is_rare() -> None:
     count = sum(len(_any_lines(path)) for path in SOURCES)
     assert count < LIMIT, (
-        f"{count} uses of Any in packages/*/src (limit {LIMIT}); type the new ones (a Protocol, a TypeVar, "
+        f"{count} uses of Any in packages/*/src and apps/*/src (limit {LIMIT}); type the new ones (a Protocol, a TypeVar, "
         "object for a value only passed on) or raise LIMIT with the reason"
     )
 

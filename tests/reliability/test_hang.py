@@ -30,7 +30,10 @@ def test_sleeping_rank_is_named_and_every_rank_writes_diagnostics(tmp_path, capf
         # Three timeouts: the peer's gloo timeout, its bounded wait for the sleeper's report, and
         # the sleeper's watchdog after torchrun's SIGTERM; plus process exit and teardown, which
         # took up to ~14 s on the loaded 2-core dev box (28.8 s in all there).
-        elapsed = returned - float((out / f"fault_rank{SLEEPER}.time").read_text())
+        slept = out / f"fault_rank{SLEEPER}.time"
+        # The run must end because of the sleeper, not earlier (a rank slower than the timeout to start).
+        assert slept.exists(), f"rank {SLEEPER} never reached step {STEP}'s sleep; the run's stderr:\n{err[-4000:]}"
+        elapsed = returned - float(slept.read_text())
         assert elapsed < 3 * TIMEOUT_S + 25, elapsed
         # The peer's error names the collective, its group and the rank that did not arrive.
         error = next(line for line in err.splitlines() if "CollectiveTimeoutError: all_reduce(" in line)

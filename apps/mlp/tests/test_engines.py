@@ -132,6 +132,25 @@ def test_a_two_node_slurm_job_trains_like_the_local_runner(cluster, reference, t
     assert f"step {STEPS} | " in job.read_text() and f"step {STEPS} | " in out  # the job's output, followed
 
 
+def test_inside_an_allocation_the_runner_starts_its_ranks_with_srun(cluster, reference, tmp_path):
+    # A user's own batch job runs the app: with SLURM_JOB_ID set the runner submits nothing and
+    # starts one torchrun per node of the allocation with srun.
+    config = _config(tmp_path, "log", STEPS, _slurm_runner(tmp_path))
+    script = tmp_path / "job.sbatch"
+    script.write_text(
+        f"#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --output={tmp_path / 'job.out'}\n"
+        f"cd {Path.cwd()}\nexec {sys.executable} -m scaling.mlp {config}\n"
+    )
+    env = {**os.environ, **cluster.env}
+    job = subprocess.run([sys.executable, "-m", "scaling.runner.sbatch", str(script)], env=env, text=True,
+                         capture_output=True, timeout=300)  # fmt: skip
+    out = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+    assert job.returncode == 0, (job.stdout + job.stderr + out)[-3000:]
+    _assert_same(_losses(tmp_path / "log"), reference, range(1, STEPS + 1))
+    assert not list((tmp_path / "runs").glob("*/job.sbatch")), "the runner wrote a batch script inside the job"
+    assert "Submitted batch job" not in out and f"step {STEPS} | " in out
+
+
 def test_scancel_reaches_every_rank_which_saves_and_the_code_is_non_zero(cluster, tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
     ckpt = tmp_path / "ckpt"

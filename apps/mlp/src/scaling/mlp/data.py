@@ -23,7 +23,7 @@ import torch
 
 from scaling.data import BaseDataset, BaseDatasetBatch, BaseDatasetItem
 
-_IDX_DTYPES: dict[int, np.dtype[Any]] = {
+_IDX_DTYPES: dict[int, np.dtype[Any]] = {  # Any: numpy's dtype parameter (the types differ)
     0x08: np.dtype(np.uint8),
     0x09: np.dtype(np.int8),
     0x0B: np.dtype(">i2"),

@@ -24,6 +24,7 @@ class MLPLayerIO:
     activations: torch.Tensor
 
 
+# Any: the first layer takes the batch, the others an MLPLayerIO.
 class MLPBaseLayer(BaseLayer[Any, MLPLayerIO]):
     """Takes the batch (first layer) or the previous layer's :class:`MLPLayerIO`."""
 

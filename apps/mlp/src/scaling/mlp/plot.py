@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scaling.config import Metrics
 
 
-def plot_history(history: list[dict[str, Any]], path: Path) -> Path:
+def plot_history(history: list[Metrics], path: Path) -> Path:
     """Training loss, evaluation loss and evaluation accuracy against the step."""
     import matplotlib
 

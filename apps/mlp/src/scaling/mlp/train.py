@@ -7,8 +7,8 @@ Optimizer over parameter groups, datasets, and a BaseTrainer.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
+from scaling.config import JsonDict, Metrics
 from scaling.mlp.config import MLPConfig
 from scaling.mlp.context import MLPContext
 from scaling.mlp.data import MNISTDataset
@@ -64,7 +64,7 @@ def build_trainer(config: MLPConfig, topology: Topology) -> BaseTrainer[MLPConte
     )
 
 
-def main(payload: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def main(payload: JsonDict | None = None) -> list[Metrics]:
     """Train with the config in ``payload`` (default: the one the runner handed over)."""
     config = MLPConfig.from_dict(payload if payload is not None else load_payload())
     topology = Topology.from_env(config.topology)

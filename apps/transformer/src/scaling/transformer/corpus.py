@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from scaling.config import JsonDict
 from scaling.data import tokenize_files
 
 STDLIB_MODULES = (
@@ -58,6 +59,7 @@ def stdlib_documents(modules: tuple[str, ...] = STDLIB_MODULES) -> list[tuple[st
     return docs
 
 
+# Any: a tokenizers.Tokenizer (the package is optional and has no type information).
 def train_tokenizer(texts: list[str], vocab_size: int, path: Path) -> Any:
     """A byte-level BPE (GPT-2 style) with ``<|endoftext|>`` as id 0, saved to ``path``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -79,7 +81,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, path: Path) -> Any:
 
 def preprocess(
     corpus_dir: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE, modules: tuple[str, ...] = STDLIB_MODULES
-) -> dict[str, Any]:
+) -> JsonDict:
     """Build the default corpus in ``corpus_dir``; returns the summary (also in ``corpus.json``).
 
     Raises:
@@ -93,7 +95,7 @@ def preprocess(
     for i, doc in enumerate(docs):
         splits["validation" if i % 10 == 9 else "train"].append(doc)
     train_tokenizer([text for _, text in splits["train"]], vocab_size, paths["tokenizer"])
-    summary: dict[str, Any] = {
+    summary: JsonDict = {
         "python": sys.version.split()[0],
         "vocab_size": vocab_size,
         "tokenizer": str(paths["tokenizer"]),

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from scaling.transformer.config import TransformerConfig
 
 
+# Any: the datasets' item and batch types differ by source (LM packing, prompt/completion, blends of them).
 def build_datasets(config: TransformerConfig) -> tuple[BaseDataset[Any, Any], BaseDataset[Any, Any] | None]:
     """The training and (optional) evaluation datasets the ``data`` section describes.
 
@@ -48,7 +49,7 @@ def build_datasets(config: TransformerConfig) -> tuple[BaseDataset[Any, Any], Ba
         batch = config.topology.global_batch_size
         assert batch is not None  # TopologyConfig derives every size it was not given
         num_samples = config.trainer.train_iterations * batch
-        dataset: BaseDataset[Any, Any] = BlendedDataset(
+        dataset: BaseDataset[Any, Any] = BlendedDataset(  # Any: as above
             sources, [s.weight for s in data.blend], num_samples, seed=config.trainer.seed
         )
     else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +32,11 @@ from scaling.optim import (
 )
 from scaling.transformer.config import FinetuningConfig, TrainingGroupConfig
 from scaling.transformer.model import TransformerBlock
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from scaling.topology import RNGTracker, Topology
 
 NamedParam = tuple[str, torch.nn.Parameter, ParameterMeta]
 LORA_MARKERS = (".lora_A.", ".lora_B.")
@@ -54,9 +59,9 @@ def _block_targets(block: TransformerBlock, pattern: str, kind: str) -> list[str
 def apply_finetuning(
     layers: Iterable[tuple[int, torch.nn.Module]],
     config: FinetuningConfig,
-    topology: Any = None,
+    topology: Topology | None = None,
     sequence_parallel: bool = False,
-    rng_tracker: Any = None,
+    rng_tracker: RNGTracker | None = None,
     seed: int = 42,
 ) -> None:
     """Add the adapters of ``config`` to the blocks among ``(layer_index, layer)`` and freeze the base.
@@ -111,7 +116,7 @@ def training_groups(
     groups: list[TrainingGroupConfig],
     schedule: LearningRateSchedulerConfig,
     weight_decay: float,
-    process_group: Any = None,
+    process_group: ProcessGroup | None = None,
 ) -> list[OptimizerParamGroup]:
     """Optimizer groups of the trainable ``params`` by ``training.groups``; the rest is frozen.
 

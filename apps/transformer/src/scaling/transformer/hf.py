@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from scaling.config import JsonDict
 from scaling.nn import named_parameters_with_meta, write_peft_adapter
 from scaling.trainer import checkpoint
 from scaling.transformer.config import MoEConfig, TransformerArchitectureConfig, TransformerConfig
@@ -40,7 +40,7 @@ CHECKPOINT_SUBDIR = "checkpoint"
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
-def _moe_from_hf(hf: dict[str, Any], source: Path) -> MoEConfig:
+def _moe_from_hf(hf: JsonDict, source: Path) -> MoEConfig:
     if hf.get("sliding_window") is not None or float(hf.get("router_jitter_noise") or 0.0) != 0.0:
         raise ValueError(
             f"{source}: sliding_window={hf.get('sliding_window')}, router_jitter_noise="
@@ -55,7 +55,7 @@ def _moe_from_hf(hf: dict[str, Any], source: Path) -> MoEConfig:
     )
 
 
-def _arch_from_hf(hf: dict[str, Any], source: Path) -> TransformerArchitectureConfig:
+def _arch_from_hf(hf: JsonDict, source: Path) -> TransformerArchitectureConfig:
     kind = hf.get("model_type")
     archs = hf.get("architectures") or []
     if kind not in _ARCHITECTURES or any(a != _ARCHITECTURES[kind] for a in archs):
@@ -252,7 +252,7 @@ def export_hf(checkpoint: str | Path, output_dir: str | Path, config_path: str |
             q, k, v = _split_qkv(params[f"layers.{i + 1}.attention.qkv.{suffix}"].detach(), arch)
             state.update({f"{p}.q_proj.{suffix}": q, f"{p}.k_proj.{suffix}": k, f"{p}.v_proj.{suffix}": v})
     kind = "llama" if arch.moe is None else "mixtral"
-    hf_config: dict[str, Any] = {
+    hf_config: JsonDict = {
         "architectures": [_ARCHITECTURES[kind]],
         "model_type": kind,
         "vocab_size": arch.vocab_size,

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from scaling.config import JsonDict
 from scaling.nn import KVCache, named_parameters_with_meta, set_layer_index
 from scaling.trainer import checkpoint, committed_steps
 from scaling.transformer.config import TransformerArchitectureConfig, TransformerConfig
@@ -118,7 +118,7 @@ def _padded_block(block: TransformerBlock, x_bsh: torch.Tensor, cache: KVCache, 
     return x_bsh + block.mlp(block.mlp_norm(x_bsh))
 
 
-def latest_config(checkpoint_dir: str | Path) -> dict[str, Any]:
+def latest_config(checkpoint_dir: str | Path) -> JsonDict:
     """The config dict saved with the newest committed checkpoint in ``checkpoint_dir``.
 
     Raises:

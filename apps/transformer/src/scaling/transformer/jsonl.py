@@ -74,6 +74,7 @@ class PromptCompletionDataset(BaseDataset[PromptCompletionItem, TransformerBatch
             trained) or the tokenizer's ids exceed ``vocab_size``.
     """
 
+    # Any: a tokenizers.Tokenizer (optional package, no type information).
     def __init__(self, path: str | Path, tokenizer: Any, sequence_length: int, vocab_size: int) -> None:
         self.path, self.sequence_length = Path(path), sequence_length
         eod = tokenizer.token_to_id(EOD_TOKEN)

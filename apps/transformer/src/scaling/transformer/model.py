@@ -14,7 +14,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -36,9 +36,12 @@ from scaling.nn import (
     checkpoint_layer,
     vocab_parallel_cross_entropy,
 )
-from scaling.topology import Topology
+from scaling.topology import RNGTracker, Topology
 from scaling.transformer.config import TransformerArchitectureConfig, TransformerConfig
 from scaling.transformer.data import TransformerBatch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 TIED_KEY = "embedding"
 
@@ -66,21 +69,33 @@ def normal_init(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
     return init
 
 
-def _group(topology: Topology | None) -> Any:
+def _group(topology: Topology | None) -> ProcessGroup | None:
     return None if topology is None else topology.model_parallel_group
 
 
 def make_norm(arch: TransformerArchitectureConfig, topology: Topology | None) -> torch.nn.Module:
-    common: dict[str, Any] = dict(topology=topology, dtype=arch.dtype, sequence_parallel=arch.sequence_parallel)
     if arch.norm == "rmsnorm":
-        return RMSNorm(arch.hidden_size, eps=arch.norm_eps, **common)
-    return LayerNorm(arch.hidden_size, eps=arch.norm_eps, bias=arch.bias, **common)
+        return RMSNorm(
+            arch.hidden_size,
+            eps=arch.norm_eps,
+            topology=topology,
+            dtype=arch.dtype,
+            sequence_parallel=arch.sequence_parallel,
+        )
+    return LayerNorm(
+        arch.hidden_size,
+        eps=arch.norm_eps,
+        bias=arch.bias,
+        topology=topology,
+        dtype=arch.dtype,
+        sequence_parallel=arch.sequence_parallel,
+    )
 
 
 class _Dropout:
     """Dropout on the residual stream; sharded (sequence parallel) streams draw per TP rank."""
 
-    def __init__(self, p: float, sharded: bool, rng_tracker: Any) -> None:
+    def __init__(self, p: float, sharded: bool, rng_tracker: RNGTracker | None) -> None:
         self.p, self.sharded, self.rng_tracker = p, sharded, rng_tracker
 
     def __call__(self, x: torch.Tensor, training: bool) -> torch.Tensor:
@@ -95,7 +110,10 @@ class EmbeddingLayer(BaseLayer[TransformerBatch, TransformerLayerIO]):
     """Token embedding (vocabulary split over TP; sequence-split output under SP)."""
 
     def __init__(
-        self, arch: TransformerArchitectureConfig, topology: Topology | None = None, rng_tracker: Any = None
+        self,
+        arch: TransformerArchitectureConfig,
+        topology: Topology | None = None,
+        rng_tracker: RNGTracker | None = None,
     ) -> None:
         super().__init__()
         self.arch = arch
@@ -124,7 +142,7 @@ class TransformerBlock(BaseLayer[TransformerLayerIO, TransformerLayerIO]):
         self,
         arch: TransformerArchitectureConfig,
         topology: Topology | None = None,
-        rng_tracker: Any = None,
+        rng_tracker: RNGTracker | None = None,
         moe: bool = False,
     ) -> None:
         super().__init__()
@@ -239,9 +257,10 @@ class LMHeadLayer(BaseLayer[TransformerLayerIO, TransformerHeadOutput]):
 
 
 def layer_specs(
-    arch: TransformerArchitectureConfig, topology: Topology | None, rng_tracker: Any = None
+    arch: TransformerArchitectureConfig, topology: Topology | None, rng_tracker: RNGTracker | None = None
 ) -> list[LayerSpec]:
     """The model: ``[embedding, block x num_layers, head]``."""
+    # Any: LayerSpec passes its keywords on to each layer class, which types them.
     common: dict[str, Any] = dict(arch=arch, topology=topology)
     if arch.tied_embeddings:
         first: LayerSpec = TiedLayerSpec(

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from scaling.collectives import all_reduce
+from scaling.config import JsonDict, Metrics
 from scaling.nn import ParallelMoE, ParameterMeta, enable_float8
 from scaling.optim import Optimizer, OptimizerParamGroup, OptimizerParamGroupConfig
 from scaling.pipeline import ParallelModule
@@ -48,7 +48,7 @@ class TransformerTrainer(BaseTrainer[TransformerContext]):
         """This rank's mixture-of-experts blocks (found once: the model does not change)."""
         return [m for m in self.parallel_module.modules() if isinstance(m, ParallelMoE)]
 
-    def train_step(self) -> dict[str, Any]:
+    def train_step(self) -> Metrics:
         moe_layers = self._moe_layers
         # The injected balancing-loss gradient is scaled as the loss is: loss scale over micro-batches.
         scale = self.optimizer.loss_scaler.scale / (self.context.config.topology.gradient_accumulation_steps or 1)
@@ -177,7 +177,7 @@ def build_trainer(config: TransformerConfig, topology: Topology) -> TransformerT
     )
 
 
-def main(payload: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def main(payload: JsonDict | None = None) -> list[Metrics]:
     """Train with the config in ``payload`` (default: the one the runner handed over)."""
     config = TransformerConfig.from_dict(payload if payload is not None else load_payload())
     topology = Topology.from_env(config.topology)
