@@ -8,10 +8,11 @@ from scaling.optim._config import (
 )
 from scaling.optim._loss_scaler import LossScaler
 from scaling.optim._lr_scheduler import LearningRateScheduler
-from scaling.optim._optimizer import Optimizer, OptimizerStepOutput
+from scaling.optim._optimizer import Optimizer
 from scaling.optim._param_group import OptimizerParamGroup, build_parameter_groups
 from scaling.optim._reducer import GradientReducer
 from scaling.optim._spaces import ShardSpace
+from scaling.optim._step_output import OptimizerStepOutput
 from scaling.optim._zero3 import check_sharding
 
 __all__ = [

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,9 +16,11 @@ from scaling.optim._grad_norm import global_norm_squared, mark_norm_owners
 from scaling.optim._loss_scaler import LossScaler
 from scaling.optim._offload import HostUpdate
 from scaling.optim._param_group import OptimizerParamGroup
+from scaling.optim._reducer import check_backward_passes
 from scaling.optim._slots import ParamSlot
 from scaling.optim._spaces import ShardSpace, shard_spaces
 from scaling.optim._state import load_optimizer_state, optimizer_state
+from scaling.optim._step_output import OptimizerStepOutput
 from scaling.optim._update import UpdateItem, apply_updates, state_names
 from scaling.optim._weak import weak_hook
 from scaling.optim._zero3 import (
@@ -36,34 +37,6 @@ if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
     from scaling.config import StateDict
-
-
-@dataclass(frozen=True)
-class OptimizerStepOutput:
-    """What one :meth:`Optimizer.step` did; identical on every rank.
-
-    Attributes:
-        global_grad_norm: L2 norm of the unscaled gradient over all ranks (TP replicas
-            and tied copies counted once) before clipping; None when not finite.
-        global_grad_norm_clipped: the norm after clipping (equal to the above without
-            clipping); None when the step was skipped.
-        learning_rates: LR of each group for this step, by group name (for a skipped
-            step, the LR the update would have used; the schedule does not advance).
-        overflow: a non-finite loss or gradient was seen on some rank.
-        skipped: the update was not applied (overflow or the ``skip`` policy).
-        no_overflow_steps: consecutive overflow-free steps of the loss scaler.
-        current_loss_scale: the loss scale after this step's scaler update.
-        step: number of updates applied so far.
-    """
-
-    global_grad_norm: float | None
-    global_grad_norm_clipped: float | None
-    learning_rates: dict[str, float] = field(default_factory=dict)
-    overflow: bool = False
-    skipped: bool = False
-    no_overflow_steps: int = 0
-    current_loss_scale: float = 1.0
-    step: int = 0
 
 
 class Optimizer:
@@ -240,8 +213,7 @@ class Optimizer:
         Raises:
             ValueError: ``steps`` is not a positive int.
         """
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"gradient accumulation steps={steps!r} must be a positive int (backward passes per step)")
+        check_backward_passes(steps, "gradient accumulation steps")
         for space in self.spaces:
             if space.reducer is not None and space.reducer.mode != "shard_free":
                 space.reducer.accumulate(steps)

@@ -73,6 +73,12 @@ DEFAULT_BUCKET_SIZE_BYTES = 25_000_000  # OptimizerConfig.allreduce_bucket_size'
 FIRST_BUCKET_BYTES = 1024 * 1024
 
 
+def check_backward_passes(passes: int, name: str) -> None:
+    """Refuse a count of backward passes per step that is not a positive int (``name``: the caller's argument)."""
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"{name}={passes!r} must be a positive int (backward passes per step)")
+
+
 class GradientReducer:
     """Bucketed, backward-overlapped DP gradient averaging for ``slots``.
 
@@ -177,8 +183,7 @@ class GradientReducer:
         Raises:
             ValueError: ``backwards`` is not a positive int.
         """
-        if isinstance(backwards, bool) or not isinstance(backwards, int) or backwards < 1:
-            raise ValueError(f"backwards={backwards!r} must be a positive int (backward passes per step)")
+        check_backward_passes(backwards, "backwards")
         self._launch_at = [len(b) * backwards for b in self.buckets]
 
     @contextlib.contextmanager

@@ -29,16 +29,15 @@ import torch
 from scaling.collectives import PyTree
 from scaling.pipeline import LossBackward, LossFunction, StageOutputs
 from scaling.topology import Topology
-from scaling.trainer._placement import to_device
+from scaling.trainer._placement import MovableBatch, to_device
 from scaling.trainer._results import MetricsAggregation, StepResults
 
 B = TypeVar("B", bound="StepBatch")
 
 
-class StepBatch(Protocol):
-    """What the step needs of a micro-batch (``scaling.data.BaseDatasetBatch`` has it)."""
-
-    def to(self: B, device: torch.device, non_blocking: bool = False) -> B: ...
+class StepBatch(MovableBatch, Protocol):
+    """What the step needs of a micro-batch: placement's ``to``, and its context-parallel
+    slice (``scaling.data.BaseDatasetBatch`` has both)."""
 
     def context_parallel_split(self: B, rank: int, size: int) -> B: ...
 
