@@ -242,7 +242,7 @@ def _float8_all_gather(all_gather):
         opt.backward(loss)
         opt.step()
         losses.append(loss.item())
-    nbytes, calls = opt.gatherer.sent_bytes, opt.gatherer.gathers
+    nbytes, calls, amax_reductions = opt.gatherer.sent_bytes, opt.gatherer.gathers, opt.gatherer.amax_reductions
     with opt.full_parameters():
         exact = layers[0].weight.detach().clone()
         shards = [torch.zeros_like(opt.slots[0].param_shard) for _ in range(2)]
@@ -253,6 +253,7 @@ def _float8_all_gather(all_gather):
         "losses": losses,
         "bytes": nbytes,
         "calls": calls,
+        "amax_reductions": amax_reductions,
         "first_gather_is_float8": torch.equal(seen["gathered"], float8_grid),
         "first_gather_is_exact": torch.equal(seen["gathered"], full),
         "full_parameters_exact": torch.equal(exact.view(-1), torch.cat(shards)[: exact.numel()]),
@@ -270,6 +271,8 @@ def test_float8_all_gather_sends_one_byte_per_weight_element_and_trains_alike():
     # each (2112) or, in float8, 1 byte per weight element (576); the same gathers in both runs.
     assert plain["calls"] == float8["calls"] and plain["bytes"] % 2112 == 0
     assert float8["bytes"] == plain["bytes"] // 2112 * 576
+    # The weights' scales: one all-reduce per step for both layers, not one per gather (12 here).
+    assert float8["calls"] == 12 and float8["amax_reductions"] == 3 and plain["amax_reductions"] == 0
     # The float8 products quantise the gathered weight to the same float8 values: same training.
     torch.testing.assert_close(torch.tensor(float8["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=0.0)
     # full_parameters() (checkpoints) gathers the exact weights, never the float8 ones.

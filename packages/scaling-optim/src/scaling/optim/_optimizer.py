@@ -304,8 +304,7 @@ class Optimizer:
                 the loss scaler is off and ``non_finite_policy='fail'``.
         """
         self._check_attached()
-        for gatherer in self._gatherers():
-            gatherer.discard_pending()
+        self._shards_will_change()
         self.finish_parameter_gather()  # a module unused in forward may still be gathering
         grads = self._reduced_grads()
         counted = [
@@ -409,6 +408,11 @@ class Optimizer:
         if masters:
             foreach_copy_([p for p, _ in masters], [m for _, m in masters])
 
+    def _shards_will_change(self) -> None:
+        """ZeRO-3: drop prefetches and float8 scales taken from the shards about to change."""
+        for gatherer in self._gatherers():
+            gatherer.discard_pending()
+
     def _clear_grad_shards(self) -> None:
         for slot in self.slots:
             slot.grad_shard = None
@@ -444,6 +448,7 @@ class Optimizer:
     def load_state_dict(self, state: StateDict) -> None:
         """Restore a state from :meth:`state_dict` (same layout)."""
         self.finish_parameter_gather()
+        self._shards_will_change()
         load_optimizer_state(self, state)
 
     @torch.no_grad()
@@ -459,6 +464,7 @@ class Optimizer:
             RuntimeError: under ZeRO-3, a parameter is not whole.
         """
         self._host_update.wait()
+        self._shards_will_change()
         frozen = [slot for gatherer in self._gatherers() for slot in gatherer.frozen]
         for slot in [*self.slots, *frozen]:
             if slot.param_shard is None and slot.master is None:

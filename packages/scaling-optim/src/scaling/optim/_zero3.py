@@ -171,14 +171,22 @@ class ParameterGatherer:
         # Weights of the float8 linears whose config asks for float8 all-gathers (slot id ->
         # its float8 dtype): they travel quantised, one byte per element (see _start).
         self._float8: dict[int, torch.dtype] = {}
+        self._float8_slots: list[ParamSlot] = []
         for module in modules:
             for sub in module.modules():
                 config = getattr(sub, "float8", None)
                 weight = getattr(sub, "weight", None)
                 if isinstance(sub, TensorParallelLinear) and config is not None and config.all_gather:
                     weight_slot = by_param.get(id(weight))
-                    if weight_slot is not None:
+                    if weight_slot is not None and id(weight_slot) not in self._float8:
                         self._float8[id(weight_slot)] = torch.float8_e4m3fn
+                        self._float8_slots.append(weight_slot)
+        # Each float8 weight's amax over all its shards (slot id -> amax), taken for all of
+        # them in one all-reduce at the first float8 gather after the shards changed (as
+        # torchao's precompute_float8_dynamic_scale_for_fsdp): None until then.
+        self._amax: dict[int, torch.Tensor] | None = None
+        #: How many of those all-reduces ran (one per step with float8 all-gathers).
+        self.amax_reductions = 0
         #: Layers whole with weights dequantised from float8 (forward / backward only; exact
         #: gathers, as for checkpoints, gather them again in their own dtype).
         self._lossy: set[int] = set()
@@ -203,10 +211,9 @@ class ParameterGatherer:
         if self.before_gather is not None:
             self.before_gather()
         slots = self.layers[index]
-        float8 = [] if exact else [s for s in slots if id(s) in self._float8]
         inverse: dict[int, torch.Tensor] = {}
-        if float8:
-            send, inverse = self._float8_bytes(slots, float8)
+        if not exact and any(id(s) in self._float8 for s in slots):
+            send, inverse = self._float8_bytes(slots)
         else:
             send = torch.cat([s.padded_chunk(s.param_shard) for s in slots])  # type: ignore[arg-type]
         world = group_size(self.group)
@@ -219,30 +226,36 @@ class ParameterGatherer:
         work = all_gather_single(recv, send, group=self.group, async_op=True)
         self._pending[index] = _Pending(work, recv, send.numel(), inverse)
 
-    def _float8_bytes(
-        self, slots: list[ParamSlot], float8: list[ParamSlot]
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def _float8_bytes(self, slots: list[ParamSlot]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """This rank's shards as one byte buffer: the float8 weights quantised, the rest as they are.
 
-        A weight's scale comes from its amax over all its shards (one all-reduce for the
-        layer), so every rank quantises its part of the weight as the whole weight would be.
+        A weight's scale comes from its amax over all its shards, so every rank quantises
+        its part of the weight as the whole weight would be.
         """
-        device = slots[0].param.device
-        amax = torch.stack(
-            [
-                s.param_shard.detach().abs().max().float() if s.length else torch.zeros((), device=device)  # type: ignore[union-attr]
-                for s in float8
-            ]
-        )
-        all_reduce(amax, self.group, op=dist.ReduceOp.MAX)
-        amax_of = {id(s): amax[i] for i, s in enumerate(float8)}
+        amax_of = self._float8_amax()
         parts, inverse = [], {}
         for s in slots:
             chunk = s.padded_chunk(s.param_shard)  # type: ignore[arg-type]
-            if id(s) in amax_of:
+            if id(s) in self._float8:
                 chunk, inverse[id(s)] = float8_quantize(chunk, amax_of[id(s)], self._float8[id(s)])
             parts.append(chunk.view(torch.uint8))
         return torch.cat(parts), inverse
+
+    def _float8_amax(self) -> dict[int, torch.Tensor]:
+        """Every float8 weight's amax over its shards: one all-reduce for all of them while
+        the shards stay as they are (every rank asks at the same gather: the first float8 one)."""
+        if self._amax is None:
+            device = self._float8_slots[0].param.device
+            amax = torch.stack(
+                [
+                    s.param_shard.detach().abs().max().float() if s.length else torch.zeros((), device=device)  # type: ignore[union-attr]
+                    for s in self._float8_slots
+                ]
+            )
+            all_reduce(amax, self.group, op=dist.ReduceOp.MAX)
+            self.amax_reductions += 1
+            self._amax = {id(s): amax[i] for i, s in enumerate(self._float8_slots)}
+        return self._amax
 
     def gather(self, index: int, exact: bool = False) -> None:
         """Make layer ``index``'s parameters whole (waiting for a prefetch if one is running).
@@ -294,9 +307,11 @@ class ParameterGatherer:
             pending.work.wait()
 
     def discard_pending(self) -> None:
-        """Finish and drop prefetches not consumed (their shards are about to change)."""
+        """Finish and drop prefetches not consumed, and forget the float8 weights' amax: the
+        shards are about to change (every rank calls this at the same point: the step, a load)."""
         for index in list(self._pending):
             self._drop_pending(index)
+        self._amax = None
 
     def _keep_in_place_update(self, slot: ParamSlot) -> None:
         """Write a frozen parameter changed in place while whole back into its shard.
