@@ -22,7 +22,8 @@ import tomllib
 
 ROOT = Path(__file__).parent
 LOCAL_TORCH = "2.13.0"
-TORCH_LEGS = ["2.6.0", "2.10.0", LOCAL_TORCH, "newest"]
+# 2.11.0: the torch of the GPU machines scripts/gpu_check runs on.
+TORCH_LEGS = ["2.6.0", "2.11.0", LOCAL_TORCH, "newest"]
 TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2", "pytest-xdist>=3.6", "hypothesis>=6"]
 # Optional extras some packages' tests exercise (PEFT interop, the tokenizer build command,
 # the W&B sink, schedule plots).
