@@ -138,8 +138,10 @@ def float8_linear(
     return y + bias if bias is not None else y
 
 
-def float8_supported(device: torch.device) -> str | None:
-    """None when float8 matrix multiplies run on ``device`` with this torch; else why not."""
+def float8_supported(device: torch.device, scaling: str = "tensorwise") -> str | None:
+    """None when float8 matrix multiplies with ``scaling`` ("tensorwise" or "rowwise") run on
+    ``device`` with this torch; else why not. Answered by a 16 x 16 product on the device
+    (torch 2.11 on CPU, say, multiplies tensorwise but not rowwise)."""
     if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
         return f"torch {torch.__version__} has no float8 matrix multiply (torch._scaled_mm)"
     if device.type == "cuda":
@@ -148,11 +150,18 @@ def float8_supported(device: torch.device) -> str | None:
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
             return f"the GPU's compute capability is {major}.{minor}; float8 needs 8.9 (Ada, Hopper) or newer"
-        return None
+    one = torch.ones(16, 16, device=device).to(E4M3)
+    rows, cols = ((16, 1), (1, 16)) if scaling == "rowwise" else ((), ())
     try:
-        one = torch.ones(16, 16, device=device).to(E4M3)
-        unit = torch.ones((), device=device)
-        torch._scaled_mm(one, one.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32)
+        torch._scaled_mm(
+            one,
+            one.t(),
+            scale_a=torch.ones(rows, device=device),
+            scale_b=torch.ones(cols, device=device),
+            out_dtype=torch.float32,
+        )
     except (RuntimeError, NotImplementedError) as err:
-        return f"torch {torch.__version__} cannot multiply float8 on {device.type} ({str(err).splitlines()[0]})"
+        return (
+            f"torch {torch.__version__} cannot multiply float8 {scaling} on {device.type} ({str(err).splitlines()[0]})"
+        )
     return None

@@ -75,7 +75,7 @@ def check_float8(
             (the transformer app's ``training.fp8``; the auto API's ``float8``).
 
     Raises:
-        ValueError: float8 does not run on ``device`` with this torch, or a chosen layer's
+        ValueError: float8 (or its ``scaling``) does not run on ``device`` with this torch, or a chosen layer's
             local sizes are not multiples of 16 (named, with its shape and the fix).
     """
     if config.enabled:
@@ -90,6 +90,13 @@ def _chosen_checked(
     why = float8_supported(device)
     if why is not None:
         raise ValueError(f"{setting}.enabled=true: {why}; set {setting}.enabled=false to train in bf16")
+    if config.scaling != "tensorwise":
+        why = float8_supported(device, config.scaling)
+        if why is not None:
+            raise ValueError(
+                f"{setting}.scaling={config.scaling!r}: {why}; set {setting}.scaling='tensorwise' (or "
+                f"{setting}.enabled=false to train in bf16)"
+            )
     return chosen
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from scaling.topology._compile_cache import name_compile_cache
 from scaling.topology._config import TopologyConfig
 from scaling.topology._groups import group_specs
 from scaling.topology._teardown import destroy_process_group
@@ -337,6 +338,7 @@ class Topology:
         Args:
             init_method: rendezvous URL; default ``env://`` (MASTER_ADDR/MASTER_PORT).
         """
+        name_compile_cache()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if not dist.is_initialized():
