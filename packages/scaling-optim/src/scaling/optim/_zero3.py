@@ -106,6 +106,9 @@ def _iter_tensors(obj: object) -> Iterator[torch.Tensor]:
             yield from _iter_tensors(getattr(obj, f.name))
 
 
+_WIRE_FLOAT8 = torch.float8_e4m3fn  # the format of float8 all-gathers (a forward operand's)
+
+
 class _Pending(NamedTuple):
     """An all-gather in flight: its handle (None with one rank), the receive buffer, one rank's
     width in it, and (float8 all-gathers: a byte buffer) each float8 weight's inverse scale."""
@@ -169,18 +172,16 @@ class ParameterGatherer:
                 "pass every layer that uses a trained parameter"
             )
         # Weights of the float8 linears whose config asks for float8 all-gathers (slot id ->
-        # its float8 dtype): they travel quantised, one byte per element (see _start).
-        self._float8: dict[int, torch.dtype] = {}
-        self._float8_slots: list[ParamSlot] = []
+        # slot): they travel quantised to e4m3, one byte per element (see _start).
+        self._float8: dict[int, ParamSlot] = {}
         for module in modules:
             for sub in module.modules():
                 config = getattr(sub, "float8", None)
                 weight = getattr(sub, "weight", None)
                 if isinstance(sub, TensorParallelLinear) and config is not None and config.all_gather:
                     weight_slot = by_param.get(id(weight))
-                    if weight_slot is not None and id(weight_slot) not in self._float8:
-                        self._float8[id(weight_slot)] = torch.float8_e4m3fn
-                        self._float8_slots.append(weight_slot)
+                    if weight_slot is not None:
+                        self._float8[id(weight_slot)] = weight_slot
         # Each float8 weight's amax over all its shards (slot id -> amax), taken for all of
         # them in one all-reduce at the first float8 gather after the shards changed (as
         # torchao's precompute_float8_dynamic_scale_for_fsdp): None until then.
@@ -237,7 +238,7 @@ class ParameterGatherer:
         for s in slots:
             chunk = s.padded_chunk(s.param_shard)  # type: ignore[arg-type]
             if id(s) in self._float8:
-                chunk, inverse[id(s)] = float8_quantize(chunk, amax_of[id(s)], self._float8[id(s)])
+                chunk, inverse[id(s)] = float8_quantize(chunk, amax_of[id(s)], _WIRE_FLOAT8)
             parts.append(chunk.view(torch.uint8))
         return torch.cat(parts), inverse
 
@@ -245,16 +246,17 @@ class ParameterGatherer:
         """Every float8 weight's amax over its shards: one all-reduce for all of them while
         the shards stay as they are (every rank asks at the same gather: the first float8 one)."""
         if self._amax is None:
-            device = self._float8_slots[0].param.device
+            float8 = list(self._float8.values())
+            device = float8[0].param.device
             amax = torch.stack(
                 [
                     s.param_shard.detach().abs().max().float() if s.length else torch.zeros((), device=device)  # type: ignore[union-attr]
-                    for s in self._float8_slots
+                    for s in float8
                 ]
             )
             all_reduce(amax, self.group, op=dist.ReduceOp.MAX)
             self.amax_reductions += 1
-            self._amax = {id(s): amax[i] for i, s in enumerate(self._float8_slots)}
+            self._amax = {id(s): amax[i] for i, s in enumerate(float8)}
         return self._amax
 
     def gather(self, index: int, exact: bool = False) -> None:
@@ -287,7 +289,7 @@ class ParameterGatherer:
                 full = grid[:, offset : offset + slot.chunk].reshape(-1)[: slot.numel]
                 offset += slot.chunk
             else:  # a byte grid: each slot's columns are its chunk in its wire dtype
-                dtype = self._float8.get(id(slot), slot.param.dtype)
+                dtype = _WIRE_FLOAT8 if id(slot) in self._float8 else slot.param.dtype
                 width = slot.chunk * dtype.itemsize
                 full = grid[:, offset : offset + width].contiguous().view(dtype).reshape(-1)[: slot.numel]
                 if id(slot) in pending.inverse:
