@@ -11,6 +11,7 @@ bench/compile_step.py).
 
 import pytest
 import torch
+from torch.torch_version import TorchVersion
 from transformer_testlib import losses, tiny_config, train_worker
 
 from scaling.nn import float8_supported
@@ -62,6 +63,10 @@ def test_compiled_run_matches_eager(tiny_corpus, eager_losses, sizes, world, bac
         cfg["finetuning"] = LORA
     if variant == "moe":
         cfg["transformer_architecture"].update(MOE)
+    if backend == "inductor" and TorchVersion(torch.__version__) < "2.7":
+        pytest.skip(
+            "torch 2.6's CPU inductor drifts from eager (2 steps: 3e-5, 3: 1.6e-4, ZeRO-3 or not; docs/compatibility.md)"
+        )
     for rank, history in enumerate(run_distributed(train_worker, world, cfg, timeout_seconds=600)):
         assert_parity(losses(history), eager_losses[variant], rtol=1e-5, name=f"rank {rank} compiled {sizes}")
         assert history[-1]["compile/graphs"] > 0  # it did compile

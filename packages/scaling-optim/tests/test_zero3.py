@@ -6,7 +6,7 @@ Numerical parity of ZeRO-3 with one process (DP=2, also with TP=2) is in test_pa
 import pytest
 import torch
 
-from scaling.nn import ParameterMeta
+from scaling.nn import ParameterMeta, float8_supported
 from scaling.optim import Optimizer, OptimizerConfig, OptimizerParamGroup, OptimizerParamGroupConfig
 from scaling.testing import make_topology, run_distributed
 
@@ -262,6 +262,7 @@ def _float8_all_gather(all_gather):
 
 @pytest.mark.distributed
 @pytest.mark.slow  # two 2-rank runs: the quick tier stays under 2 minutes
+@pytest.mark.skipif(float8_supported(torch.device("cpu")) is not None, reason="no float8 products on CPU here")
 def test_float8_all_gather_sends_one_byte_per_weight_element_and_trains_alike():
     plain, float8 = (run_distributed(_float8_all_gather, 2, flag, timeout_seconds=120)[0] for flag in (False, True))
     # What travels: the first gather is the float8 weight (one global scale), not the weight itself.

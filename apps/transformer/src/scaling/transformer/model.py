@@ -92,13 +92,18 @@ def make_norm(arch: TransformerArchitectureConfig, topology: Topology | None) ->
     )
 
 
-class _Dropout:
-    """Dropout on the residual stream; sharded (sequence parallel) streams draw per TP rank."""
+class _Dropout(torch.nn.Module):
+    """Dropout on the residual stream; sharded (sequence parallel) streams draw per TP rank.
+
+    A module (no parameters), not a plain callable: torch 2.6's Dynamo guards a plain object
+    a compiled layer calls by its identity, so every block recompiled (one graph per block).
+    """
 
     def __init__(self, p: float, sharded: bool, rng_tracker: RNGTracker | None) -> None:
+        super().__init__()
         self.p, self.sharded, self.rng_tracker = p, sharded, rng_tracker
 
-    def __call__(self, x: torch.Tensor, training: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, training: bool) -> torch.Tensor:
         if self.p == 0.0 or not training:
             return x
         fork = self.rng_tracker.fork() if self.sharded and self.rng_tracker is not None else contextlib.nullcontext()

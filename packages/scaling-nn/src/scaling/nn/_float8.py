@@ -161,7 +161,6 @@ def float8_supported(device: torch.device, scaling: str = "tensorwise") -> str |
             out_dtype=torch.float32,
         )
     except (RuntimeError, NotImplementedError) as err:
-        return (
-            f"torch {torch.__version__} cannot multiply float8 {scaling} on {device.type} ({str(err).splitlines()[0]})"
-        )
+        first = str(err).splitlines()[0].split(". ")[0][:200]  # torch's first sentence, not its backend list
+        return f"torch {torch.__version__} cannot multiply float8 {scaling} on {device.type} ({first})"
     return None

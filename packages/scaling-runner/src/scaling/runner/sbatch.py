@@ -7,9 +7,13 @@ What ``sbatch --wait`` does, with three differences the runner needs:
   finished (no COMPLETING flag), so the job's output file is whole when this returns;
 - the exit code is the job's own: the batch script's code, or ``128 + N`` where signal N
   ended it (``scancel``: 143), and ``128 + N`` when signal N here cancelled it;
-- SIGTERM or SIGINT here (the runner forwarding its own, Ctrl-C) cancels the job with
-  ``scancel`` (SLURM sends SIGTERM to every step: scaling's trainer saves) and keeps
-  waiting for it to end, so no rank outlives the runner.
+- SIGTERM or SIGINT here (the runner forwarding its own, Ctrl-C) sends SIGTERM to every
+  task of the job's steps at once (``scancel --signal=TERM``: scaling's trainer saves), and
+  cancels the job (``scancel``) if it has not ended :data:`STOP_GRACE_S` later, at a second
+  signal, or at once when it is not running yet; it keeps waiting for the job to end, so no
+  rank outlives the runner. Not a plain ``scancel`` first: that signals ``srun`` twice (as a
+  process of the batch step and as the job's step launcher), which makes it kill the
+  step's tasks while some have not had their SIGTERM yet (seen here: one of two tasks).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ import types
 _ENDED = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
           "TIMEOUT"}  # fmt: skip
 _POLL_S = 1.0
+#: After the SIGTERM to the steps, how long the job has to end before it is cancelled (the
+#: runner waits 90 s for this waiter, see ``scaling.runner._run.SIGNAL_GRACE_S``).
+STOP_GRACE_S = 60.0
 
 
 def job_status(job_id: str) -> tuple[str, int] | None:
@@ -49,19 +56,30 @@ def main(argv: list[str] | None = None) -> int:
         return submitted.returncode
     job_id = submitted.stdout.strip().split(";")[0]
     print(f"Submitted batch job {job_id}", flush=True)
-    cancelled: list[int] = []
+    cancelled: list[int] = []  # the signal that stopped the job, once one did
+    cancel_at: list[float] = []  # when to cancel the job outright
 
-    def cancel(signum: int, frame: types.FrameType | None) -> None:
-        if not cancelled:
-            cancelled.append(signum)
-            subprocess.run(["scancel", job_id], capture_output=True)
+    def stop(signum: int, frame: types.FrameType | None) -> None:
+        if cancelled:
+            cancel_at[:] = [0.0]  # a second signal: cancel now
+            return
+        cancelled.append(signum)
+        status = job_status(job_id)
+        running = status is not None and status[0] == "RUNNING"
+        signalled = (
+            running and subprocess.run(["scancel", "--signal=TERM", job_id], capture_output=True).returncode == 0
+        )
+        cancel_at.append(time.monotonic() + STOP_GRACE_S if signalled else 0.0)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, cancel)
+        signal.signal(sig, stop)
     while True:
+        if cancel_at and time.monotonic() >= cancel_at[0]:
+            cancel_at[:] = [float("inf")]
+            subprocess.run(["scancel", job_id], capture_output=True)
         status = job_status(job_id)
         if status is not None and status[0] in _ENDED:
-            # Cancelled on request: the signal's code, whatever the job's steps returned.
+            # Stopped on request: the signal's code, whatever the job's steps returned.
             return 128 + cancelled[0] if cancelled else status[1]
         time.sleep(_POLL_S)
 
