@@ -140,8 +140,9 @@ def float8_linear(
 
 def float8_supported(device: torch.device, scaling: str = "tensorwise") -> str | None:
     """None when float8 matrix multiplies with ``scaling`` ("tensorwise" or "rowwise") run on
-    ``device`` with this torch; else why not. Answered by a 16 x 16 product on the device
-    (torch 2.11 on CPU, say, multiplies tensorwise but not rowwise)."""
+    ``device`` with this torch; else why not. CUDA: by compute capability only (the ``gpu``
+    tier multiplies with both scalings on the card); elsewhere by a 16 x 16 product on the
+    device (torch 2.11 on CPU, say, multiplies tensorwise but not rowwise)."""
     if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
         return f"torch {torch.__version__} has no float8 matrix multiply (torch._scaled_mm)"
     if device.type == "cuda":
@@ -150,6 +151,7 @@ def float8_supported(device: torch.device, scaling: str = "tensorwise") -> str |
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
             return f"the GPU's compute capability is {major}.{minor}; float8 needs 8.9 (Ada, Hopper) or newer"
+        return None
     one = torch.ones(16, 16, device=device).to(E4M3)
     rows, cols = ((16, 1), (1, 16)) if scaling == "rowwise" else ((), ())
     try:
