@@ -48,7 +48,17 @@ def eager_losses(tiny_corpus):
         ({"dp": 2, "tp": 2}, 4, "aot_eager", False, "none"),
         ({"pp": 2, "dp": 2, "optimizer": {"zero_stage": 1}}, 4, "aot_eager", True, "none"),
         ({"dp": 2, "pp": 2, "tp": 2}, 8, "aot_eager", True, "lora"),
-        ({"dp": 2, "optimizer": {"zero_stage": 3}}, 2, "inductor", False, "none"),
+        pytest.param(
+            {"dp": 2, "optimizer": {"zero_stage": 3}},
+            2,
+            "inductor",
+            False,
+            "none",
+            marks=pytest.mark.skipif(
+                TorchVersion(torch.__version__) < "2.7",
+                reason="torch 2.6's CPU inductor drifts from eager (step 2: 3e-5, step 3: 1.6e-4, ZeRO-3 or not)",
+            ),
+        ),
         ({"cp": 2}, 2, "aot_eager", False, "none"),  # ring attention at graph breaks
         ({"dp": 2, "topology": {"expert_parallel_size": 2}}, 2, "aot_eager", False, "moe"),
     ],
@@ -63,10 +73,6 @@ def test_compiled_run_matches_eager(tiny_corpus, eager_losses, sizes, world, bac
         cfg["finetuning"] = LORA
     if variant == "moe":
         cfg["transformer_architecture"].update(MOE)
-    if backend == "inductor" and TorchVersion(torch.__version__) < "2.7":
-        pytest.skip(
-            "torch 2.6's CPU inductor drifts from eager (2 steps: 3e-5, 3: 1.6e-4, ZeRO-3 or not; docs/compatibility.md)"
-        )
     for rank, history in enumerate(run_distributed(train_worker, world, cfg, timeout_seconds=600)):
         assert_parity(losses(history), eager_losses[variant], rtol=1e-5, name=f"rank {rank} compiled {sizes}")
         assert history[-1]["compile/graphs"] > 0  # it did compile

@@ -411,7 +411,7 @@ class Optimizer:
     def _shards_will_change(self) -> None:
         """ZeRO-3: drop prefetches and float8 scales taken from the shards about to change."""
         for gatherer in self._gatherers():
-            gatherer.discard_pending()
+            gatherer.shards_will_change()
 
     def _clear_grad_shards(self) -> None:
         for slot in self.slots:

@@ -308,7 +308,7 @@ class ParameterGatherer:
         if pending is not None and pending.work is not None:
             pending.work.wait()
 
-    def discard_pending(self) -> None:
+    def shards_will_change(self) -> None:
         """Finish and drop prefetches not consumed, and forget the float8 weights' amax: the
         shards are about to change (every rank calls this at the same point: the step, a load)."""
         for index in list(self._pending):

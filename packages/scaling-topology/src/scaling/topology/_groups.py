@@ -1,9 +1,12 @@
-"""Which process groups a topology creates: a name and, for each rank, the ranks of its group."""
+"""Which process groups a topology creates (a name and, for each rank, the ranks of its group), and creating them."""
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable
 from typing import Protocol
+
+import torch.distributed as dist
 
 RanksOf = Callable[[int], list[int]]
 
@@ -78,3 +81,24 @@ def group_specs(topo: _Grid) -> list[tuple[str, RanksOf]]:
         if dp * cp > ep:
             specs.append(("edp", lambda r: topo._dp_ranks_where(r, lambda d, c: d % ep)))
     return specs
+
+
+def new_groups(topo: _Grid, rank: int, timeout: datetime.timedelta) -> dict[str, dist.ProcessGroup]:
+    """Create every group of :func:`group_specs` with ``timeout``; the ones ``rank`` belongs to, by name.
+
+    ``new_group`` is collective over the default group: every rank creates every group in
+    the same order and keeps the ones it belongs to. (``init_device_mesh`` would create the
+    per-dimension groups with torch's 30-minute default timeout.)
+    """
+    mine: dict[str, dist.ProcessGroup] = {}
+    for name, ranks_of in group_specs(topo):
+        seen: set[tuple[int, ...]] = set()
+        for r in range(topo.world_size):
+            ranks = tuple(ranks_of(r))
+            if ranks in seen:
+                continue
+            seen.add(ranks)
+            group = dist.new_group(list(ranks), timeout=timeout, group_desc=name)
+            if rank in ranks:
+                mine[name] = group
+    return mine

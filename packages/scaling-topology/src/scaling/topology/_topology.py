@@ -11,19 +11,15 @@ The ranks that hold the same parameters are those of one (pp, tp) pair: the DP �
 ranks. Gradients are averaged over them and ZeRO shards over them (Megatron-Core's
 data-parallel group "with context parallel", torchtitan's ``dp_shard_cp``).
 
-Over 500 lines on purpose: ``Topology`` is the one object every package and the
-walkthrough's user code read ranks, groups and the mesh from (``topology.<axis>_rank``,
-``<axis>_ranks``, ``<axis>_group``: four axes and their combinations, each a short
-documented property). What has its own concept already lives apart: group construction
-(``_groups.py``), RNG (``_rng.py``), teardown (``_teardown.py``), sequence splits
-(``_sequence.py``); splitting the properties over mixins would scatter one table.
+What has its own concept lives apart: group construction (``_groups.py``), RNG
+(``_rng.py``), teardown (``_teardown.py``), sequence splits (``_sequence.py``), the
+deprecated names (``_deprecated.py``).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -34,7 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from scaling.topology._compile_cache import name_compile_cache
 from scaling.topology._config import TopologyConfig
-from scaling.topology._groups import group_specs
+from scaling.topology._deprecated import DeprecatedNames
+from scaling.topology._groups import new_groups
 from scaling.topology._teardown import destroy_process_group
 
 if TYPE_CHECKING:
@@ -57,11 +54,7 @@ class RankCoordinates:
         return f"(pp={self.pp}, dp={self.dp}{cp}, tp={self.tp})"
 
 
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(f"Topology.{old} is deprecated; use Topology.{new} (same group)", DeprecationWarning, stacklevel=3)
-
-
-class Topology:
+class Topology(DeprecatedNames):
     """The single source of truth for ranks, process groups and the device.
 
     Args:
@@ -355,20 +348,8 @@ class Topology:
                 f"existing process group has rank {dist.get_rank()} of {dist.get_world_size()}, but the "
                 f"topology expects rank {self.global_rank} of {self.world_size}"
             )
-        # Every group is created here with the configured timeout (init_device_mesh would
-        # create the per-dim groups with torch's 30-minute default), then wrapped as a mesh.
-        # new_group is collective over the default group: every rank creates every group in
-        # the same order and keeps the ones it belongs to.
-        for name, ranks_of in group_specs(self):
-            seen: set[tuple[int, ...]] = set()
-            for r in range(self.world_size):
-                ranks = tuple(ranks_of(r))
-                if ranks in seen:
-                    continue
-                seen.add(ranks)
-                group = dist.new_group(list(ranks), timeout=self.timeout, group_desc=name)
-                if self.global_rank in ranks:
-                    self._groups[name] = group
+        # Every group with the configured timeout, then wrapped as a mesh.
+        self._groups.update(new_groups(self, self.global_rank, self.timeout))
         shape = (self.pipe_parallel_size, self.data_parallel_size, self.context_parallel_size, self.model_parallel_size)
         self._mesh = DeviceMesh.from_group(
             [self._groups[name] for name in MESH_DIM_NAMES],
@@ -494,19 +475,6 @@ class Topology:
         """TP × PP ranks holding one model replica, at this DP and CP rank (global gradient norms,
         model-wide reductions)."""
         return self._group("mp", "model_replica_group")
-
-    @property
-    def model_pipe_parallel_group(self) -> ProcessGroup:
-        """Deprecated name of :attr:`model_replica_group` (it spans TP × PP, not "model parallel"
-        alone, which means TP here); removed in 0.2."""
-        _deprecated("model_pipe_parallel_group", "model_replica_group")
-        return self.model_replica_group
-
-    @property
-    def model_pipe_parallel_ranks(self) -> list[int]:
-        """Deprecated name of :attr:`model_replica_ranks`; removed in 0.2."""
-        _deprecated("model_pipe_parallel_ranks", "model_replica_ranks")
-        return self.model_replica_ranks
 
     @property
     def device_mesh(self) -> DeviceMesh:
