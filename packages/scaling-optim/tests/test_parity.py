@@ -288,13 +288,14 @@ def test_checkpoint_reshards_across_layouts(tmp_path, tp, world, zero):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("zero,micro", [(0, 2), (1, 4), (2, 2)])
-def test_gradient_accumulation_parity(zero, micro):
+@pytest.mark.parametrize("zero,micro,world", [(0, 2, 2), (1, 4, 2), (2, 2, 2), (3, 2, 2), (3, 2, 1)])
+def test_gradient_accumulation_parity(zero, micro, world):
     """Micro-batches per step on DP=2 (reductions overlapped with each backward) match one process.
 
     ZeRO-1 runs 4 micro-batches of one row: a bucket's reduce-scatter is still in flight
-    while the next backward accumulates into the same gradients.
+    while the next backward accumulates into the same gradients. ZeRO-3 on one rank takes
+    each gradient as its shard (no collective) and accumulates into it.
     """
     expected = reference("adamw", 0.5)
-    results = run_distributed(_train, 2, 1, zero, "adamw", 0.5, micro=micro, timeout_seconds=60)
+    results = run_distributed(_train, world, 1, zero, "adamw", 0.5, micro=micro, timeout_seconds=60)
     _check(results, expected, 1, rtol=1e-6)

@@ -214,6 +214,63 @@ def test_offloaded_zero3_update_overlaps_the_next_step_and_matches():
             assert torch.equal(a, b)
 
 
+def _offload_per_layer():
+    """Three ZeRO-3 layers with offload; the host update of the last one waits until the next
+    step's forward has run the first layer: that forward must not wait for the whole update."""
+    import time
+
+    import scaling.optim._optimizer as optimizer_module
+
+    topo = make_topology()
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[torch.nn.Linear(6, 6) for _ in range(3)])
+    for index, layer in enumerate(layers):
+        for name, p in layer.named_parameters():
+            ParameterMeta(name, tuple(p.shape), layer_index=index).attach(p)
+    triples = [(p.parameter_meta.key, p, p.parameter_meta) for p in layers.parameters()]
+    opt = Optimizer(
+        config=OptimizerConfig(zero_stage=3, cpu_offload=True),
+        parameter_groups=[OptimizerParamGroup(triples, OptimizerParamGroupConfig(name="all"))],
+        topology=topo,
+        zero3_modules=list(layers),
+    )
+    first_layer_forwards = []
+    layers[0].register_forward_hook(lambda *args: first_layer_forwards.append(1))
+    last_weight = opt.slots[-2].work_param()  # layers[2].weight's host master
+    released = []
+    real = optimizer_module.apply_updates
+
+    def update_last_layer_after_the_next_first_forward(config, items, step):
+        if any(item.param is last_weight for item in items):
+            deadline = time.monotonic() + 5
+            while len(first_layer_forwards) <= step and time.monotonic() < deadline:
+                time.sleep(0.01)
+            released.append(len(first_layer_forwards) > step)
+        real(config, items, step)
+
+    optimizer_module.apply_updates = update_last_layer_after_the_next_first_forward
+    try:
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(topo.data_parallel_rank))
+        for _ in range(2):
+            opt.zero_grad()
+            opt.backward(layers(x).pow(2).mean())
+            opt.step()
+        layers(x)  # the third forward releases the second update
+        opt.finish_parameter_gather()
+    finally:
+        optimizer_module.apply_updates = real
+    return released, opt._offload_layers
+
+
+@pytest.mark.distributed
+def test_offloaded_update_of_a_layer_overlaps_the_next_forward_of_earlier_layers():
+    for released, by_layer in run_distributed(_offload_per_layer, 2, timeout_seconds=60):
+        assert by_layer == [[0, 1], [2, 3], [4, 5]]  # slots (weight, bias) by layer, in forward order
+        # Each step's update of the last layer ran while the next forward ran the first layer
+        # (a forward waiting for the whole update would have held it until the 5 s deadline).
+        assert released == [True, True]
+
+
 def _float8_all_gather(all_gather):
     """ZeRO-3 at DP 2 over two float8 linears (32 x 32): with ``all_gather`` their weights travel in float8."""
     from scaling.nn import ColumnParallelLinear, Float8Config, RowParallelLinear, enable_float8, set_layer_index

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -14,7 +15,7 @@ from scaling.optim._compat import foreach_copy_, foreach_mul_
 from scaling.optim._config import OptimizerConfig
 from scaling.optim._grad_norm import global_norm_squared, mark_norm_owners
 from scaling.optim._loss_scaler import LossScaler
-from scaling.optim._offload import HostUpdate
+from scaling.optim._offload import HostCopies, HostUpdate
 from scaling.optim._param_group import OptimizerParamGroup
 from scaling.optim._reducer import check_backward_passes
 from scaling.optim._slots import ParamSlot
@@ -126,8 +127,11 @@ class Optimizer:
         self.gatherer: ParameterGatherer | None = None
         self._hooks: list[RemovableHandle] = []
         self._model_attached = False
-        # ZeRO-3 with cpu_offload: the host update of the last step, running in a thread.
+        # ZeRO-3 with cpu_offload: the host update of the last step, running in a thread, its
+        # copies, and the slots it updates per layer (forward order; set by attach_model).
         self._host_update = HostUpdate()
+        self._host_copies = HostCopies(topology.device)
+        self._offload_layers: list[list[int]] = []
         self._dp_reduced = False
         for space in self.spaces:
             space.start_reduction(config.zero_stage, config.allreduce_bucket_size)
@@ -164,6 +168,7 @@ class Optimizer:
                 gatherer = space.attach_zero3(units, self.config.zero3_reshard_after_forward)
                 gatherer.before_gather = self._host_update.wait
             self.gatherer = self.spaces[0].gatherer
+            self._offload_layers = self._slots_by_first_layer()
             for index, slot in enumerate(self.slots):
                 self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(index)))
             for gatherer in self._gatherers():
@@ -173,6 +178,18 @@ class Optimizer:
                 if space.shard_gather is not None:
                     self._hooks += space.shard_gather.wait_hooks(model)
         self._model_attached = True
+
+    def _slots_by_first_layer(self) -> list[list[int]]:
+        """Slot indices grouped by the first ZeRO-3 layer that gathers them (the gatherers share the layers)."""
+        first: dict[int, int] = {}
+        for gatherer in self._gatherers():
+            for layer, slots in enumerate(gatherer.layers):
+                for slot in slots:
+                    first[id(slot)] = min(layer, first.get(id(slot), layer))
+        by_layer: list[list[int]] = [[] for _ in range(max(first.values(), default=0) + 1)]
+        for index, slot in enumerate(self.slots):
+            by_layer[first.get(id(slot), 0)].append(index)
+        return by_layer
 
     def _gatherers(self) -> list[ParameterGatherer]:
         """ZeRO-3: each space's gatherer (dense, then experts); empty otherwise."""
@@ -334,31 +351,10 @@ class Optimizer:
         self.step_count += 1
         if factor != 1.0:
             foreach_mul_(grads, factor)
-        items = []
-        for slot, grad in zip(self.slots, grads):
-            group = self.parameter_groups[slot.group_index]
-            work = slot.work_param()
-            items.append(
-                UpdateItem(
-                    work,
-                    grad.to(work.device),  # host memory under cpu_offload
-                    slot.state,
-                    lrs[group.name],
-                    group.config.weight_decay,
-                    group.config.independent_weight_decay,
-                )
-            )
         if self.gatherer is not None and self.config.cpu_offload:
-            # ZeRO-3 with offload: the host update and the copy into the device shards run in
-            # a thread while the next forward starts; its first gather waits for them.
-            step = self.step_count
-
-            def update() -> None:
-                apply_updates(self.config, items, step)
-                self._write_back()
-
-            self._host_update.start(update)
+            self._start_host_update(grads, lrs)
         else:
+            items = [self._update_item(i, grad, lrs) for i, grad in enumerate(grads)]
             for space in self.spaces:
                 mine = [items[i] for i in space.indices]
                 gather = space.shard_gather
@@ -392,6 +388,38 @@ class Optimizer:
             if space.shard_gather is not None:
                 space.shard_gather.finish()
         self._host_update.wait()
+
+    def _update_item(self, index: int, grad: torch.Tensor, lrs: dict[str, float]) -> UpdateItem:
+        slot, work = self.slots[index], self.slots[index].work_param()
+        group = self.parameter_groups[slot.group_index].config
+        grad = grad.to(work.device)  # ZeRO 0-2 with cpu_offload: to the host, blocking
+        return UpdateItem(work, grad, slot.state, lrs[group.name], group.weight_decay, group.independent_weight_decay)
+
+    def _start_host_update(self, grads: list[torch.Tensor], lrs: dict[str, float]) -> None:
+        """ZeRO-3 with offload: update on the host in a thread, one piece per layer in forward
+        order (``_offload.py``); the next forward's gather of a layer waits for its piece and
+        the earlier ones only."""
+        pieces = []
+        for indices in self._offload_layers:
+            host, arrived = self._host_copies.to_host([grads[i] for i in indices])
+            items = [self._update_item(i, grad, lrs) for i, grad in zip(indices, host)]
+            shards = [(s.param_shard, s.master) for s in (self.slots[i] for i in indices)]
+            pieces.append(functools.partial(self._host_piece, self.step_count, arrived, items, shards))
+        self._host_update.start(pieces)
+
+    def _host_piece(
+        self,
+        step: int,
+        arrived: Callable[[], None],
+        items: list[UpdateItem],
+        shards: list[tuple[torch.Tensor | None, torch.Tensor | None]],
+    ) -> None:
+        """One layer's host update (in the thread): wait for its gradients, update, copy into the device shards."""
+        arrived()
+        apply_updates(self.config, items, step)
+        self._host_copies.to_device(
+            [(shard, master) for shard, master in shards if shard is not None and master is not None]
+        )
 
     def _write_back(self) -> None:
         """Copy updated master weights into the parameters (unsharded) or the ZeRO-3 shards."""

@@ -110,11 +110,12 @@ _WIRE_FLOAT8 = torch.float8_e4m3fn  # the format of float8 all-gathers (a forwar
 
 
 class _Pending(NamedTuple):
-    """An all-gather in flight: its handle (None with one rank), the receive buffer, one rank's
-    width in it, and (float8 all-gathers: a byte buffer) each float8 weight's inverse scale."""
+    """An all-gather in flight: its handle (None with one rank), the receive buffer (None with
+    one rank: the shards are copied in), one rank's width in it, and (float8 all-gathers: a
+    byte buffer) each float8 weight's inverse scale."""
 
     work: dist.Work | None
-    buffer: torch.Tensor
+    buffer: torch.Tensor | None
     width: int
     inverse: dict[int, torch.Tensor]
 
@@ -194,8 +195,9 @@ class ParameterGatherer:
         self._pending: dict[int, _Pending] = {}
         #: Bytes this rank has put into all-gathers (its shards' part), and how many it started.
         self.sent_bytes, self.gathers = 0, 0
-        #: Called before a gather reads the shards (the optimizer's wait for a host update).
-        self.before_gather: Callable[[], None] | None = None
+        #: Called before a gather reads the shards of layers ``0..index`` (None: of all
+        #: layers): the optimizer's wait for its host update.
+        self.before_gather: Callable[[int | None], None] | None = None
         self.handles: list[RemovableHandle] = []
         for index, module in enumerate(modules):
             self.handles.append(module.register_forward_pre_hook(self._pre_forward(index)))
@@ -210,15 +212,18 @@ class ParameterGatherer:
         if not self.reshard_after_forward and all(_is_whole(s) for s in self.layers[index]):
             return  # kept whole since its first use in this step
         if self.before_gather is not None:
-            self.before_gather()
+            self.before_gather(index)
         slots = self.layers[index]
+        world = group_size(self.group)
         inverse: dict[int, torch.Tensor] = {}
         if not exact and any(id(s) in self._float8 for s in slots):
             send, inverse = self._float8_bytes(slots)
+        elif world == 1:  # one rank (an expert held by one rank, ZeRO-3 on one device): the shards are whole
+            self._pending[index] = _Pending(None, None, 0, inverse)
+            return
         else:
             send = torch.cat([s.padded_chunk(s.param_shard) for s in slots])  # type: ignore[arg-type]
-        world = group_size(self.group)
-        if world == 1:  # nothing to gather (an expert held by one rank)
+        if world == 1:
             self._pending[index] = _Pending(None, send, send.numel(), inverse)
             return
         self.sent_bytes += send.numel() * send.element_size()
@@ -246,6 +251,8 @@ class ParameterGatherer:
         """Every float8 weight's amax over its shards: one all-reduce for all of them while
         the shards stay as they are (every rank asks at the same gather: the first float8 one)."""
         if self._amax is None:
+            if self.before_gather is not None:
+                self.before_gather(None)  # reads every float8 weight's shard
             float8 = list(self._float8.values())
             device = float8[0].param.device
             amax = torch.stack(
@@ -278,14 +285,17 @@ class ParameterGatherer:
         pending = self._pending.pop(index)
         if pending.work is not None:
             pending.work.wait()
-        grid = pending.buffer.view(-1, pending.width)
+        grid = pending.buffer.view(-1, pending.width) if pending.buffer is not None else None
         offset = 0
         for slot in self.layers[index]:
             storage = slot.param.untyped_storage()
             nbytes = slot.numel * slot.param.element_size()
             if storage.nbytes() != nbytes:
                 storage.resize_(nbytes)
-            if not pending.inverse:
+            if grid is None:
+                assert slot.param_shard is not None
+                full = slot.param_shard
+            elif not pending.inverse:
                 full = grid[:, offset : offset + slot.chunk].reshape(-1)[: slot.numel]
                 offset += slot.chunk
             else:  # a byte grid: each slot's columns are its chunk in its wire dtype

@@ -76,6 +76,12 @@ class GradientScatter:
     def _launch_slots(self, slots: list[ParamSlot]) -> None:
         if not slots:
             return
+        if self.world == 1 and self.replicate_group is None:  # one rank: each gradient is its own shard
+            for slot in slots:
+                grad = slot.param.grad.reshape(-1)  # type: ignore[union-attr]
+                slot.param.grad = None
+                self._accumulate(slot, grad / self.average_over if self.average_over != 1 else grad)
+            return
         grads = [s.padded_flat(s.param.grad).view(self.world, s.chunk) for s in slots]  # type: ignore[arg-type]
         send = torch.cat(grads, dim=1).reshape(-1) if len(grads) > 1 else grads[0].reshape(-1).clone()
         out = torch.empty(send.numel() // self.world, dtype=send.dtype, device=send.device)
@@ -94,9 +100,13 @@ class GradientScatter:
         out.div_(self.average_over)
         offset = 0
         for slot in slots:
-            shard = out[offset : offset + slot.length].to(slot.compute_dtype)
-            slot.grad_shard = shard if slot.grad_shard is None else slot.grad_shard.add_(shard)
+            self._accumulate(slot, out[offset : offset + slot.length])
             offset += slot.chunk
+
+    @staticmethod
+    def _accumulate(slot: ParamSlot, reduced: torch.Tensor) -> None:
+        shard = reduced.to(slot.compute_dtype)
+        slot.grad_shard = shard if slot.grad_shard is None else slot.grad_shard.add_(shard)
 
     def finish(self) -> None:
         """Reduce layers left incomplete (a parameter without a gradient) and wait for every collective."""
