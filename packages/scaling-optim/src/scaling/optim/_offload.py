@@ -84,9 +84,9 @@ class HostCopies:
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.cuda = device, device.type == "cuda"
-        # The thread's stream for the copies back to the device: they need not queue behind
-        # the next forward's kernels on the main stream.
-        self._stream = torch.cuda.Stream(device) if self.cuda else None
+        # The thread's stream for the copies back to the device (made at the first): they need
+        # not queue behind the next forward's kernels on the main stream.
+        self._stream: torch.cuda.Stream | None = None
 
     def to_host(self, grads: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[], None]]:
         """Start copying ``grads`` to the host; returns the host tensors and a wait for them (call it in the thread)."""
@@ -101,10 +101,12 @@ class HostCopies:
 
     def to_device(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy each host ``source`` into its device ``target``; returns once they have arrived."""
-        if self._stream is None:
+        if not self.cuda:
             for target, source in pairs:
                 target.copy_(source)
             return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self._stream):
             for target, source in pairs:
                 target.copy_(source, non_blocking=True)
