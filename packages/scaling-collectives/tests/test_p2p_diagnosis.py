@@ -28,6 +28,7 @@ def _both_send():
     return None
 
 
+@pytest.mark.slow  # waits out a transfer timeout (~12 s)
 @pytest.mark.waits
 @pytest.mark.distributed
 def test_send_whose_peer_never_posted_the_recv_names_the_peer_and_what_it_did():

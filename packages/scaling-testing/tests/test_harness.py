@@ -212,6 +212,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow  # a fresh interpreter starts its own workers: ~15 s of the quick tier
 def test_preloaded_modules_are_imported_in_every_worker_and_late_preload_is_refused(tmp_path):
     script = tmp_path / "preload_main.py"
     script.write_text(_PRELOADING_SCRIPT)

@@ -82,5 +82,6 @@ def _norm_squared(grads: list[torch.Tensor], device: torch.device) -> torch.Tens
         return torch.zeros((), dtype=torch.float64, device=device)
     # Per-tensor norms in the gradient's dtype (as clip_grad_norm_) in one multi-tensor
     # call, squared and summed in fp64: an fp64 copy of every gradient would cost more
-    # than the update itself.
-    return torch.stack([n.to(torch.float64) for n in foreach_norm(grads)]).square().sum()
+    # than the update itself. The norms are stacked first (exactly: a mix of dtypes
+    # promotes to the widest) and widened once, not one launch per parameter.
+    return torch.stack(foreach_norm(grads)).to(torch.float64).square().sum()

@@ -18,7 +18,7 @@ from scaling.optim._loss_scaler import LossScaler
 from scaling.optim._offload import HostCopies, HostUpdate
 from scaling.optim._param_group import OptimizerParamGroup
 from scaling.optim._reducer import check_backward_passes
-from scaling.optim._slots import ParamSlot
+from scaling.optim._slots import ParamSlot, owned_grads
 from scaling.optim._spaces import ShardSpace, shard_spaces
 from scaling.optim._state import load_optimizer_state, optimizer_state
 from scaling.optim._step_output import OptimizerStepOutput
@@ -299,11 +299,11 @@ class Optimizer:
                     slot.param.grad = torch.zeros_like(slot.param)
             tp_grads = [s.param.grad for s in self.slots if s.meta.reduce_over_tp and s.param.grad is not None]
             all_reduce_(tp_grads, topo.model_parallel_group, bucket, average=False)
-            return [s.owned_grad() for s in self.slots]
+            return owned_grads(self.slots)
         for space in self.spaces:  # ZeRO-3: tied weights (and parameters whose hook did not run)
             if space.scatter is not None:
                 space.scatter.reduce_now([s for s in space.slots if s.param.grad is not None])
-        grads = [s.owned_grad() for s in self.slots]
+        grads = owned_grads(self.slots)
         # Summing over TP commutes with the DP reduce-scatter, so it runs on the shards.
         tp_grads = [g for s, g in zip(self.slots, grads) if s.meta.reduce_over_tp]
         all_reduce_(tp_grads, topo.model_parallel_group, bucket, average=False)

@@ -10,10 +10,12 @@ exist only for the owned elements, so their bytes shrink with the DP size.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from scaling.nn import ParameterMeta
+from scaling.optim._compat import foreach_copy_
 
 
 class ParamSlot:
@@ -91,13 +93,14 @@ class ParamSlot:
         return self.flat_param()[self.start : self.end]
 
     def owned_grad(self) -> torch.Tensor:
-        """The DP-reduced gradient of the owned elements in the compute dtype."""
+        """The DP-reduced gradient of the owned elements in the dtype it has (zeros without one);
+        :func:`owned_grads` casts them to the compute dtype."""
         if self.grad_shard is not None:
-            return self.grad_shard.to(self.compute_dtype)
+            return self.grad_shard
         grad = self.param.grad
         if grad is None:
             return torch.zeros(self.length, dtype=self.compute_dtype, device=self.param.device)
-        return grad.reshape(-1)[self.start : self.end].to(self.compute_dtype)
+        return grad.reshape(-1)[self.start : self.end]
 
     def padded_chunk(self, source: torch.Tensor) -> torch.Tensor:
         """``source`` (the owned elements) padded to the chunk size, in the parameter dtype and device."""
@@ -122,3 +125,21 @@ class ParamSlot:
             f"ParamSlot({self.meta.key}, local {list(self.param.shape)}, owns [{self.start}, {self.end}) of "
             f"{self.numel}, master={'fp32' if self.master is not None else 'param'}, state={sorted(self.state)})"
         )
+
+
+def owned_grads(slots: Sequence[ParamSlot]) -> list[torch.Tensor]:
+    """Each slot's :meth:`ParamSlot.owned_grad` in its compute dtype, the casts made as one
+    multi-tensor copy per device and dtype into one new buffer (on a GPU one launch instead of
+    one per parameter: with bf16 parameters and fp32 master weights every gradient is cast)."""
+    grads = [s.owned_grad() for s in slots]
+    to_cast: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (slot, grad) in enumerate(zip(slots, grads)):
+        if grad.dtype != slot.compute_dtype:
+            to_cast.setdefault((grad.device, slot.compute_dtype), []).append(i)
+    for (device, dtype), indices in to_cast.items():
+        flat = torch.empty(sum(grads[i].numel() for i in indices), dtype=dtype, device=device)
+        casts = list(flat.split([grads[i].numel() for i in indices]))
+        foreach_copy_(casts, [grads[i] for i in indices])
+        for i, cast in zip(indices, casts):
+            grads[i] = cast
+    return grads
