@@ -98,6 +98,11 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
             r"fp8: layer 'block.mlp.gate_proj' has local weight shape \[100, 128\]; float8 products need sizes "
             r"that are multiples of 16. Keep it in high precision: add the regex mlp\\.gate_proj to training.fp8.exclude",
         ),
+        (
+            ["data.sequence_length=12", "training.fp8.enabled=true", "training.fp8.min_features=16"],
+            r"training.fp8.enabled=true: 24 tokens per micro-batch and rank \(topology.micro_batch_size=2 x "
+            r"data.sequence_length=12 / topology.context_parallel_size=1\); float8 products need a multiple of 16",
+        ),
     ],
     ids=[
         "kv-heads",
@@ -117,6 +122,7 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
         "ep-experts",
         "moe-top-k",
         "fp8-shape",
+        "fp8-tokens",
     ],
 )
 def test_bad_config_is_refused(capsys, tiny_corpus, tmp_path, overrides, match):

@@ -46,10 +46,10 @@ def _bound(a, b, a_dtype, b_dtype):
 @pytest.mark.parametrize("scaling", ["tensorwise", pytest.param("rowwise", marks=needs_rowwise)])
 def test_products_match_the_dequantised_reference_and_the_rounding_bound(scaling):
     torch.manual_seed(0)
-    x = torch.randn(3, 8, 64, requires_grad=True)
+    x = torch.randn(4, 8, 64, requires_grad=True)
     x.data[0, 0] *= 50  # an outlier row
     w = torch.randn(48, 64, requires_grad=True)
-    grad = torch.randn(3, 8, 48)
+    grad = torch.randn(4, 8, 48)
     config = Float8Config(enabled=True, scaling=scaling)
     rowwise, g_dtype = scaling == "rowwise", config.grad_dtype
     y = float8_linear(x, w, None, config)
@@ -136,3 +136,12 @@ def test_rowwise_scaling_where_torch_multiplies_tensorwise_only_is_refused_namin
         check_float8(
             model, Float8Config(enabled=True, min_features=16, scaling="rowwise"), 1, cpu, setting="training.fp8"
         )
+
+
+def test_an_input_whose_tokens_are_not_a_multiple_of_16_is_refused_with_the_fix():
+    weight = torch.randn(32, 32, requires_grad=True)
+    float8_linear(torch.randn(2, 8, 32), weight, None, Float8Config(enabled=True)).sum().backward()  # 16 tokens
+    # CUDA's float8 product takes no other count (the weight gradient reduces over the tokens); CPU's
+    # would, but a setup that trains here must train on a GPU too.
+    with pytest.raises(ValueError, match=r"an input of 12 tokens \(rows\); float8 products need a multiple of 16"):
+        float8_linear(torch.randn(3, 4, 32), weight, None, Float8Config(enabled=True))

@@ -346,6 +346,16 @@ def check_fp8(config: TransformerConfig) -> None:
     if not fp8.enabled:
         return
     arch, topology = config.transformer_architecture, config.topology
+    assert topology.micro_batch_size is not None
+    seq = config.data.sequence_length
+    tokens = topology.micro_batch_size * seq // topology.context_parallel_size
+    if tokens % 16:
+        raise ValueError(
+            f"training.fp8.enabled=true: {tokens} tokens per micro-batch and rank (topology.micro_batch_size="
+            f"{topology.micro_batch_size} x data.sequence_length={seq} / topology.context_parallel_size="
+            f"{topology.context_parallel_size}); float8 products need a multiple of 16: change one of them, or "
+            "set training.fp8.enabled=false"
+        )
     with torch.device("meta"):  # shapes only
         blocks = torch.nn.ModuleDict({"block": TransformerBlock(arch, None, moe=False)})
         if arch.moe is not None:

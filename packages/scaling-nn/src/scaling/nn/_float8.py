@@ -16,8 +16,9 @@ there: the recipe of torchao's float8 training and Transformer Engine's current 
 
 Master weights, gradients and optimizer state stay in their own precision: only the
 products run in float8. ``torch._scaled_mm`` runs on CPU in recent torch (so the numerics
-are tested here) and on CUDA GPUs of compute capability 8.9 and up; every operand
-dimension must be a multiple of 16. Why our own and not torchao's ``Float8Linear``: see
+are tested here) and on CUDA GPUs of compute capability 8.9 and up; every reduced or output
+dimension must be a multiple of 16 on CUDA, so the layers' sizes and the tokens of an input
+must be (refused on every device alike, so a setup that trains on CPU trains on a GPU). Why our own and not torchao's ``Float8Linear``: see
 docs/architecture.md.
 """
 
@@ -110,6 +111,13 @@ class _Float8Linear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.config = config
         x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] % 16:
+            raise ValueError(
+                f"float8 linear: an input of {x2.shape[0]} tokens (rows); float8 products need a multiple of 16 "
+                "(the weight gradient sums over the tokens, and CUDA's float8 matrix multiply takes only multiples "
+                "of 16): make the tokens per micro-batch and rank (micro-batch size x sequence length / context "
+                "parallel size) a multiple of 16, or keep this layer in high precision"
+            )
         y = float8_mm(x2, weight.t(), E4M3, E4M3, config.scaling == "rowwise", x.dtype)
         return y.view(*x.shape[:-1], weight.shape[0])
 
