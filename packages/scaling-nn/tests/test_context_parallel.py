@@ -79,6 +79,26 @@ def test_context_parallel_attention_matches_one_process(method, cp):
             assert err < 1e-6, (method, cp, case, err)
 
 
+def test_ring_blocks_without_documents_are_worked_out_once_per_process():
+    """The ring's (rows, columns, mask) of a block reads the mask on the host (a sync on a GPU):
+    without documents it depends only on sizes and ranks, so every layer and step shares it."""
+    from scaling.nn._context_parallel import _block, _block_without_documents
+
+    layout = TokenLayout(16, 1, 2, True)
+    first = [_block(layout, src, torch.device("cpu")) for src in range(2)]
+    misses = _block_without_documents.cache_info().misses
+    with torch.inference_mode():  # a later call may be under inference mode, or record autograd
+        again = [_block(TokenLayout(16, 1, 2, True), src, torch.device("cpu")) for src in range(2)]
+    assert all(a is b for a, b in zip(again, first))
+    assert _block_without_documents.cache_info().misses == misses
+    # Packed documents change per batch: worked out each time, equal to the shared path's result
+    # when every token is in one document.
+    docs = TokenLayout(16, 1, 2, True, torch.zeros(1, 16, dtype=torch.long))
+    fresh = _block(docs, 0, torch.device("cpu"))
+    assert fresh is not _block(docs, 0, torch.device("cpu"))
+    assert fresh is not None and first[0] is not None and fresh.causal == first[0].causal
+
+
 def test_block_kernel_matches_the_written_out_math():
     """The CPU flash kernel path and the fp32 path other devices take agree with SDPA."""
     g = torch.Generator().manual_seed(0)

@@ -29,6 +29,7 @@ document of each token (:class:`TokenLayout`), so attention never crosses a docu
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -208,6 +209,26 @@ class _Block:
 
 
 def _block(layout: TokenLayout, src: int, device: torch.device) -> _Block | None:
+    """The part of this rank's queries and ``src``'s key/value block that interacts (None: nothing).
+
+    Working it out reads the mask on the host (a device sync each time on a GPU), so for a
+    layout without documents, where it depends only on the sizes and ranks, it is worked out
+    once per process and shared by every layer, micro-batch and step, forward and backward.
+    """
+    if layout.document_ids is None:
+        return _block_without_documents(layout.seq_len, layout.rank, layout.size, layout.causal, src, device)
+    return _find_block(layout, src, device)
+
+
+@functools.lru_cache(maxsize=256)
+def _block_without_documents(
+    seq_len: int, rank: int, size: int, causal: bool, src: int, device: torch.device
+) -> _Block | None:
+    with torch.inference_mode(False):  # kept for later calls, which may record autograd
+        return _find_block(TokenLayout(seq_len, rank, size, causal), src, device)
+
+
+def _find_block(layout: TokenLayout, src: int, device: torch.device) -> _Block | None:
     full = layout.mask(layout.rank, src, device)
     if full is None:
         return _Block(slice(None), slice(None), None, False, None)
