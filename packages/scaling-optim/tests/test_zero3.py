@@ -271,7 +271,7 @@ def test_offloaded_update_of_a_layer_overlaps_the_next_forward_of_earlier_layers
         assert released == [True, True]
 
 
-def _float8_all_gather(all_gather):
+def _float8_all_gather(all_gather, offload=False):
     """ZeRO-3 at DP 2 over two float8 linears (32 x 32): with ``all_gather`` their weights travel in float8."""
     from scaling.nn import ColumnParallelLinear, Float8Config, RowParallelLinear, enable_float8, set_layer_index
 
@@ -284,7 +284,7 @@ def _float8_all_gather(all_gather):
     full = layers[0].weight.detach().clone()
     triples = [(p.parameter_meta.key, p, p.parameter_meta) for p in layers.parameters()]
     opt = Optimizer(
-        config=OptimizerConfig(zero_stage=3),
+        config=OptimizerConfig(zero_stage=3, cpu_offload=offload),
         parameter_groups=[OptimizerParamGroup(triples, OptimizerParamGroupConfig(name="all"))],
         topology=topo,
         zero3_modules=[layers[0], layers[2]],
@@ -321,7 +321,10 @@ def _float8_all_gather(all_gather):
 @pytest.mark.slow  # two 2-rank runs: the quick tier stays under 2 minutes
 @pytest.mark.skipif(float8_supported(torch.device("cpu")) is not None, reason="no float8 products on CPU here")
 def test_float8_all_gather_sends_one_byte_per_weight_element_and_trains_alike():
-    plain, float8 = (run_distributed(_float8_all_gather, 2, flag, timeout_seconds=120)[0] for flag in (False, True))
+    plain, float8, offloaded = (
+        run_distributed(_float8_all_gather, 2, *flags, timeout_seconds=120)[0]
+        for flags in ((False,), (True,), (True, True))
+    )
     # What travels: the first gather is the float8 weight (one global scale), not the weight itself.
     assert float8["first_gather_is_float8"] and not float8["first_gather_is_exact"]
     assert plain["first_gather_is_exact"]
@@ -335,3 +338,6 @@ def test_float8_all_gather_sends_one_byte_per_weight_element_and_trains_alike():
     torch.testing.assert_close(torch.tensor(float8["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=0.0)
     # full_parameters() (checkpoints) gathers the exact weights, never the float8 ones.
     assert float8["full_parameters_exact"] and plain["full_parameters_exact"]
+    # With cpu_offload the scales wait for the whole host update (they read every weight's
+    # shard), then the same bytes travel: the same losses, bit for bit.
+    assert offloaded["losses"] == float8["losses"] and offloaded["amax_reductions"] == 3
