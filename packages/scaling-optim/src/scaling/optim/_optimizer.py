@@ -354,6 +354,9 @@ class Optimizer:
         if self.gatherer is not None and self.config.cpu_offload:
             self._start_host_update(grads, lrs)
         else:
+            if self.config.cpu_offload:  # ZeRO 0-2: every gradient to the host, then update there
+                grads, arrived = self._host_copies.to_host(grads)
+                arrived()
             items = [self._update_item(i, grad, lrs) for i, grad in enumerate(grads)]
             for space in self.spaces:
                 mine = [items[i] for i in space.indices]
@@ -392,7 +395,6 @@ class Optimizer:
     def _update_item(self, index: int, grad: torch.Tensor, lrs: dict[str, float]) -> UpdateItem:
         slot, work = self.slots[index], self.slots[index].work_param()
         group = self.parameter_groups[slot.group_index].config
-        grad = grad.to(work.device)  # ZeRO 0-2 with cpu_offload: to the host, blocking
         return UpdateItem(work, grad, slot.state, lrs[group.name], group.weight_decay, group.independent_weight_decay)
 
     def _start_host_update(self, grads: list[torch.Tensor], lrs: dict[str, float]) -> None:
