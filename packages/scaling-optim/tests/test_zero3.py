@@ -259,7 +259,7 @@ def _offload_per_layer():
         opt.finish_parameter_gather()
     finally:
         optimizer_module.apply_updates = real
-    return released, opt._offload_layers
+    return released, opt._host_update.layers
 
 
 @pytest.mark.distributed

@@ -17,10 +17,14 @@ device on a stream of the thread's own; on CPU both are plain (the host is the d
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 
 import torch
+
+from scaling.optim._slots import ParamSlot
+from scaling.optim._update import UpdateItem
 
 
 class HostUpdate:
@@ -111,3 +115,65 @@ class HostCopies:
             for target, source in pairs:
                 target.copy_(source, non_blocking=True)
         self._stream.synchronize()
+
+
+class LayeredHostUpdate:
+    """ZeRO-3 with ``cpu_offload``: the host update of a step as one piece per layer, in a thread.
+
+    Args:
+        device: the device of the parameters and gradients.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.thread = HostUpdate()
+        self.copies = HostCopies(device)
+        #: Slot indices by the first layer that gathers them, in forward order (see :meth:`order`).
+        self.layers: list[list[int]] = []
+
+    @property
+    def in_flight(self) -> bool:
+        return self.thread.in_flight
+
+    def wait(self, through: int | None = None) -> None:
+        """:meth:`HostUpdate.wait`: the gatherers' ``before_gather``."""
+        self.thread.wait(through)
+
+    def order(self, slots: Sequence[ParamSlot], layers: Sequence[Sequence[Sequence[ParamSlot]]]) -> None:
+        """Group ``slots`` by the first layer that holds them; ``layers``: each gatherer's layers (one list of layers)."""
+        first: dict[int, int] = {}
+        for gatherer_layers in layers:
+            for layer, members in enumerate(gatherer_layers):
+                for slot in members:
+                    first[id(slot)] = min(layer, first.get(id(slot), layer))
+        self.layers = [[] for _ in range(max(first.values(), default=0) + 1)]
+        for index, slot in enumerate(slots):
+            self.layers[first.get(id(slot), 0)].append(index)
+
+    def start(
+        self,
+        slots: Sequence[ParamSlot],
+        grads: Sequence[torch.Tensor],
+        item: Callable[[int, torch.Tensor], UpdateItem],
+        update: Callable[[list[UpdateItem]], None],
+    ) -> None:
+        """Start the update: each layer's gradients to the host now, and in the thread, layer by
+        layer, ``update`` of its items (``item(slot index, host gradient)``) and the copy of the
+        updated master shards into the device shards."""
+        pieces = []
+        for indices in self.layers:
+            host, arrived = self.copies.to_host([grads[i] for i in indices])
+            items = [item(i, grad) for i, grad in zip(indices, host)]
+            shards = [(s.param_shard, s.master) for s in (slots[i] for i in indices)]
+            pieces.append(functools.partial(self._piece, arrived, items, update, shards))
+        self.thread.start(pieces)
+
+    def _piece(
+        self,
+        arrived: Callable[[], None],
+        items: list[UpdateItem],
+        update: Callable[[list[UpdateItem]], None],
+        shards: list[tuple[torch.Tensor | None, torch.Tensor | None]],
+    ) -> None:
+        arrived()
+        update(items)
+        self.copies.to_device([(shard, master) for shard, master in shards if shard is not None and master is not None])

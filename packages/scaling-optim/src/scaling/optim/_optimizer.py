@@ -15,7 +15,7 @@ from scaling.optim._compat import foreach_copy_, foreach_mul_
 from scaling.optim._config import OptimizerConfig
 from scaling.optim._grad_norm import global_norm_squared, mark_norm_owners
 from scaling.optim._loss_scaler import LossScaler
-from scaling.optim._offload import HostCopies, HostUpdate
+from scaling.optim._offload import LayeredHostUpdate
 from scaling.optim._param_group import OptimizerParamGroup
 from scaling.optim._reducer import check_backward_passes
 from scaling.optim._slots import ParamSlot, owned_grads
@@ -127,11 +127,8 @@ class Optimizer:
         self.gatherer: ParameterGatherer | None = None
         self._hooks: list[RemovableHandle] = []
         self._model_attached = False
-        # ZeRO-3 with cpu_offload: the host update of the last step, running in a thread, its
-        # copies, and the slots it updates per layer (forward order; set by attach_model).
-        self._host_update = HostUpdate()
-        self._host_copies = HostCopies(topology.device)
-        self._offload_layers: list[list[int]] = []
+        # ZeRO-3 with cpu_offload: the host update of the last step, running in a thread.
+        self._host_update = LayeredHostUpdate(topology.device)
         self._dp_reduced = False
         for space in self.spaces:
             space.start_reduction(config.zero_stage, config.allreduce_bucket_size)
@@ -168,7 +165,7 @@ class Optimizer:
                 gatherer = space.attach_zero3(units, self.config.zero3_reshard_after_forward)
                 gatherer.before_gather = self._host_update.wait
             self.gatherer = self.spaces[0].gatherer
-            self._offload_layers = self._slots_by_first_layer()
+            self._host_update.order(self.slots, [gatherer.layers for gatherer in self._gatherers()])
             for index, slot in enumerate(self.slots):
                 self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(index)))
             for gatherer in self._gatherers():
@@ -178,18 +175,6 @@ class Optimizer:
                 if space.shard_gather is not None:
                     self._hooks += space.shard_gather.wait_hooks(model)
         self._model_attached = True
-
-    def _slots_by_first_layer(self) -> list[list[int]]:
-        """Slot indices grouped by the first ZeRO-3 layer that gathers them (the gatherers share the layers)."""
-        first: dict[int, int] = {}
-        for gatherer in self._gatherers():
-            for layer, slots in enumerate(gatherer.layers):
-                for slot in slots:
-                    first[id(slot)] = min(layer, first.get(id(slot), layer))
-        by_layer: list[list[int]] = [[] for _ in range(max(first.values(), default=0) + 1)]
-        for index, slot in enumerate(self.slots):
-            by_layer[first.get(id(slot), 0)].append(index)
-        return by_layer
 
     def _gatherers(self) -> list[ParameterGatherer]:
         """ZeRO-3: each space's gatherer (dense, then experts); empty otherwise."""
@@ -352,10 +337,18 @@ class Optimizer:
         if factor != 1.0:
             foreach_mul_(grads, factor)
         if self.gatherer is not None and self.config.cpu_offload:
-            self._start_host_update(grads, lrs)
+            # ZeRO-3: the host update runs in a thread, layer by layer (_offload.py); the next
+            # forward's gather of a layer waits for its piece and the earlier ones only.
+            step = self.step_count
+            self._host_update.start(
+                self.slots,
+                grads,
+                functools.partial(self._update_item, lrs=lrs),
+                lambda items: apply_updates(self.config, items, step),
+            )
         else:
             if self.config.cpu_offload:  # ZeRO 0-2: every gradient to the host, then update there
-                grads, arrived = self._host_copies.to_host(grads)
+                grads, arrived = self._host_update.copies.to_host(grads)
                 arrived()
             items = [self._update_item(i, grad, lrs) for i, grad in enumerate(grads)]
             for space in self.spaces:
@@ -396,32 +389,6 @@ class Optimizer:
         slot, work = self.slots[index], self.slots[index].work_param()
         group = self.parameter_groups[slot.group_index].config
         return UpdateItem(work, grad, slot.state, lrs[group.name], group.weight_decay, group.independent_weight_decay)
-
-    def _start_host_update(self, grads: list[torch.Tensor], lrs: dict[str, float]) -> None:
-        """ZeRO-3 with offload: update on the host in a thread, one piece per layer in forward
-        order (``_offload.py``); the next forward's gather of a layer waits for its piece and
-        the earlier ones only."""
-        pieces = []
-        for indices in self._offload_layers:
-            host, arrived = self._host_copies.to_host([grads[i] for i in indices])
-            items = [self._update_item(i, grad, lrs) for i, grad in zip(indices, host)]
-            shards = [(s.param_shard, s.master) for s in (self.slots[i] for i in indices)]
-            pieces.append(functools.partial(self._host_piece, self.step_count, arrived, items, shards))
-        self._host_update.start(pieces)
-
-    def _host_piece(
-        self,
-        step: int,
-        arrived: Callable[[], None],
-        items: list[UpdateItem],
-        shards: list[tuple[torch.Tensor | None, torch.Tensor | None]],
-    ) -> None:
-        """One layer's host update (in the thread): wait for its gradients, update, copy into the device shards."""
-        arrived()
-        apply_updates(self.config, items, step)
-        self._host_copies.to_device(
-            [(shard, master) for shard, master in shards if shard is not None and master is not None]
-        )
 
     def _write_back(self) -> None:
         """Copy updated master weights into the parameters (unsharded) or the ZeRO-3 shards."""
