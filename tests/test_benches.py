@@ -1,0 +1,42 @@
+"""The benches that scripts/gpu_check runs on a lent GPU run here too, tiny, on CPU.
+
+A lent GPU comes rarely and for minutes: a bench that crashes there costs the figures of a
+whole session. These runs check only that each bench finishes and prints its figures (no
+timing is asserted: it is measured, not tested).
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def _bench(*argv: str, cwd: Path = ROOT) -> str:
+    done = subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_transformer_step_bench_runs_with_master_weights_and_a_trace(tmp_path):
+    out = _bench(
+        "bench/transformer_step.py", "--hidden", "64", "--layers", "2", "--heads", "4", "--vocab", "256",
+        "--seq", "32", "--batch", "2", "--dtype", "bf16", "--warmup", "1", "--iters", "2", "--trace", str(tmp_path),
+    )  # fmt: skip
+    assert "wall ratio ours/reference = " in out
+    assert (tmp_path / "transformer_step_top_ops.txt").exists()
+
+
+def test_offload_step_bench_runs_all_three_sides():
+    out = _bench("bench/offload_step.py", "--hidden", "64", "--blocks", "2", "--batch", "32", "--steps", "2",
+                 "--rounds", "1")  # fmt: skip
+    assert "ours offloaded / FSDP2 offloaded: " in out
+    assert "largest relative loss difference, ours offloaded vs FSDP2: 0.0e+00" in out  # same weights, batches
+
+
+def test_model_state_bytes_bench_meets_its_theory():
+    out = _bench("bench/model_state_bytes.py", "--hidden", "64", "--layers", "2")
+    assert "worst deviation from theory 0.0000%" in out
