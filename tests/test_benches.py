@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from scaling.nn import float8_supported
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -28,6 +31,14 @@ def test_transformer_step_bench_runs_with_master_weights_and_a_trace(tmp_path):
     )  # fmt: skip
     assert "wall ratio ours/reference = " in out
     assert (tmp_path / "transformer_step_top_ops.txt").exists()
+
+
+@pytest.mark.skipif(float8_supported(torch.device("cpu")) is not None, reason="no float8 products on CPU here")
+def test_compile_step_bench_runs_with_float8_linears():
+    # aot_eager: the bench's logic without inductor's compile time (the GPU run uses inductor)
+    out = _bench("bench/compile_step.py", "--backend", "aot_eager", "--fp8", "--hidden", "64", "--layers", "2",
+                 "--heads", "4", "--vocab", "256", "--seq", "32", "--batch", "2", "--warmup", "1", "--iters", "2")  # fmt: skip
+    assert "ours compiled / reference compiled = " in out
 
 
 def test_offload_step_bench_runs_all_three_sides():
