@@ -36,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0], add_help=False)
     p.add_argument("--backend", default="inductor", help="torch.compile backend of both compiled sides")
     p.add_argument("--fp8", action="store_true", help="our compiled side's linears in float8 (tensorwise)")
+    if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
+        p.print_help()  # then bench/transformer_step.py's options, which it takes too
+        print()
     return p.parse_known_args(argv)
 
 
