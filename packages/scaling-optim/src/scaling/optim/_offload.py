@@ -1,16 +1,17 @@
-"""The host update of ZeRO-3 with ``cpu_offload``, run in a thread while the next step starts.
+"""The host side of ``cpu_offload``: under ZeRO-3 the update runs in a thread while the next step starts.
 
-``step()`` hands the update to :class:`HostUpdate` as one piece of work per layer, in
-forward order (the parameters a layer gathers first: their update on the host copies and
-the copy into their device shards), and returns. The next forward's gather of layer ``i``
+``step()`` hands the update to :class:`LayeredHostUpdate`, which runs it in a
+:class:`HostUpdate` thread as one piece of work per layer, in forward order (the
+parameters a layer gathers first: their update on the host copies and the copy into
+their device shards), and returns. The next forward's gather of layer ``i``
 waits only for pieces ``0..i``, so the host updates the later layers while the device
 computes the earlier ones; anything reading all the parameters or the optimizer state
 waits for all of it. An error in the thread is raised by the wait, on the caller's thread.
 Only local work runs in the thread: collectives stay on the main thread, whose order
 every rank must keep.
 
-:class:`HostCopies` moves the data between the device and the host without stalling
-either: on CUDA the gradients go into pinned host memory by non-blocking copies, each
+:class:`HostCopies` (ZeRO 0-2 with offload use it too, without the thread) moves the data
+between the device and the host without stalling either: on CUDA the gradients go into pinned host memory by non-blocking copies, each
 layer's behind an event the thread waits for, and the updated values go back to the
 device on a stream of the thread's own; on CPU both are plain (the host is the device).
 """
