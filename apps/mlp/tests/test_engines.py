@@ -212,7 +212,7 @@ def test_stopping_the_waiting_runner_cancels_the_job(cluster, tmp_path):
         # a line written while the step is being torn down (seen once in CI). The signal reaches
         # every process of the step, so the task loops on short sleeps: with `sleep 300 & wait`
         # a sleep killed first let bash end before its own trap ran (seen once in CI).
-        f"srun bash -c 'trap \"touch {tmp_path}/stopped.$SLURM_PROCID; exit 7\" TERM; echo running; "
+        f'srun bash -c \'trap "touch {tmp_path}/stopped.$SLURM_PROCID; exit 7" TERM; echo running; '
         "while :; do sleep 0.2; done'\n"
     )
     env = {**os.environ, **cluster.env}
