@@ -211,13 +211,16 @@ def _offload_worker(cfg):
 
 def test_zero3_with_cpu_offload_keeps_no_optimizer_state_on_the_device(gpu_corpus):
     runs = {}
-    for offload in (False, True):
-        cfg = _transformer(gpu_corpus, 4, optimizer={"zero_stage": 3, "cpu_offload": offload})
-        runs[offload] = run_distributed(_offload_worker, 1, cfg, backend="nccl", timeout_seconds=300)[0]
-    assert runs[False][0] == {("cuda", False)}
-    assert runs[True][0] == {("cpu", True)}  # pinned host memory: master copies and moments
+    # ZeRO-3 offloaded: the layered host update in its thread; ZeRO-1: the synchronous path (both
+    # copy the gradients to pinned host memory without blocking per parameter).
+    for zero, offload in ((3, False), (3, True), (1, True)):
+        cfg = _transformer(gpu_corpus, 4, optimizer={"zero_stage": zero, "cpu_offload": offload})
+        runs[zero, offload] = run_distributed(_offload_worker, 1, cfg, backend="nccl", timeout_seconds=300)[0]
+    assert runs[3, False][0] == {("cuda", False)}
+    assert runs[3, True][0] == runs[1, True][0] == {("cpu", True)}  # pinned host memory: masters and moments
     # The same fp32 update, run by the CPU's fused AdamW instead of the GPU's: equal to rounding.
-    torch.testing.assert_close(runs[True][1], runs[False][1], rtol=1e-5, atol=0)
+    for offloaded in (runs[3, True], runs[1, True]):
+        torch.testing.assert_close(offloaded[1], runs[3, False][1], rtol=1e-5, atol=0)
 
 
 def test_moe_transformer_trains_on_cuda_and_matches_cpu(gpu_corpus):
