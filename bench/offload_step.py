@@ -34,25 +34,10 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from zero3_step import BETAS, EPS, LR, WD, _model
+from zero3_step import BETAS, EPS, LR, WD, _model, _ours
 
-from scaling.nn import ParameterMeta
-from scaling.optim import Optimizer, OptimizerConfig, OptimizerParamGroup, OptimizerParamGroupConfig
-from scaling.testing import make_topology, run_distributed
-
-
-def _ours(model: torch.nn.Sequential, device: torch.device, offload: bool) -> Optimizer:
-    triples = []
-    for index, block in enumerate(model):
-        for name, p in block.named_parameters():
-            meta = ParameterMeta(name, tuple(p.shape), layer_index=index).attach(p).parameter_meta
-            triples.append((meta.key, p, meta))
-    config = OptimizerConfig(zero_stage=3, cpu_offload=offload, method="adamw", beta1=BETAS[0], beta2=BETAS[1], eps=EPS)
-    scheduler = {"learning_rate": LR, "learning_rate_minimum": 0.0}
-    group = OptimizerParamGroup(
-        triples, OptimizerParamGroupConfig(name="all", weight_decay=WD, learning_rate_scheduler=scheduler)
-    )
-    return Optimizer(config, [group], make_topology(device=device.type), zero3_modules=list(model))
+from scaling.optim import Optimizer
+from scaling.testing import run_distributed
 
 
 def _fsdp2_offloaded(model: torch.nn.Sequential, device: torch.device) -> torch.optim.Optimizer:
@@ -84,8 +69,8 @@ def measure(hidden: int, blocks: int, batch: int, steps: int, rounds: int) -> di
     models = {name: copy.deepcopy(base).to(device) for name in ("offloaded", "on_device")}
     models["fsdp2"] = copy.deepcopy(base)  # fully_shard moves it: its shards to the host
     opts: dict[str, Optimizer | torch.optim.Optimizer] = {
-        "offloaded": _ours(models["offloaded"], device, offload=True),
-        "on_device": _ours(models["on_device"], device, offload=False),
+        "offloaded": _ours(models["offloaded"], None, offload=True, device=device),
+        "on_device": _ours(models["on_device"], None, offload=False, device=device),
         "fsdp2": _fsdp2_offloaded(models["fsdp2"], device),
     }
     gen = torch.Generator().manual_seed(1 + dist.get_rank())

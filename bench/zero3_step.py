@@ -50,20 +50,24 @@ def _model(hidden: int, blocks: int) -> torch.nn.Sequential:
     )
 
 
-def _ours(model: torch.nn.Sequential, shard: int | None) -> Optimizer:
+def _ours(
+    model: torch.nn.Sequential, shard: int | None, offload: bool = False, device: torch.device | None = None
+) -> Optimizer:
+    """ZeRO-3 AdamW over ``model``'s blocks as units (``offload``: bench/offload_step.py's sides)."""
     triples = []
     for index, block in enumerate(model):
         for name, p in block.named_parameters():
             meta = ParameterMeta(name, tuple(p.shape), layer_index=index).attach(p).parameter_meta
             triples.append((meta.key, p, meta))
-    config = OptimizerConfig(zero_stage=3, method="adamw", beta1=BETAS[0], beta2=BETAS[1], eps=EPS)
+    config = OptimizerConfig(zero_stage=3, cpu_offload=offload, method="adamw", beta1=BETAS[0], beta2=BETAS[1], eps=EPS)
     group = OptimizerParamGroup(
         triples,
         OptimizerParamGroupConfig(
             name="all", weight_decay=WD, learning_rate_scheduler={"learning_rate": LR, "learning_rate_minimum": 0.0}
         ),
     )
-    return Optimizer(config, [group], make_topology(data_parallel_shard_size=shard), zero3_modules=list(model))
+    topology = make_topology(data_parallel_shard_size=shard, device=(device or torch.device("cpu")).type)
+    return Optimizer(config, [group], topology, zero3_modules=list(model))
 
 
 def _fsdp2(model: torch.nn.Sequential, shard: int | None) -> torch.optim.Optimizer:

@@ -223,7 +223,7 @@ class ParameterGatherer:
             return
         else:
             send = torch.cat([s.padded_chunk(s.param_shard) for s in slots])  # type: ignore[arg-type]
-        if world == 1:
+        if world == 1:  # float8 on one rank: the same quantised bytes as with more, not sent
             self._pending[index] = _Pending(None, send, send.numel(), inverse)
             return
         self.sent_bytes += send.numel() * send.element_size()
