@@ -16,6 +16,9 @@ import torch.nn.functional as F
 from scaling.nn import KVCache, ParallelSelfAttention, check_context_parallel, reduce_sequence_parallel_gradients
 from scaling.nn._context_parallel import (
     TokenLayout,
+    _aligned_bias,
+    _cuda_backward,
+    _cuda_forward,
     all_to_all_attention,
     block_attention_backward,
     block_attention_forward,
@@ -119,6 +122,33 @@ def test_block_kernel_matches_the_written_out_math():
             assert torch.allclose(out, ref, atol=1e-6) and torch.allclose(lse, ref_lse, atol=1e-6)
             for a, b in zip(backward(grad, q, k, v, out, lse, m, causal, 0.5), leaves):
                 assert torch.allclose(a, b.grad, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "sq", "sk", "masked", "causal"),
+    [
+        ("flash", 48, 48, False, True),
+        ("flash", 48, 80, False, False),
+        ("efficient", 48, 48, False, True),
+        ("efficient", 48, 80, True, False),
+        ("efficient", 64, 64, False, False),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_block_kernels_calls_trace_on_the_meta_device(kernel, sq, sk, masked, causal, dtype):
+    """The CUDA branch's kernel calls, traced with torch's meta kernels (shapes and dtypes:
+    the arguments each op's schema takes, the log-sum-exp cut to the block's rows, the
+    efficient kernel's padded layout); their values are the gpu tier's to check."""
+    q = torch.empty(2, 4, sq, 32, device="meta", dtype=dtype)
+    k = torch.empty(2, 4, sk, 32, device="meta", dtype=dtype)
+    mask = torch.empty(2, 1, sq, sk, dtype=torch.bool, device="meta") if masked else None
+    out, lse = _cuda_forward(kernel, q, k, k, mask, causal, 0.25)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, dtype, (2, 4, sq), torch.float32)
+    grads = _cuda_backward(kernel, out, q, k, k, out, lse, mask, causal, 0.25)
+    assert [(g.shape, g.dtype) for g in grads] == [(q.shape, dtype), (k.shape, dtype), (k.shape, dtype)]
+    if masked:
+        bias = _aligned_bias(mask, q)
+        assert bias.shape == (2, 4, sq, sk) and bias.stride(2) % 16 == 0 and bias.stride(-1) == 1
 
 
 ATTENTION_CONFIGS = [

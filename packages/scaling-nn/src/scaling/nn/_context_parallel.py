@@ -108,16 +108,18 @@ def block_attention_forward(
     """Attention of one block and its log-sum-exp: ``(out [b, n, sq, d], lse [b, n, sq] fp32)``.
 
     ``k``/``v`` have as many heads as ``q``; ``mask`` is bool ``[b | 1, 1, sq, sk]`` or None.
-    Every query row must see at least one key. On CPU the fused flash kernel, elsewhere
-    :func:`math_attention_forward` (the fused CUDA kernels' log-sum-exp path is not yet
-    wired: it needs a GPU session to be tested).
+    Every query row must see at least one key. A fused kernel that returns the log-sum-exp
+    computes it (:func:`_kernel` says which); elsewhere :func:`math_attention_forward`.
     """
-    if q.device.type == "cpu":
+    kernel = _kernel(q, mask)
+    if kernel == "cpu_flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=_bias(mask, q.dtype), scale=scale
         )
         return out, lse
-    return math_attention_forward(q, k, v, mask, causal, scale)
+    if kernel == "math":
+        return math_attention_forward(q, k, v, mask, causal, scale)
+    return _cuda_forward(kernel, q, k, v, mask, causal, scale)
 
 
 def block_attention_backward(
@@ -134,14 +136,126 @@ def block_attention_backward(
     """Gradients of one block given the *merged* output and log-sum-exp of its rows.
 
     With the final ``out`` and ``lse`` the softmax of the block is the block's share of
-    the whole row's softmax, so the block's gradients are exact parts of the whole.
+    the whole row's softmax, so the block's gradients are exact parts of the whole (the
+    fused kernels take ``out`` and ``lse`` as inputs, so they compute exactly that).
     """
-    if q.device.type == "cpu":
+    kernel = _kernel(q, mask)
+    if kernel == "cpu_flash":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=_bias(mask, q.dtype), scale=scale
         )
         return dq, dk, dv
-    return math_attention_backward(grad_out, q, k, v, out, lse, mask, causal, scale)
+    if kernel == "math":
+        return math_attention_backward(grad_out, q, k, v, out, lse, mask, causal, scale)
+    return _cuda_backward(kernel, grad_out, q, k, v, out, lse, mask, causal, scale)
+
+
+def _kernel(q: torch.Tensor, mask: torch.Tensor | None) -> str:
+    """The kernel for a block of ``q``: on CPU torch's flash kernel ("cpu_flash", any mask); on
+    CUDA the flash kernel ("flash") for fp16/bf16 blocks without a mask (compute capability 8.0
+    and up, head size a multiple of 8 up to 256), else the memory-efficient one ("efficient":
+    fp32, or a mask as an additive bias); on other devices "math"."""
+    if q.device.type == "cpu":
+        return "cpu_flash"
+    if q.device.type != "cuda":
+        return "math"
+    d = q.shape[-1]
+    if mask is None and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256:
+        if _capability(q.device) >= (8, 0):
+            return "flash"
+    return "efficient"
+
+
+def _cuda_forward(
+    kernel: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`block_attention_forward` by the CUDA ``kernel`` ("flash" or "efficient")."""
+    if kernel == "flash":
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, _aligned_bias(mask, q), True, 0.0, causal, scale=scale
+    )
+    return out, lse[:, :, : q.shape[2]]  # the kernel pads its rows to a multiple of 32
+
+
+def _cuda_backward(
+    kernel: str,
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`block_attention_backward` by the CUDA ``kernel``. Both kernels read the
+    log-sum-exp with a row stride of 1, so it is made contiguous (the efficient one in its
+    forward's padded layout); without dropout neither reads its random-number state."""
+    sq, no_rng = q.shape[2], torch.empty((), dtype=torch.long, device=q.device)
+    if kernel == "flash":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_out,
+            q,
+            k,
+            v,
+            out,
+            lse.contiguous(),
+            None,
+            None,
+            sq,
+            k.shape[2],
+            0.0,
+            causal,
+            no_rng,
+            no_rng,
+            scale=scale,
+        )
+        return dq, dk, dv
+    padded = lse.new_zeros(*lse.shape[:2], -(-sq // 32) * 32)
+    padded[:, :, :sq] = lse
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad_out,
+        q,
+        k,
+        v,
+        _aligned_bias(mask, q),
+        out,
+        padded,
+        no_rng,
+        no_rng,
+        0.0,
+        [True, True, True, False],
+        causal,
+        scale=scale,
+    )
+    return dq, dk, dv
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _aligned_bias(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """``mask`` as the memory-efficient kernel's additive bias ``[b, n, sq, sk]`` in ``q``'s dtype:
+    its rows start at multiples of 16 elements (the kernel's alignment; the rest is padding) and
+    broadcast dimensions are expanded, not copied (as ``F.scaled_dot_product_attention`` does)."""
+    if mask is None:
+        return None
+    *lead, sk = mask.shape
+    padded = torch.zeros((*lead, -(-sk // 16) * 16), dtype=q.dtype, device=mask.device)
+    bias = padded[..., :sk].masked_fill_(~mask, float("-inf"))
+    b, n, sq = q.shape[:3]
+    return bias.expand(b, n, sq, sk)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float) -> torch.Tensor:
