@@ -5,7 +5,8 @@ magnitude onto the format's largest finite value, multiplies with ``torch._scale
 (float8 inputs, fp32 accumulation, output in the activation dtype) and undoes the scales
 there: the recipe of torchao's float8 training and Transformer Engine's current scaling.
 
-- Forward ``y = x W^T``: ``x`` and ``W`` in e4m3 (more mantissa).
+- Forward ``y = x W^T``: ``x`` and ``W`` in e4m3 (more mantissa), accumulated in the
+  tensor cores' fast mode on GPUs (torchao's default for this product).
 - Backward ``dx = dy W`` and ``dW = dy^T x``: ``dy`` in e5m2 (more range, the default for
   tensorwise scaling) or e4m3 (rowwise, as torchao's rowwise recipe); ``x`` and ``W`` are
   re-cast from the high-precision copies autograd saved, scaled along the new products'
@@ -96,13 +97,30 @@ def _scale(t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> tuple[torch.
 
 
 def float8_mm(
-    a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype, rowwise: bool, out_dtype: torch.dtype
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_dtype: torch.dtype,
+    b_dtype: torch.dtype,
+    rowwise: bool,
+    out_dtype: torch.dtype,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
-    """``a [m, k] @ b [k, n]`` in float8: ``a`` scaled per row (or whole), ``b`` per column (or whole)."""
+    """``a [m, k] @ b [k, n]`` in float8: ``a`` scaled per row (or whole), ``b`` per column (or whole).
+
+    ``fast_accum``: let the GPU's float8 tensor cores accumulate in their faster, less precise
+    mode (torchao's default for the forward product, never for the gradients'); CPU ignores it.
+    """
     a8, a_inv = _scale(a, a_dtype, -1 if rowwise else None)
     b8, b_inv = _scale(b, b_dtype, 0 if rowwise else None)
     # _scaled_mm takes the left operand row-major and the right one column-major.
-    return torch._scaled_mm(a8.contiguous(), b8.t().contiguous().t(), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
+    return torch._scaled_mm(
+        a8.contiguous(),
+        b8.t().contiguous().t(),
+        scale_a=a_inv,
+        scale_b=b_inv,
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
+    )
 
 
 class _Float8Linear(torch.autograd.Function):
@@ -118,7 +136,7 @@ class _Float8Linear(torch.autograd.Function):
                 "of 16): make the tokens per micro-batch and rank (micro-batch size x sequence length / context "
                 "parallel size) a multiple of 16, or keep this layer in high precision"
             )
-        y = float8_mm(x2, weight.t(), E4M3, E4M3, config.scaling == "rowwise", x.dtype)
+        y = float8_mm(x2, weight.t(), E4M3, E4M3, config.scaling == "rowwise", x.dtype, fast_accum=True)
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
