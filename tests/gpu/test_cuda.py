@@ -205,22 +205,41 @@ def _offload_worker(cfg):
         for s in trainer.optimizer.slots
         for t in [*s.state.values(), *([s.master] if s.master is not None else [])]
     }
+    with trainer.optimizer.full_parameters():  # waits for the host update in flight
+        # Each device shard is its host master in the shard's dtype (bf16: through a pinned buffer).
+        landed = all(
+            torch.equal(s.param_shard.cpu(), s.master.cpu().to(s.param_shard.dtype))
+            for s in trainer.optimizer.slots
+            if s.param_shard is not None and s.master is not None
+        )
     topology.destroy()
-    return held, losses(history)
+    return held, losses(history), landed
+
+
+def _offload_config(corpus, zero, offload, precision):
+    return _transformer(corpus, 4, arch={"precision": precision}, optimizer={"zero_stage": zero, "cpu_offload": offload})
 
 
 def test_zero3_with_cpu_offload_keeps_no_optimizer_state_on_the_device(gpu_corpus):
-    runs = {}
-    # ZeRO-3 offloaded: the layered host update in its thread; ZeRO-1: the synchronous path (both
-    # copy the gradients to pinned host memory without blocking per parameter).
-    for zero, offload in ((3, False), (3, True), (1, True)):
-        cfg = _transformer(gpu_corpus, 4, optimizer={"zero_stage": zero, "cpu_offload": offload})
-        runs[zero, offload] = run_distributed(_offload_worker, 1, cfg, backend="nccl", timeout_seconds=300)[0]
-    assert runs[3, False][0] == {("cuda", False)}
-    assert runs[3, True][0] == runs[1, True][0] == {("cpu", True)}  # pinned host memory: masters and moments
+    # (ZeRO stage, cpu_offload, precision) -> where the masters and moments live. ZeRO-3 offloaded:
+    # the layered host update in its thread; ZeRO-1: the synchronous path (both copy the gradients
+    # to pinned host memory without blocking per parameter); bf16 with fp32 masters: the updated
+    # masters return to the bf16 shards through pinned buffers of their dtype.
+    held = {(3, False, "fp32"): {("cuda", False)}, (3, True, "fp32"): {("cpu", True)}}
+    held |= {(1, True, "fp32"): {("cpu", True)}, (3, True, "bf16"): {("cpu", True)}}
+    runs = {
+        key: run_distributed(
+            _offload_worker, 1, _offload_config(gpu_corpus, *key), backend="nccl", timeout_seconds=300
+        )[0]
+        for key in held
+    }
+    assert {key: run[0] for key, run in runs.items()} == held
+    assert runs[3, True, "bf16"][2], "a bf16 shard differs from its master after the host update"
     # The same fp32 update, run by the CPU's fused AdamW instead of the GPU's: equal to rounding.
-    for offloaded in (runs[3, True], runs[1, True]):
-        torch.testing.assert_close(offloaded[1], runs[3, False][1], rtol=1e-5, atol=0)
+    for key in ((3, True, "fp32"), (1, True, "fp32")):
+        torch.testing.assert_close(runs[key][1], runs[3, False, "fp32"][1], rtol=1e-5, atol=0)
+    bf16 = runs[3, True, "bf16"][1]
+    assert bf16[-1] < bf16[0], bf16
 
 
 def test_moe_transformer_trains_on_cuda_and_matches_cpu(gpu_corpus):

@@ -92,6 +92,8 @@ class HostCopies:
         # The thread's stream for the copies back to the device (made at the first): they need
         # not queue behind the next forward's kernels on the main stream.
         self._stream: torch.cuda.Stream | None = None
+        # Pinned host buffers in a target's dtype (by target), for sources of another dtype.
+        self._staging: dict[int, torch.Tensor] = {}
 
     def to_host(self, grads: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[], None]]:
         """Start copying ``grads`` to the host; returns the host tensors and a wait for them (call it in the thread)."""
@@ -105,7 +107,13 @@ class HostCopies:
         return host, copied.synchronize
 
     def to_device(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy each host ``source`` into its device ``target``; returns once they have arrived."""
+        """Copy each host ``source`` into its device ``target``; returns once they have arrived.
+
+        On CUDA a source of another dtype (fp32 masters of bf16 shards) is cast on the host into a
+        pinned buffer of the target's dtype kept for the next steps, then copied without blocking:
+        copied directly, torch would cast into pageable memory, whose copy is synchronous and
+        slower, and would move twice the bytes had it cast on the device.
+        """
         if not self.cuda:
             for target, source in pairs:
                 target.copy_(source)
@@ -114,8 +122,14 @@ class HostCopies:
             self._stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self._stream):
             for target, source in pairs:
+                if source.dtype != target.dtype:
+                    staged = self._staging.get(id(target))
+                    if staged is None or staged.shape != target.shape or staged.dtype != target.dtype:
+                        staged = torch.empty(target.shape, dtype=target.dtype, pin_memory=True)
+                        self._staging[id(target)] = staged
+                    source = staged.copy_(source)
                 target.copy_(source, non_blocking=True)
-        self._stream.synchronize()
+        self._stream.synchronize()  # the staging buffers are free again when this returns
 
 
 class LayeredHostUpdate:
