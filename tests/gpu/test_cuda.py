@@ -217,7 +217,9 @@ def _offload_worker(cfg):
 
 
 def _offload_config(corpus, zero, offload, precision):
-    return _transformer(corpus, 4, arch={"precision": precision}, optimizer={"zero_stage": zero, "cpu_offload": offload})
+    return _transformer(
+        corpus, 4, arch={"precision": precision}, optimizer={"zero_stage": zero, "cpu_offload": offload}
+    )
 
 
 def test_zero3_with_cpu_offload_keeps_no_optimizer_state_on_the_device(gpu_corpus):
