@@ -51,3 +51,10 @@ def test_offload_step_bench_runs_all_three_sides():
 def test_model_state_bytes_bench_meets_its_theory():
     out = _bench("bench/model_state_bytes.py", "--hidden", "64", "--layers", "2")
     assert "worst deviation from theory 0.0000%" in out
+
+
+def test_ring_block_kernels_bench_compares_the_three_sides():
+    out = _bench("bench/ring_block_kernels.py", "--seqs", "64", "--heads", "2", "--head-dim", "16", "--iters", "1")
+    rows = [line for line in out.splitlines() if line.startswith("| 64 |")]
+    assert [row.split(" | ")[1:3] for row in rows] == [["causal", "cpu_flash"], ["full", "cpu_flash"]]
+    assert all(float(row.rstrip(" |").split(" | ")[-1]) < 1e-5 for row in rows)  # fused = written-out (fp32)
