@@ -7,7 +7,11 @@ python bench/transformer_step.py --hidden 2048 --layers 16 --heads 16 --vocab 32
 Both sides: the same shapes, weight layout and kernels (SDPA causal attention, SwiGLU, RMSNorm,
 tied embeddings, AdamW). Ours runs scaling.trainer.train_step + scaling.optim.Optimizer
 (no document masking, so the same is_causal SDPA kernel); the reference is a hand-written
-nn.Module with torch.optim.AdamW. The two alternate step by step (and which goes first) in
+nn.Module with torch.optim.AdamW. With --documents N each row packs N documents (the same
+seeded lengths on both sides): ours masks them as the app does (on CUDA in bf16, flash
+attention's variable-length kernel; elsewhere SDPA with the document mask), the reference
+as plain PyTorch would, SDPA with a dense document mask and RoPE positions restarting per
+document. The two alternate step by step (and which goes first) in
 one process. Prints median wall-clock step times and ours / reference (target <= 1.05),
 tokens/s and MFU (bf16 on a known CUDA card, or with --peak-tflops); on CPU also the process CPU time of each side, which
 a shared machine's load changes far less than the wall clock. CPU runs use one intra-op
@@ -52,13 +56,19 @@ class RefBlock(torch.nn.Module):
         self.register_buffer("inv", inv.float(), persistent=False)
         self.r = r
 
-    def rope(self, x: torch.Tensor) -> torch.Tensor:
-        ang = torch.arange(x.shape[2], device=x.device).float()[:, None] * self.inv
+    def rope(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(x.shape[2], device=x.device)
+        ang = positions.float().unsqueeze(-1) * self.inv
         cos, sin = ang.cos(), ang.sin()
+        if ang.dim() == 3:  # [b, s, r]: per-row positions, broadcast over the heads
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         x1, x2 = x[..., : self.r].float(), x[..., self.r :].float()
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).to(x.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         b, s, _ = x.shape
         g = self.qkv(F.rms_norm(x, (x.shape[-1],), self.n1, self.eps)).view(
             b, s, self.nkv, self.nq // self.nkv + 2, self.d
@@ -66,7 +76,12 @@ class RefBlock(torch.nn.Module):
         q = g[:, :, :, :-2].reshape(b, s, self.nq, self.d).transpose(1, 2)
         k, v = g[:, :, :, -2].transpose(1, 2), g[:, :, :, -1].transpose(1, 2)
         a = F.scaled_dot_product_attention(
-            self.rope(q), self.rope(k), v, is_causal=True, enable_gqa=self.nq != self.nkv
+            self.rope(q, positions),
+            self.rope(k, positions),
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            enable_gqa=self.nq != self.nkv,
         )
         x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
         h = F.rms_norm(x, (x.shape[-1],), self.n2, self.eps)
@@ -84,10 +99,15 @@ class RefModel(torch.nn.Module):
         self.norm = torch.nn.Parameter(torch.ones(arch.hidden_size))
         self.eps = arch.norm_eps
 
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         x = self.emb(ids)
+        mask = None
+        if positions is not None:  # packed documents: a token sees the earlier tokens of its own document
+            doc = (positions == 0).cumsum(-1)  # [b, s]: the document of each token in its row
+            causal = torch.ones(doc.shape[-1], doc.shape[-1], dtype=torch.bool, device=doc.device).tril()
+            mask = ((doc.unsqueeze(-1) == doc.unsqueeze(-2)) & causal).unsqueeze(1)
         for blk in self.blocks:
-            x = blk(x)
+            x = blk(x, positions, mask)
         logits = F.linear(F.rms_norm(x, (x.shape[-1],), self.norm, self.eps), self.emb.weight)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
@@ -130,7 +150,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="bf16: update the bf16 weights directly, as the reference does (default: fp32 master weights)",
     )  # fmt: skip
     p.add_argument("--trace", default=None, help="folder for a torch.profiler trace of 3 of our steps (chrome JSON)")
+    p.add_argument("--documents", type=int, default=0, help="packed documents per row (0: one sequence per row)")
     return p.parse_args(argv)
+
+
+def packed_rows(batch: int, seq: int, documents: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(position_ids [b, s], cumulative_seq_lengths)`` of rows that each pack ``documents``
+    documents of seeded lengths (at least one token each)."""
+    g = torch.Generator().manual_seed(1)
+    positions, cu = [], [0]
+    for row in range(batch):
+        cuts = sorted(torch.randperm(seq - 1, generator=g)[: documents - 1].add(1).tolist())
+        starts, ends = [0, *cuts], [*cuts, seq]
+        positions.append(torch.cat([torch.arange(e - b) for b, e in zip(starts, ends)]))
+        cu += [row * seq + e for e in ends]
+    return torch.stack(positions), torch.tensor(cu, dtype=torch.int32)
 
 
 # Dense bf16 peak TFLOP/s by the vendor's datasheets (SXM parts), for MFU.
@@ -163,7 +197,7 @@ def build(
     device = torch.device(a.device)
     arch = TransformerArchitectureConfig(
         vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers, num_attention_heads=a.heads,
-        num_kv_heads=a.kv_heads, max_sequence_length=a.seq, precision=a.dtype, document_masking=False,
+        num_kv_heads=a.kv_heads, max_sequence_length=a.seq, precision=a.dtype, document_masking=a.documents > 0,
     )  # fmt: skip
     cfg = TransformerConfig.from_dict(
         {
@@ -188,7 +222,8 @@ def build(
     loss_fn = TransformerLoss(arch.vocab_size, topo)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g)
-    batch = TransformerBatch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), None, None).to(device)
+    positions, cu = packed_rows(a.batch, a.seq, a.documents) if a.documents > 0 else (None, None)
+    batch = TransformerBatch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), positions, cu).to(device)
 
     ref = RefModel(arch).to(device, arch.dtype) if reference else None
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, weight_decay=0.01, foreach=True) if ref else None
@@ -199,7 +234,7 @@ def build(
     def run_reference() -> None:
         assert ref is not None and ref_opt is not None, "built with reference=False"
         ref_opt.zero_grad(set_to_none=True)
-        ref(batch.input_token_ids, batch.target_token_ids).backward()
+        ref(batch.input_token_ids, batch.target_token_ids, batch.position_ids).backward()
         ref_opt.step()
 
     return Bench(ours, run_reference, arch, topo, device, optimizer, ref_opt, module, ref)

@@ -33,6 +33,14 @@ def test_transformer_step_bench_runs_with_master_weights_and_a_trace(tmp_path):
     assert (tmp_path / "transformer_step_top_ops.txt").exists()
 
 
+def test_transformer_step_bench_runs_with_packed_documents():
+    out = _bench(
+        "bench/transformer_step.py", "--hidden", "64", "--layers", "2", "--heads", "4", "--vocab", "256",
+        "--seq", "32", "--batch", "2", "--warmup", "1", "--iters", "2", "--documents", "3",
+    )  # fmt: skip
+    assert "wall ratio ours/reference = " in out
+
+
 @pytest.mark.skipif(float8_supported(torch.device("cpu")) is not None, reason="no float8 products on CPU here")
 def test_compile_step_bench_runs_with_float8_linears():
     # aot_eager: the bench's logic without inductor's compile time (the GPU run uses inductor)

@@ -83,6 +83,45 @@ def test_matches_explicit_softmax_reference(config, packed):
     close(layer(x, cu_seqlens=cu), reference_attention(layer, x, cu), "attention", rtol=1e-5)
 
 
+def test_packed_documents_are_checked_once_per_batch_not_per_layer(monkeypatch):
+    """The cu_seqlens check reads the tensor on the host (a device sync per call on a GPU):
+    every layer of a forward gets the same tensor, so it runs for the first one only."""
+    from scaling.nn import _rotary
+
+    calls = []
+    check = _rotary._check_cu_seqlens
+    monkeypatch.setattr(_rotary, "_check_cu_seqlens", lambda *args: calls.append(1) or check(*args))
+    torch.manual_seed(0)
+    layers = [ParallelSelfAttention(H, NQ, **CONFIGS[0]) for _ in range(3)]
+    x, cu = torch.randn(2, 7, H), CU_SEQLENS.clone()
+    for layer in layers:
+        x = layer(x, cu_seqlens=cu)
+    assert len(calls) == 1
+    layers[0](x, cu_seqlens=cu.clone())  # a new batch's tensor is checked again
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match=r"cu_seqlens=\[0, 3, 13\] must increase from 0 to batch_size"):
+        layers[0](x, cu_seqlens=torch.tensor([0, 3, 13]))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_packed_flash_attention_call_traces_on_the_meta_device(causal, kv_heads):
+    """The CUDA path of packed documents (flash's variable-length kernel), traced with torch's
+    meta kernels where torch has it: shapes and dtypes forward and backward, GQA included
+    (the values are the gpu tier's: tests/gpu/test_attention_cuda.py)."""
+    from scaling.nn import _attention
+
+    if _attention._varlen is None:
+        pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen (2.10 and newer)")
+    q = torch.empty(2, 4, 7, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.empty(2, kv_heads, 7, 16, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+    out = _attention.packed_flash_attention(q, k, v, CU_SEQLENS.to("meta"), causal)
+    assert (out.shape, out.dtype) == (q.shape, torch.bfloat16)
+    out.sum().backward()
+    assert [t.grad.shape for t in (q, k, v)] == [q.shape, k.shape, v.shape]
+    assert not _attention.packed_flash_available(torch.empty(2, 4, 7, 16, dtype=torch.bfloat16), 0.0)  # CPU
+
+
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c["causal"]])
 def test_kv_cache_matches_full_forward_token_by_token(config):
     torch.manual_seed(0)

@@ -93,7 +93,9 @@ class TransformerArchitectureConfig(BaseConfig):
         description="'every_layer' recomputes each block in the backward; 'selective' only softmax(QK^T)V.",
     )
     document_masking: bool = Field(
-        True, description="Attention stays within each packed document and positions restart at document starts."
+        True,
+        description="Attention stays within each packed document and positions restart at document starts "
+        "(on CUDA in bf16/fp16: flash attention's variable-length kernel; elsewhere SDPA with the document mask).",
     )
     moe: MoEConfig | None = Field(
         None, description="Mixture-of-experts blocks (routed SwiGLU experts); None = every block dense."

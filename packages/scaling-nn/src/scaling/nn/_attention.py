@@ -14,6 +14,12 @@ zigzag slice of each sequence (see ``scaling.nn._context_parallel``) and attenti
 over the whole sequence by ring or by all-to-all (``context_parallel_method``); RoPE
 positions and document masks are those of the tokens' places in the whole sequence.
 
+Packed documents (``cu_seqlens``): attention stays within each document. On CUDA in fp16/bf16
+(compute capability 8.0 and up, head size a multiple of 8 up to 256, no attention dropout,
+torch 2.10 or newer) flash attention's variable-length kernel computes it
+(:func:`packed_flash_attention`), as flash-attention's varlen API and Megatron's packed (THD)
+format do; elsewhere ``F.scaled_dot_product_attention`` with the document mask.
+
 Fused QKV weight layout (rows of ``qkv.weight``), per kv head ``g``: the ``n_q / n_kv``
 query heads of group ``g``, then key ``g``, then value ``g``. Contiguous TP slices of
 that layout hold whole groups.
@@ -22,6 +28,9 @@ that layout hold whole groups.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
+import types
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -36,6 +45,7 @@ from scaling.nn._context_parallel import (
     CONTEXT_PARALLEL_METHODS,
     TokenLayout,
     all_to_all_attention,
+    cuda_capability,
     ring_attention,
 )
 from scaling.nn._init import (
@@ -53,6 +63,41 @@ from scaling.topology import zigzag_indices
 
 if TYPE_CHECKING:
     from scaling.topology import RNGTracker, Topology
+
+# torch 2.10 and newer: flash attention's variable-length kernel (CUDA); older: the document mask.
+_VARLEN = "torch.nn.attention.varlen"
+_varlen: types.ModuleType | None = importlib.import_module(_VARLEN) if importlib.util.find_spec(_VARLEN) else None
+
+
+def packed_flash_available(q: torch.Tensor, dropout: float) -> bool:
+    """Whether :func:`packed_flash_attention` runs for queries like ``q`` (``[b, n, s, d]``)."""
+    d = q.shape[-1]
+    if _varlen is None or q.device.type != "cuda" or dropout > 0.0:
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
+        return False
+    return cuda_capability(q.device) >= (8, 0)
+
+
+def packed_flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool
+) -> torch.Tensor:
+    """Attention within the documents of ``cu_seqlens`` by flash attention's variable-length kernel.
+
+    ``q`` ``[b, n, s, d]``, ``k``/``v`` ``[b, n_kv, s, d]`` (``n_kv`` divides ``n``);
+    ``cu_seqlens`` as :func:`document_ids_and_positions` takes it (documents never cross a
+    row, so ``s`` bounds every document and no host read of their lengths is needed).
+    Returns ``[b, n, s, d]``, what SDPA returns with :func:`packed_attention_mask`.
+    """
+    assert _varlen is not None
+    b, n, s, d = q.shape
+    if k.shape[1] != n:
+        k, v = (t.repeat_interleave(n // t.shape[1], dim=1) for t in (k, v))
+    q_, k_, v_ = (t.transpose(1, 2).reshape(b * s, n, d) for t in (q, k, v))
+    cu = cu_seqlens.reshape(-1).to(torch.int32)
+    out = _varlen.varlen_attn(q_, k_, v_, cu, cu, s, s, window_size=(-1, 0) if causal else (-1, -1))
+    assert isinstance(out, torch.Tensor)  # no auxiliary outputs asked for
+    return out.view(b, s, n, d).transpose(1, 2)
 
 
 def valid_model_parallel_sizes(num_attention_heads: int, num_kv_heads: int, fused_qkv: bool) -> list[int]:
@@ -252,8 +297,16 @@ class ParallelSelfAttention(torch.nn.Module):
         return q.view(b, s, nq, d), k.view(b, s, nkv, d), v.view(b, s, nkv, d)
 
     def _core(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        is_causal: bool,
+        packed: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if packed is not None:  # cu_seqlens for the variable-length kernel (see packed_flash_available)
+            return packed_flash_attention(q, k, v, packed, self.causal)
         p = self.attention_dropout if self.training else 0.0
         fork = self.rng_tracker.fork() if (p > 0.0 and self.rng_tracker is not None) else contextlib.nullcontext()
         with fork:
@@ -302,13 +355,17 @@ class ParallelSelfAttention(torch.nn.Module):
             out = self._context_parallel(q, k, v, cu_seqlens, position_ids)
             return self.dense(out.transpose(1, 2).reshape(b, s, self.num_local_heads * self.head_dim))
         mask: torch.Tensor | None = None
+        packed: torch.Tensor | None = None
         is_causal = self.causal
         offset = kv_cache.seq_len if kv_cache is not None else 0
         if cu_seqlens is not None:
             if kv_cache is not None:
                 raise ValueError("ParallelSelfAttention: cu_seqlens (packed sequences) cannot be used with kv_cache")
             doc_ids, positions = document_ids_and_positions(cu_seqlens, b, s)
-            mask, is_causal = packed_attention_mask(doc_ids, self.causal), False
+            if packed_flash_available(q, self.attention_dropout if self.training else 0.0):
+                packed = cu_seqlens
+            else:
+                mask, is_causal = packed_attention_mask(doc_ids, self.causal), False
         else:
             positions = position_ids if position_ids is not None else torch.arange(offset, offset + s, device=q.device)
         if self.rotary is not None:
@@ -319,7 +376,7 @@ class ParallelSelfAttention(torch.nn.Module):
                 total = k.shape[2]
                 rows = torch.arange(offset, offset + s, device=q.device).unsqueeze(-1)
                 mask, is_causal = rows >= torch.arange(total, device=q.device), False
-        out = self._maybe_checkpointed(self._core, q, k, v, mask, is_causal)
+        out = self._maybe_checkpointed(self._core, q, k, v, mask, is_causal, packed)
         return self.dense(out.transpose(1, 2).reshape(b, s, self.num_local_heads * self.head_dim))
 
     def _maybe_checkpointed(self, fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:

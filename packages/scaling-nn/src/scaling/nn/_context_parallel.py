@@ -161,7 +161,7 @@ def _kernel(q: torch.Tensor, mask: torch.Tensor | None) -> str:
         return "math"
     d = q.shape[-1]
     if mask is None and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256:
-        if _capability(q.device) >= (8, 0):
+        if cuda_capability(q.device) >= (8, 0):
             return "flash"
     return "efficient"
 
@@ -241,7 +241,8 @@ def _cuda_backward(
 
 
 @functools.lru_cache(maxsize=16)
-def _capability(device: torch.device) -> tuple[int, int]:
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability``, asked once per device (the fused kernels' choice reads it often)."""
     return torch.cuda.get_device_capability(device)
 
 

@@ -5,6 +5,8 @@ Shape legend: b batch, h heads, s query length, k key length, d head dim.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -111,7 +113,8 @@ def document_ids_and_positions(
     ``cu_seqlens`` holds cumulative document lengths over the flattened ``b * s`` tokens,
     as in flash-attention's varlen API: ``[0, len_0, len_0 + len_1, ..., b * s]``. Computed
     on ``cu_seqlens``' device without a host sync (a compiled layer traces it whole); the
-    validation reads the values on the host, so it runs eagerly only.
+    validation reads the values on the host, so it runs eagerly only, and once per
+    ``cu_seqlens`` tensor (and batch shape) while that tensor lives, not in every layer.
 
     Raises:
         ValueError: when ``cu_seqlens`` does not start at 0, end at ``b * s``, increase,
@@ -119,13 +122,19 @@ def document_ids_and_positions(
     """
     cu = cu_seqlens.detach().reshape(-1).long()
     total = batch_size * seq_len
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and _CHECKED.get((id(cu_seqlens), batch_size, seq_len)) is not cu_seqlens:
         _check_cu_seqlens(cu, batch_size, seq_len)
+        _CHECKED[id(cu_seqlens), batch_size, seq_len] = cu_seqlens
     tokens = torch.arange(total, device=cu.device)
     # The document of token t: how many boundaries after the first are <= t (empty documents skipped).
     doc = torch.searchsorted(cu[1:], tokens, right=True)
     positions = tokens - cu[doc]
     return doc.view(batch_size, seq_len), positions.view(batch_size, seq_len)
+
+
+# The cu_seqlens tensors already checked (while they live): every layer of a forward gets the
+# same one, and the check reads it on the host, a device sync on a GPU; once per batch is enough.
+_CHECKED: weakref.WeakValueDictionary[tuple[int, int, int], torch.Tensor] = weakref.WeakValueDictionary()
 
 
 def _check_cu_seqlens(cu: torch.Tensor, batch_size: int, seq_len: int) -> None:
