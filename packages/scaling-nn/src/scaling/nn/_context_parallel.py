@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -240,10 +241,13 @@ def _cuda_backward(
     return dq, dk, dv
 
 
-@functools.lru_cache(maxsize=16)
-def cuda_capability(device: torch.device) -> tuple[int, int]:
-    """``torch.cuda.get_device_capability``, asked once per device (the fused kernels' choice reads it often)."""
+def _cuda_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
+
+
+#: ``torch.cuda.get_device_capability``; inside a compiled layer a constant of the graph, taken
+#: when it is traced (the fused kernels' choice reads it, and a device does not change).
+cuda_capability: Callable[[torch.device], tuple[int, int]] = torch.compiler.assume_constant_result(_cuda_capability)
 
 
 def _aligned_bias(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
