@@ -1,8 +1,8 @@
 """Packed documents on CUDA: flash attention's variable-length kernel (the branch a CPU run cannot reach).
 
 On CUDA in bf16/fp16 ``ParallelSelfAttention`` attends within the documents of ``cu_seqlens``
-with ``torch.nn.attention.varlen`` instead of SDPA with a dense document mask; here both
-are run on the same inputs, forward and backward, causal and bidirectional, with GQA.
+with flash attention's variable-length kernel instead of SDPA with a dense document mask;
+here both are run on the same inputs, forward and backward, causal and bidirectional, with GQA.
 """
 
 import pytest
@@ -10,13 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from scaling.nn import ParallelSelfAttention
-from scaling.nn._attention import _varlen, packed_flash_attention, packed_flash_available
+from scaling.nn._attention import packed_flash_attention, packed_flash_available
 from scaling.nn._rotary import document_ids_and_positions, packed_attention_mask
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none is present on this machine"),
-    pytest.mark.skipif(_varlen is None, reason=f"torch {torch.__version__} has no torch.nn.attention.varlen"),
 ]
 CU = [0, 100, 256, 300, 512, 520, 1024]  # b = 2 rows of 512 tokens: documents of 100, 156, 44, 212 | 8, 504
 

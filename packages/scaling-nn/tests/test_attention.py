@@ -107,12 +107,10 @@ def test_packed_documents_are_checked_once_per_batch_not_per_layer(monkeypatch):
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_packed_flash_attention_call_traces_on_the_meta_device(causal, kv_heads):
     """The CUDA path of packed documents (flash's variable-length kernel), traced with torch's
-    meta kernels where torch has it: shapes and dtypes forward and backward, GQA included
-    (the values are the gpu tier's: tests/gpu/test_attention_cuda.py)."""
+    meta kernels: shapes and dtypes forward and backward, GQA included (the values are the
+    gpu tier's: tests/gpu/test_attention_cuda.py)."""
     from scaling.nn import _attention
 
-    if _attention._varlen is None:
-        pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen (2.10 and newer)")
     q = torch.empty(2, 4, 7, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.empty(2, kv_heads, 7, 16, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
     out = _attention.packed_flash_attention(q, k, v, CU_SEQLENS.to("meta"), causal)

@@ -82,9 +82,10 @@ def test_context_parallel_attention_matches_one_process(method, cp):
             assert err < 1e-6, (method, cp, case, err)
 
 
-def test_ring_blocks_without_documents_are_worked_out_once_per_process():
-    """The ring's (rows, columns, mask) of a block reads the mask on the host (a sync on a GPU):
-    without documents it depends only on sizes and ranks, so every layer and step shares it."""
+def test_ring_blocks_are_worked_out_once_per_process_or_per_batch_of_documents():
+    """The ring's (rows, columns, mask) of a block reads the mask on the host (syncs on a GPU):
+    without documents it depends only on sizes and ranks, so every layer and step shares it;
+    with packed documents every layer and the backward of one batch share it."""
     from scaling.nn._context_parallel import _block, _block_without_documents
 
     layout = TokenLayout(16, 1, 2, True)
@@ -94,12 +95,17 @@ def test_ring_blocks_without_documents_are_worked_out_once_per_process():
         again = [_block(TokenLayout(16, 1, 2, True), src, torch.device("cpu")) for src in range(2)]
     assert all(a is b for a, b in zip(again, first))
     assert _block_without_documents.cache_info().misses == misses
-    # Packed documents change per batch: worked out each time, equal to the shared path's result
-    # when every token is in one document.
-    docs = TokenLayout(16, 1, 2, True, torch.zeros(1, 16, dtype=torch.long))
-    fresh = _block(docs, 0, torch.device("cpu"))
-    assert fresh is not _block(docs, 0, torch.device("cpu"))
+    # Packed documents change per batch: worked out once per batch's document ids (the tensor
+    # every layer gets), equal to the shared path's result when every token is in one document.
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    fresh = _block(TokenLayout(16, 1, 2, True, ids), 0, torch.device("cpu"))
+    assert fresh is _block(TokenLayout(16, 1, 2, True, ids), 0, torch.device("cpu"))  # another layer
+    assert fresh is not _block(TokenLayout(16, 1, 2, True, ids.clone()), 0, torch.device("cpu"))  # next batch
     assert fresh is not None and first[0] is not None and fresh.causal == first[0].causal
+    # The layers of one batch get the same document ids from its cu_seqlens tensor.
+    cu = torch.tensor([0, 5, 16])
+    assert document_ids_and_positions(cu, 1, 16)[0] is document_ids_and_positions(cu, 1, 16)[0]
+    assert document_ids_and_positions(cu.clone(), 1, 16)[0] is not document_ids_and_positions(cu, 1, 16)[0]
 
 
 def test_block_kernel_matches_the_written_out_math():

@@ -15,10 +15,10 @@ over the whole sequence by ring or by all-to-all (``context_parallel_method``); 
 positions and document masks are those of the tokens' places in the whole sequence.
 
 Packed documents (``cu_seqlens``): attention stays within each document. On CUDA in fp16/bf16
-(compute capability 8.0 and up, head size a multiple of 8 up to 256, no attention dropout,
-torch 2.10 or newer) flash attention's variable-length kernel computes it
-(:func:`packed_flash_attention`), as flash-attention's varlen API and Megatron's packed (THD)
-format do; elsewhere ``F.scaled_dot_product_attention`` with the document mask.
+(compute capability 8.0 and up, head size a multiple of 8 up to 256, no attention dropout)
+flash attention's variable-length kernel computes it (:func:`packed_flash_attention`), as
+flash-attention's varlen API and Megatron's packed (THD) format do; elsewhere
+``F.scaled_dot_product_attention`` with the document mask.
 
 Fused QKV weight layout (rows of ``qkv.weight``), per kv head ``g``: the ``n_q / n_kv``
 query heads of group ``g``, then key ``g``, then value ``g``. Contiguous TP slices of
@@ -28,9 +28,6 @@ that layout hold whole groups.
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
-import types
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -62,21 +59,47 @@ from scaling.nn._rotary import KVCache, RotaryEmbedding, document_ids_and_positi
 from scaling.topology import zigzag_indices
 
 if TYPE_CHECKING:
+    from scaling.collectives import AutogradContext
     from scaling.topology import RNGTracker, Topology
-
-# torch 2.10 and newer: flash attention's variable-length kernel (CUDA); older: the document mask.
-_VARLEN = "torch.nn.attention.varlen"
-_varlen: types.ModuleType | None = importlib.import_module(_VARLEN) if importlib.util.find_spec(_VARLEN) else None
 
 
 def packed_flash_available(q: torch.Tensor, dropout: float) -> bool:
     """Whether :func:`packed_flash_attention` runs for queries like ``q`` (``[b, n, s, d]``)."""
     d = q.shape[-1]
-    if _varlen is None or q.device.type != "cuda" or dropout > 0.0:
+    if q.device.type != "cuda" or dropout > 0.0 or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
-        return False
-    return cuda_capability(q.device) >= (8, 0)
+    return d % 8 == 0 and d <= 256 and cuda_capability(q.device) >= (8, 0)
+
+
+class _PackedFlash(torch.autograd.Function):
+    """Flash attention's variable-length kernel over ``[tokens, heads, d]`` with one ``cu_seqlens``
+    for queries and keys (what ``torch.nn.attention.varlen`` calls; its module is not imported:
+    in torch 2.10+ it imports DTensor, a second of start-up for every process)."""
+
+    @staticmethod
+    def forward(
+        ctx: AutogradContext,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu: torch.Tensor,
+        longest: int,
+        causal: bool,
+    ) -> torch.Tensor:
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, longest, longest, 0.0, causal, False
+        )
+        ctx.save_for_backward(q, k, v, out, lse, cu, rng_state, unused)
+        ctx.longest, ctx.causal = longest, causal
+        return out
+
+    @staticmethod
+    def backward(ctx: AutogradContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse, cu, rng_state, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, cu, cu, ctx.longest, ctx.longest, 0.0, ctx.causal, rng_state, unused
+        )
+        return dq, dk, dv, None, None, None
 
 
 def packed_flash_attention(
@@ -89,14 +112,11 @@ def packed_flash_attention(
     row, so ``s`` bounds every document and no host read of their lengths is needed).
     Returns ``[b, n, s, d]``, what SDPA returns with :func:`packed_attention_mask`.
     """
-    assert _varlen is not None
     b, n, s, d = q.shape
     if k.shape[1] != n:
         k, v = (t.repeat_interleave(n // t.shape[1], dim=1) for t in (k, v))
     q_, k_, v_ = (t.transpose(1, 2).reshape(b * s, n, d) for t in (q, k, v))
-    cu = cu_seqlens.reshape(-1).to(torch.int32)
-    out = _varlen.varlen_attn(q_, k_, v_, cu, cu, s, s, window_size=(-1, 0) if causal else (-1, -1))
-    assert isinstance(out, torch.Tensor)  # no auxiliary outputs asked for
+    out = _PackedFlash.apply(q_, k_, v_, cu_seqlens.reshape(-1).to(torch.int32), s, causal)
     return out.view(b, s, n, d).transpose(1, 2)
 
 

@@ -27,6 +27,7 @@ import torch
 from pydantic import Field
 
 from scaling.config import BaseConfig
+from scaling.nn._context_parallel import cuda_capability
 
 
 class CompileConfig(BaseConfig):
@@ -64,12 +65,15 @@ def _keep_collectives_eager() -> None:
     Without this Dynamo would trace into the recorded collectives' bookkeeping and, after
     a break inside one, compile resumption fragments of it. ``trace_rules.add`` is Dynamo's
     own registry of skipped modules (private, present in every torch of the matrix). Once
-    per process: each registration rebuilds Dynamo's skip pattern.
+    per process: each registration rebuilds Dynamo's skip pattern. It also marks
+    :func:`cuda_capability` a constant of the graph (the fused attention kernels' choice).
     """
     from torch._dynamo import trace_rules
 
     for name in _EAGER_MODULES:
         trace_rules.add(f"scaling.collectives.{name}")
+    # A constant of the graph where a fused kernel is chosen by the GPU's compute capability.
+    torch.compiler.assume_constant_result(cuda_capability)
 
 
 def compile_layer(module: torch.nn.Module, config: CompileConfig) -> None:

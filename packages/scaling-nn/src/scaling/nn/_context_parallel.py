@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -241,13 +242,11 @@ def _cuda_backward(
     return dq, dk, dv
 
 
-def _cuda_capability(device: torch.device) -> tuple[int, int]:
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability``; inside a compiled layer a constant of the graph, taken
+    when it is traced (``compile_layer`` marks it so: the fused kernels' choice reads it, and a
+    device does not change; marking it here would import Dynamo with every import of scaling.nn)."""
     return torch.cuda.get_device_capability(device)
-
-
-#: ``torch.cuda.get_device_capability``; inside a compiled layer a constant of the graph, taken
-#: when it is traced (the fused kernels' choice reads it, and a device does not change).
-cuda_capability: Callable[[torch.device], tuple[int, int]] = torch.compiler.assume_constant_result(_cuda_capability)
 
 
 def _aligned_bias(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
@@ -330,13 +329,34 @@ class _Block:
 def _block(layout: TokenLayout, src: int, device: torch.device) -> _Block | None:
     """The part of this rank's queries and ``src``'s key/value block that interacts (None: nothing).
 
-    Working it out reads the mask on the host (a device sync each time on a GPU), so for a
-    layout without documents, where it depends only on the sizes and ranks, it is worked out
-    once per process and shared by every layer, micro-batch and step, forward and backward.
+    Working it out reads the mask on the host (several device syncs each time on a GPU), so
+    for a layout without documents, where it depends only on the sizes and ranks, it is
+    worked out once per process and shared by every layer, micro-batch and step, forward and
+    backward; with documents, once per batch's document ids (every layer of a micro-batch
+    gets the same tensor, see ``document_ids_and_positions``) and shared by its layers,
+    forward and backward. Only the latest document ids' blocks are kept.
     """
-    if layout.document_ids is None:
+    ids = layout.document_ids
+    if ids is None:
         return _block_without_documents(layout.seq_len, layout.rank, layout.size, layout.causal, src, device)
-    return _find_block(layout, src, device)
+    if _DOCUMENT_BLOCKS.ids() is not ids:
+        _DOCUMENT_BLOCKS.ids, _DOCUMENT_BLOCKS.blocks = weakref.ref(ids), {}
+    key = (layout.seq_len, layout.rank, layout.size, layout.causal, src, device)
+    if key not in _DOCUMENT_BLOCKS.blocks:
+        with torch.inference_mode(False):
+            _DOCUMENT_BLOCKS.blocks[key] = _find_block(layout, src, device)
+    return _DOCUMENT_BLOCKS.blocks[key]
+
+
+@dataclass
+class _BlocksOf:
+    """The blocks worked out for one batch's document ids (held weakly)."""
+
+    ids: weakref.ref[torch.Tensor] | Callable[[], None]
+    blocks: dict[tuple[int, int, int, bool, int, torch.device], _Block | None]
+
+
+_DOCUMENT_BLOCKS = _BlocksOf(lambda: None, {})
 
 
 @functools.lru_cache(maxsize=256)

@@ -113,28 +113,44 @@ def document_ids_and_positions(
     ``cu_seqlens`` holds cumulative document lengths over the flattened ``b * s`` tokens,
     as in flash-attention's varlen API: ``[0, len_0, len_0 + len_1, ..., b * s]``. Computed
     on ``cu_seqlens``' device without a host sync (a compiled layer traces it whole); the
-    validation reads the values on the host, so it runs eagerly only, and once per
-    ``cu_seqlens`` tensor (and batch shape) while that tensor lives, not in every layer.
+    validation reads the values on the host, so it runs eagerly only; eagerly both are done
+    once per ``cu_seqlens`` tensor (and batch shape), not in every layer, and every layer gets
+    the same result tensors.
 
     Raises:
         ValueError: when ``cu_seqlens`` does not start at 0, end at ``b * s``, increase,
             or a document crosses a row of the batch (not checked inside a compiled layer).
     """
     cu = cu_seqlens.detach().reshape(-1).long()
-    total = batch_size * seq_len
-    if not torch.compiler.is_compiling() and _CHECKED.get((id(cu_seqlens), batch_size, seq_len)) is not cu_seqlens:
-        _check_cu_seqlens(cu, batch_size, seq_len)
-        _CHECKED[id(cu_seqlens), batch_size, seq_len] = cu_seqlens
-    tokens = torch.arange(total, device=cu.device)
+    if torch.compiler.is_compiling():
+        return _documents(cu, batch_size, seq_len)
+    key = (id(cu_seqlens), batch_size, seq_len)
+    known = _DOCUMENTS.get(key)
+    if known is not None and known[0]() is cu_seqlens:
+        return known[1], known[2]
+    _check_cu_seqlens(cu, batch_size, seq_len)
+    with torch.inference_mode(False):  # kept for later calls, which may record autograd
+        doc, positions = _documents(cu, batch_size, seq_len)
+    if len(_DOCUMENTS) >= 8:  # the latest batches only (pipelining interleaves a few)
+        del _DOCUMENTS[next(iter(_DOCUMENTS))]
+    _DOCUMENTS[key] = (weakref.ref(cu_seqlens), doc, positions)
+    return doc, positions
+
+
+def _documents(cu: torch.Tensor, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.arange(batch_size * seq_len, device=cu.device)
     # The document of token t: how many boundaries after the first are <= t (empty documents skipped).
     doc = torch.searchsorted(cu[1:], tokens, right=True)
     positions = tokens - cu[doc]
     return doc.view(batch_size, seq_len), positions.view(batch_size, seq_len)
 
 
-# The cu_seqlens tensors already checked (while they live): every layer of a forward gets the
-# same one, and the check reads it on the host, a device sync on a GPU; once per batch is enough.
-_CHECKED: weakref.WeakValueDictionary[tuple[int, int, int], torch.Tensor] = weakref.WeakValueDictionary()
+# The documents of the latest cu_seqlens tensors, by (id, batch size, length), each with a weak
+# reference that says the tensor is still the one: every layer of a forward gets the same
+# tensor, and checking it reads it on the host (a device sync on a GPU), so it is checked and
+# worked out once per batch, and every layer shares the same document ids (context
+# parallelism's ring keys its per-batch blocks by them).
+_DOCUMENTS: dict[tuple[int, int, int], tuple[weakref.ref[torch.Tensor], torch.Tensor, torch.Tensor]] = {}
 
 
 def _check_cu_seqlens(cu: torch.Tensor, batch_size: int, seq_len: int) -> None:
