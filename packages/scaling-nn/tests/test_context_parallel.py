@@ -17,8 +17,6 @@ from scaling.nn import KVCache, ParallelSelfAttention, check_context_parallel, r
 from scaling.nn._context_parallel import (
     TokenLayout,
     _aligned_bias,
-    _cuda_backward,
-    _cuda_forward,
     all_to_all_attention,
     block_attention_backward,
     block_attention_forward,
@@ -148,9 +146,9 @@ def test_cuda_block_kernels_calls_trace_on_the_meta_device(kernel, sq, sk, maske
     q = torch.empty(2, 4, sq, 32, device="meta", dtype=dtype)
     k = torch.empty(2, 4, sk, 32, device="meta", dtype=dtype)
     mask = torch.empty(2, 1, sq, sk, dtype=torch.bool, device="meta") if masked else None
-    out, lse = _cuda_forward(kernel, q, k, k, mask, causal, 0.25)
+    out, lse = block_attention_forward(q, k, k, mask, causal, 0.25, kernel)
     assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, dtype, (2, 4, sq), torch.float32)
-    grads = _cuda_backward(kernel, out, q, k, k, out, lse, mask, causal, 0.25)
+    grads = block_attention_backward(out, q, k, k, out, lse, mask, causal, 0.25, kernel)
     assert [(g.shape, g.dtype) for g in grads] == [(q.shape, dtype), (k.shape, dtype), (k.shape, dtype)]
     if masked:
         bias = _aligned_bias(mask, q)

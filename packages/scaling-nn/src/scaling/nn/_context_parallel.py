@@ -105,23 +105,36 @@ def _causal(sq: int, sk: int, device: torch.device) -> torch.Tensor:
 
 
 def block_attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block and its log-sum-exp: ``(out [b, n, sq, d], lse [b, n, sq] fp32)``.
 
     ``k``/``v`` have as many heads as ``q``; ``mask`` is bool ``[b | 1, 1, sq, sk]`` or None.
-    Every query row must see at least one key. A fused kernel that returns the log-sum-exp
-    computes it (:func:`_kernel` says which); elsewhere :func:`math_attention_forward`.
+    Every query row must see at least one key. ``kernel``: a fused kernel that returns the
+    log-sum-exp (None: :func:`_kernel` chooses by device, dtype and mask), or "math"
+    (:func:`math_attention_forward`).
     """
-    kernel = _kernel(q, mask)
+    kernel = kernel or _kernel(q, mask)
     if kernel == "cpu_flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=_bias(mask, q.dtype), scale=scale
         )
         return out, lse
-    if kernel == "math":
-        return math_attention_forward(q, k, v, mask, causal, scale)
-    return _cuda_forward(kernel, q, k, v, mask, causal, scale)
+    if kernel == "flash":
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse
+    if kernel == "efficient":
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, _aligned_bias(mask, q), True, 0.0, causal, scale=scale
+        )
+        return out, lse[:, :, : q.shape[2]]  # the CUDA kernel pads its rows to a multiple of 32
+    return math_attention_forward(q, k, v, mask, causal, scale)
 
 
 def block_attention_backward(
@@ -134,22 +147,38 @@ def block_attention_backward(
     mask: torch.Tensor | None,
     causal: bool,
     scale: float,
+    kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the *merged* output and log-sum-exp of its rows.
 
     With the final ``out`` and ``lse`` the softmax of the block is the block's share of
     the whole row's softmax, so the block's gradients are exact parts of the whole (the
-    fused kernels take ``out`` and ``lse`` as inputs, so they compute exactly that).
+    fused kernels take ``out`` and ``lse`` as inputs, so they compute exactly that). The
+    CUDA kernels read the log-sum-exp with a row stride of 1, so it is made contiguous (the
+    efficient one's in its forward's padded layout); without dropout neither reads its
+    random-number state.
     """
-    kernel = _kernel(q, mask)
+    kernel = kernel or _kernel(q, mask)
+    sq, no_rng = q.shape[2], torch.empty((), dtype=torch.long, device=q.device)
     if kernel == "cpu_flash":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=_bias(mask, q.dtype), scale=scale
         )
-        return dq, dk, dv
-    if kernel == "math":
+    elif kernel == "flash":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse.contiguous(), None, None, sq, k.shape[2], 0.0, causal, no_rng, no_rng,
+            scale=scale,
+        )  # fmt: skip
+    elif kernel == "efficient":
+        padded = lse.new_zeros(*lse.shape[:2], -(-sq // 32) * 32)
+        padded[:, :, :sq] = lse
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            grad_out, q, k, v, _aligned_bias(mask, q), out, padded, no_rng, no_rng, 0.0, [True, True, True, False],
+            causal, scale=scale,
+        )  # fmt: skip
+    else:
         return math_attention_backward(grad_out, q, k, v, out, lse, mask, causal, scale)
-    return _cuda_backward(kernel, grad_out, q, k, v, out, lse, mask, causal, scale)
+    return dq, dk, dv
 
 
 def _kernel(q: torch.Tensor, mask: torch.Tensor | None) -> str:
@@ -166,80 +195,6 @@ def _kernel(q: torch.Tensor, mask: torch.Tensor | None) -> str:
         if cuda_capability(q.device) >= (8, 0):
             return "flash"
     return "efficient"
-
-
-def _cuda_forward(
-    kernel: str,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    causal: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`block_attention_forward` by the CUDA ``kernel`` ("flash" or "efficient")."""
-    if kernel == "flash":
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-        return out, lse
-    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, _aligned_bias(mask, q), True, 0.0, causal, scale=scale
-    )
-    return out, lse[:, :, : q.shape[2]]  # the kernel pads its rows to a multiple of 32
-
-
-def _cuda_backward(
-    kernel: str,
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    mask: torch.Tensor | None,
-    causal: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`block_attention_backward` by the CUDA ``kernel``. Both kernels read the
-    log-sum-exp with a row stride of 1, so it is made contiguous (the efficient one in its
-    forward's padded layout); without dropout neither reads its random-number state."""
-    sq, no_rng = q.shape[2], torch.empty((), dtype=torch.long, device=q.device)
-    if kernel == "flash":
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad_out,
-            q,
-            k,
-            v,
-            out,
-            lse.contiguous(),
-            None,
-            None,
-            sq,
-            k.shape[2],
-            0.0,
-            causal,
-            no_rng,
-            no_rng,
-            scale=scale,
-        )
-        return dq, dk, dv
-    padded = lse.new_zeros(*lse.shape[:2], -(-sq // 32) * 32)
-    padded[:, :, :sq] = lse
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        grad_out,
-        q,
-        k,
-        v,
-        _aligned_bias(mask, q),
-        out,
-        padded,
-        no_rng,
-        no_rng,
-        0.0,
-        [True, True, True, False],
-        causal,
-        scale=scale,
-    )
-    return dq, dk, dv
 
 
 def cuda_capability(device: torch.device) -> tuple[int, int]:
