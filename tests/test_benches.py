@@ -66,3 +66,8 @@ def test_ring_block_kernels_bench_compares_the_three_sides():
     rows = [line for line in out.splitlines() if line.startswith("| 64 |")]
     assert [row.split(" | ")[1:3] for row in rows] == [["causal", "cpu_flash"], ["full", "cpu_flash"]]
     assert all(float(row.rstrip(" |").split(" | ")[-1]) < 1e-5 for row in rows)  # fused = written-out (fp32)
+
+
+def test_moe_step_bench_compares_grouped_experts_with_the_loop():
+    out = _bench("bench/moe_step.py", "--hidden", "32", "--ffn", "64", "--tokens", "64", "--eps", "1", "--steps", "1")
+    assert "grouped / loop (ep 1): " in out

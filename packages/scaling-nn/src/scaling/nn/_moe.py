@@ -25,6 +25,15 @@ by one all-to-all of uneven splits over the expert-parallel group, are computed 
 travel back the same way (``scaling.collectives.all_to_all_tokens``). No token is dropped:
 there is no capacity factor.
 
+**Expert compute.** A rank's experts run as three grouped matrix multiplies over the pairs
+sorted by expert (``torch._grouped_mm``: one kernel for all experts on CUDA, CUTLASS on
+Hopper in bf16; a per-expert loop of matrix multiplies inside torch elsewhere, bitwise the
+per-expert ``F.linear`` on CPU), with the experts' weights stacked for it, as torchtitan's
+grouped experts and Megatron's grouped GEMM do; without ``torch._grouped_mm`` (torch < 2.8),
+with ``grouped_gemm=False`` or sizes its kernels cannot align (16 bytes per row) a loop over
+the experts. The grouped path needs no host read of the expert sizes (with one EP rank,
+none at all).
+
 **Tensor parallelism inside each expert.** Every TP rank routes the same tokens; each
 expert's gate/up projections are column-split and its down projection row-split, so the
 outputs are partial sums reduced over TP once per layer (a reduce-scatter under sequence
@@ -37,6 +46,7 @@ stay layout-independent. Their ``ParameterMeta.is_expert`` is True.
 
 from __future__ import annotations
 
+import typing
 from typing import TYPE_CHECKING
 
 import torch
@@ -83,6 +93,28 @@ def check_moe(num_experts: int, top_k: int, expert_parallel_size: int, score_fun
         )
 
 
+def _swiglu_experts(
+    rows: torch.Tensor, counts: torch.Tensor, experts: list[torch.nn.ParameterDict], grouped: bool
+) -> torch.Tensor:
+    """Each expert's SwiGLU on its rows: ``rows`` ``[N, h]`` sorted by expert, ``counts[j]`` of
+    them for ``experts[j]`` (a device tensor); ``[N, h]`` (TP-partial sums) in the same order."""
+    h = rows.shape[-1]
+    if not experts:
+        return rows.new_zeros((0, h))
+    f = experts[0]["gate"].shape[0]
+    align = 16 // rows.element_size()  # the grouped kernels' rows start at 16-byte multiples
+    if grouped and hasattr(torch, "_grouped_mm") and h % align == 0 and f % align == 0 and rows.shape[0] > 0:
+        offsets = counts.cumsum(0).to(torch.int32)
+        gate, up, down = (torch.stack([w[name] for w in experts]).transpose(-2, -1) for name in ("gate", "up", "down"))
+        inner = F.silu(torch._grouped_mm(rows, gate, offs=offsets)) * torch._grouped_mm(rows, up, offs=offsets)
+        return torch._grouped_mm(inner, down, offs=offsets)
+    chunks = rows.split(counts.tolist())
+    outputs = [
+        F.linear(F.silu(F.linear(c, w["gate"])) * F.linear(c, w["up"]), w["down"]) for c, w in zip(chunks, experts)
+    ]
+    return torch.cat(outputs)
+
+
 class _InjectAuxLoss(torch.autograd.Function):
     """Identity on ``out``; in the backward, the auxiliary loss gets gradient ``scale``."""
 
@@ -113,6 +145,8 @@ class ParallelMoE(torch.nn.Module):
         aux_loss_coefficient: weight of the auxiliary loss.
         bias_update_rate: step of the aux-loss-free bias.
         sequence_parallel: input and output split along dim 1 over TP.
+        grouped_gemm: the experts as grouped matrix multiplies where torch has them (module
+            docstring); False: a loop over the experts.
         dtype: parameter dtype.
         init_method, output_init_method: initialisers of the up and down projections.
 
@@ -139,9 +173,11 @@ class ParallelMoE(torch.nn.Module):
         dtype: torch.dtype = torch.float32,
         init_method: InitMethod | None = None,
         output_init_method: InitMethod | None = None,
+        grouped_gemm: bool = True,
     ) -> None:
         super().__init__()
         check_dtype(dtype, "ParallelMoE")
+        self.grouped_gemm = grouped_gemm
         ep = 1 if topology is None else topology.expert_parallel_size
         check_moe(num_experts, top_k, ep, score_function, balancing)
         tp = self._tp = tp_info(topology)
@@ -253,16 +289,13 @@ class ParallelMoE(torch.nn.Module):
                 torch.arange(self._ep_size * local, device=flat.device) % local, per_src.flatten()
             )
             by_expert = torch.argsort(src, stable=True)
-            rows, sizes = routed.index_select(0, by_expert), per_src.sum(0).tolist()
+            rows = routed.index_select(0, by_expert)
+            local_counts = per_src.sum(0)
         else:
-            by_expert, rows, sizes = None, routed, counts.tolist()
-        outputs = []
+            by_expert, rows, local_counts = None, routed, counts
         first = self._ep_rank * local
-        for j, chunk in enumerate(rows.split(sizes)):
-            w = self.experts[str(first + j)]
-            assert isinstance(w, torch.nn.ParameterDict)
-            outputs.append(F.linear(F.silu(F.linear(chunk, w["gate"])) * F.linear(chunk, w["up"]), w["down"]))
-        out = torch.cat(outputs) if outputs else rows.new_zeros((0, self.hidden_size))
+        experts = [self.experts[str(first + j)] for j in range(local)]
+        out = _swiglu_experts(rows, local_counts, typing.cast(list[torch.nn.ParameterDict], experts), self.grouped_gemm)
         if by_expert is not None:
             out = out.index_select(0, torch.argsort(by_expert))
             out = all_to_all_tokens(out, send_splits, recv_splits, self._ep_group)
