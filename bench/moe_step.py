@@ -10,10 +10,10 @@ and backward, in the same run:
   active parameters per token as the MoE block;
 - MoE: ``ParallelMoE(hidden, ffn, experts, top_k)`` with auxiliary-loss balancing at
   expert-parallel size 1 (one process), 2 and 4 (gloo ranks, experts split over them,
-  tokens exchanged by all-to-all); its experts run as grouped matrix multiplies
-  (``torch._grouped_mm``) where torch has them;
-- MoE, loop (ep 1): the same block with ``grouped_gemm=False``, a loop over the experts
-  (what ran before grouped matrix multiplies), so ``moe / moe-loop`` is their ratio.
+  tokens exchanged by all-to-all); in bf16 its experts run as grouped matrix multiplies
+  (``torch._grouped_mm``, ``grouped_gemm=True``: on any device, though by default only on CUDA);
+- MoE, loop (ep 1): the same block with ``grouped_gemm=False``, a loop over the experts, so
+  ``grouped / loop`` is their ratio (in bf16; in fp32 both loop).
 
 ``--device cuda`` runs the ep 1 rows on one GPU (an NCCL group of one; ``--dtype bf16`` for
 the grouped kernel of Hopper GPUs); ep > 1 needs as many GPUs and is skipped there.
@@ -69,7 +69,7 @@ def _run(
         block: torch.nn.Module = ParallelSwiGLUMLP(hidden, top_k * ffn, bias=False, dtype=DTYPES[dtype])
     else:
         block = ParallelMoE(
-            hidden, ffn, experts, top_k=top_k, topology=topo, dtype=DTYPES[dtype], grouped_gemm=kind == "moe"
+            hidden, ffn, experts, top_k=top_k, topology=topo, dtype=DTYPES[dtype], grouped_gemm=kind != "moe-loop"
         )
     block.to(device)
     g = torch.Generator().manual_seed(topo.global_rank)

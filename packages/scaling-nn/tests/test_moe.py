@@ -60,22 +60,24 @@ def test_matches_a_per_token_reference(score_function, shared):
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason=f"torch {torch.__version__} has no _grouped_mm")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_experts_equal_the_per_expert_loop_bitwise(monkeypatch, dtype):
-    """The experts as three grouped matrix multiplies (what CUDA runs as one kernel each) give
-    the loop's outputs and gradients bit for bit on CPU, an expert without tokens included."""
+@pytest.mark.parametrize(("dtype", "grouped_calls"), [(torch.bfloat16, 6), (torch.float32, 0)])
+def test_grouped_experts_equal_the_per_expert_loop_bitwise(monkeypatch, dtype, grouped_calls):
+    """In bf16 the experts as three grouped matrix multiplies (what CUDA runs as one kernel
+    each; forced here, on CPU, where the default loops) give the loop's outputs and gradients
+    bit for bit, idle experts included; fp32 keeps the loop (torch's grouped kernels take
+    bf16 only)."""
     calls = []
     grouped_mm = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
     runs = []
     for grouped in (True, False):
         torch.manual_seed(0)
-        moe = ParallelMoE(H, FFN, 8, top_k=2, dtype=dtype, grouped_gemm=grouped)  # 8 experts, 6 tokens: some idle
+        moe = ParallelMoE(H, FFN, 16, top_k=2, dtype=dtype, grouped_gemm=grouped)  # 16 experts, 12 slots: idle ones
         x = torch.randn(2, 3, H, dtype=dtype, generator=torch.Generator().manual_seed(1), requires_grad=True)
         moe(x).backward(torch.randn(2, 3, H, dtype=dtype, generator=torch.Generator().manual_seed(2)))
         runs.append([moe(x).detach(), x.grad, *(p.grad for p in moe.parameters() if p.grad is not None)])
         assert (moe.last_load == 0).any()
-    assert len(calls) == 6  # three per forward of the grouped run, none in the loop's
+    assert len(calls) == grouped_calls  # three per forward of the grouped run, none in the loop's
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
@@ -110,16 +112,18 @@ def test_aux_loss_free_bias_moves_towards_balance():
     close(moe(x), expected, "biased routing", rtol=1e-5)  # the bias picks, the scores weigh
 
 
-def _ep_parity(dp, tp, ep, sequence_parallel):
+def _ep_parity(dp, tp, ep, sequence_parallel, dtype=torch.float32):
     topo = make_topology(model_parallel_size=tp, data_parallel_size=dp, expert_parallel_size=ep)
     d, t = topo.data_parallel_rank, topo.model_parallel_rank
-    kwargs = dict(top_k=2, num_shared_experts=1, aux_loss_coefficient=0.1)
+    # bf16: the experts as grouped matrix multiplies (forced on CPU, where the default loops).
+    kwargs = dict(top_k=2, num_shared_experts=1, aux_loss_coefficient=0.1, dtype=dtype, grouped_gemm=True)
+    rtol = 1e-6 if dtype == torch.float32 else 2e-2
     torch.manual_seed(0)
     moe = ParallelMoE(H, FFN, E, topology=topo, sequence_parallel=sequence_parallel, **kwargs)
     torch.manual_seed(0)
     ref = ParallelMoE(H, FFN, E, **kwargs)
     g = torch.Generator().manual_seed(1)
-    x_all, grad_all = torch.randn(dp, 2, 8, H, generator=g), torch.randn(dp, 2, 8, H, generator=g)
+    x_all, grad_all = (torch.randn(dp, 2, 8, H, generator=g).to(dtype) for _ in range(2))
     # One process runs the DP ranks' batches as micro-batches: each loss (and each
     # micro-batch's balancing loss) weighs 1 / dp, as the DP mean does.
     x_ref = x_all.clone().requires_grad_()
@@ -138,9 +142,9 @@ def _ep_parity(dp, tp, ep, sequence_parallel):
     x = mine(x_all).clone().requires_grad_()
     y = moe(x)
     (y * mine(grad_all)).sum().backward()
-    close(y, mine(y_ref.detach()), "output")
-    close(x.grad / dp, mine(x_ref.grad), "input gradient")
-    close(moe.last_aux_loss, aux[d], "aux loss")
+    close(y, mine(y_ref.detach()), "output", rtol)
+    close(x.grad / dp, mine(x_ref.grad), "input gradient", rtol)
+    close(moe.last_aux_loss, aux[d], "aux loss", rtol)
     assert torch.equal(moe.last_load, loads[d])
     assert sorted(moe.experts) == [
         str(e) for e in range(topo.expert_parallel_rank * E // ep, (topo.expert_parallel_rank + 1) * E // ep)
@@ -156,7 +160,7 @@ def _ep_parity(dp, tp, ep, sequence_parallel):
         group = expert_group if get_meta(p).is_expert else topo.data_parallel_group
         if group is not None:
             dist.all_reduce(grad, group=group)
-        close(full_tensor(p, topo.model_parallel_group, grad / dp), ref_params[name].grad, f"grad {name}")
+        close(full_tensor(p, topo.model_parallel_group, grad / dp), ref_params[name].grad, f"grad {name}", rtol)
     return True
 
 
@@ -180,6 +184,14 @@ def get_meta(p):
 def test_expert_parallel_matches_one_process(dp, tp, ep, sequence_parallel):
     world = dp * tp
     assert run_distributed(_ep_parity, world, dp, tp, ep, sequence_parallel, timeout_seconds=120) == [True] * world
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_expert_parallel_in_bf16_with_grouped_experts_matches_one_process():
+    """bf16: the experts run as grouped matrix multiplies (rows from both EP ranks, regrouped by
+    expert) and match one process within bf16's rounding."""
+    assert run_distributed(_ep_parity, 2, 2, 1, 2, False, torch.bfloat16, timeout_seconds=120) == [True] * 2
 
 
 def test_bad_configuration_names_values_and_choices():

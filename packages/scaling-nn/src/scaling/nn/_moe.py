@@ -25,14 +25,16 @@ by one all-to-all of uneven splits over the expert-parallel group, are computed 
 travel back the same way (``scaling.collectives.all_to_all_tokens``). No token is dropped:
 there is no capacity factor.
 
-**Expert compute.** A rank's experts run as three grouped matrix multiplies over the pairs
-sorted by expert (``torch._grouped_mm``: one kernel for all experts on CUDA, CUTLASS on
-Hopper in bf16; a per-expert loop of matrix multiplies inside torch elsewhere, bitwise the
-per-expert ``F.linear`` on CPU), with the experts' weights stacked for it, as torchtitan's
-grouped experts and Megatron's grouped GEMM do; without ``torch._grouped_mm`` (torch < 2.8),
-with ``grouped_gemm=False`` or sizes its kernels cannot align (16 bytes per row) a loop over
-the experts. The grouped path needs no host read of the expert sizes (with one EP rank,
-none at all).
+**Expert compute.** On CUDA in bf16 a rank's experts run as three grouped matrix multiplies
+over the pairs sorted by expert (``torch._grouped_mm``: one kernel per projection for all the
+experts, CUTLASS on Hopper), with the experts' weights stacked for it, as torchtitan's grouped
+experts and Megatron's grouped GEMM do; the grouped path needs no host read of the expert
+sizes (with one EP rank, none at all). Elsewhere a loop over the experts: on CPU torch's
+grouped multiply is itself a loop of matrix multiplies, so stacking the weights only costs
+(``grouped_gemm=True`` runs it there anyway, bitwise the loop: the tests do); in other
+dtypes (torch's grouped kernel and its shape-only kernel, which compiled layers trace with,
+take bf16 only), without ``torch._grouped_mm`` (torch < 2.8), with ``grouped_gemm=False`` or
+sizes not a multiple of 8 (16-byte rows).
 
 **Tensor parallelism inside each expert.** Every TP rank routes the same tokens; each
 expert's gate/up projections are column-split and its down projection row-split, so the
@@ -94,7 +96,7 @@ def check_moe(num_experts: int, top_k: int, expert_parallel_size: int, score_fun
 
 
 def _swiglu_experts(
-    rows: torch.Tensor, counts: torch.Tensor, experts: list[torch.nn.ParameterDict], grouped: bool
+    rows: torch.Tensor, counts: torch.Tensor, experts: list[torch.nn.ParameterDict], grouped: bool | None
 ) -> torch.Tensor:
     """Each expert's SwiGLU on its rows: ``rows`` ``[N, h]`` sorted by expert, ``counts[j]`` of
     them for ``experts[j]`` (a device tensor); ``[N, h]`` (TP-partial sums) in the same order."""
@@ -102,8 +104,11 @@ def _swiglu_experts(
     if not experts:
         return rows.new_zeros((0, h))
     f = experts[0]["gate"].shape[0]
-    align = 16 // rows.element_size()  # the grouped kernels' rows start at 16-byte multiples
-    if grouped and hasattr(torch, "_grouped_mm") and h % align == 0 and f % align == 0 and rows.shape[0] > 0:
+    # bf16: the grouped kernel's type (torch's shape-only kernel, which compiled layers trace
+    # with, takes no other); rows start at 16-byte multiples (8 elements).
+    if grouped is None:  # where one kernel replaces the loop; on CPU torch's grouped multiply loops too
+        grouped = rows.device.type == "cuda"
+    if grouped and hasattr(torch, "_grouped_mm") and rows.dtype == torch.bfloat16 and h % 8 == 0 and f % 8 == 0:
         offsets = counts.cumsum(0).to(torch.int32)
         gate, up, down = (torch.stack([w[name] for w in experts]).transpose(-2, -1) for name in ("gate", "up", "down"))
         inner = F.silu(torch._grouped_mm(rows, gate, offs=offsets)) * torch._grouped_mm(rows, up, offs=offsets)
@@ -145,8 +150,8 @@ class ParallelMoE(torch.nn.Module):
         aux_loss_coefficient: weight of the auxiliary loss.
         bias_update_rate: step of the aux-loss-free bias.
         sequence_parallel: input and output split along dim 1 over TP.
-        grouped_gemm: the experts as grouped matrix multiplies where torch has them (module
-            docstring); False: a loop over the experts.
+        grouped_gemm: in bf16, the experts as grouped matrix multiplies (module docstring):
+            None = on CUDA, True = wherever torch has them, False = a loop over the experts.
         dtype: parameter dtype.
         init_method, output_init_method: initialisers of the up and down projections.
 
@@ -173,7 +178,7 @@ class ParallelMoE(torch.nn.Module):
         dtype: torch.dtype = torch.float32,
         init_method: InitMethod | None = None,
         output_init_method: InitMethod | None = None,
-        grouped_gemm: bool = True,
+        grouped_gemm: bool | None = None,
     ) -> None:
         super().__init__()
         check_dtype(dtype, "ParallelMoE")
