@@ -104,10 +104,10 @@ def _swiglu_experts(
     if not experts:
         return rows.new_zeros((0, h))
     f = experts[0]["gate"].shape[0]
-    # bf16: the grouped kernel's type (torch's shape-only kernel, which compiled layers trace
-    # with, takes no other); rows start at 16-byte multiples (8 elements).
     if grouped is None:  # where one kernel replaces the loop; on CPU torch's grouped multiply loops too
         grouped = rows.device.type == "cuda"
+    # bf16: the grouped kernel's type (torch's shape-only kernel, which compiled layers trace
+    # with, takes no other); rows start at 16-byte multiples (8 elements).
     if grouped and hasattr(torch, "_grouped_mm") and rows.dtype == torch.bfloat16 and h % 8 == 0 and f % 8 == 0:
         offsets = counts.cumsum(0).to(torch.int32)
         gate, up, down = (torch.stack([w[name] for w in experts]).transpose(-2, -1) for name in ("gate", "up", "down"))
