@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from scaling.nn._context_parallel import (
+from scaling.nn._attention_kernels import (
     _kernel,
     block_attention_backward,
     block_attention_forward,

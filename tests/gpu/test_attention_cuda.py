@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from scaling.nn import ParallelSelfAttention
-from scaling.nn._attention import packed_flash_attention, packed_flash_available
+from scaling.nn._attention_kernels import packed_flash_attention, packed_flash_available
 from scaling.nn._rotary import document_ids_and_positions, packed_attention_mask
 
 pytestmark = [

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scaling.nn._context_parallel import _kernel, block_attention_backward, block_attention_forward
+from scaling.nn._attention_kernels import _kernel, block_attention_backward, block_attention_forward
 
 pytestmark = pytest.mark.gpu
 

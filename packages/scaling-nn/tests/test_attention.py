@@ -109,15 +109,15 @@ def test_packed_flash_attention_call_traces_on_the_meta_device(causal, kv_heads)
     """The CUDA path of packed documents (flash's variable-length kernel), traced with torch's
     meta kernels: shapes and dtypes forward and backward, GQA included (the values are the
     gpu tier's: tests/gpu/test_attention_cuda.py)."""
-    from scaling.nn import _attention
+    from scaling.nn import _attention_kernels as kernels
 
     q = torch.empty(2, 4, 7, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.empty(2, kv_heads, 7, 16, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
-    out = _attention.packed_flash_attention(q, k, v, CU_SEQLENS.to("meta"), causal)
+    out = kernels.packed_flash_attention(q, k, v, CU_SEQLENS.to("meta"), causal)
     assert (out.shape, out.dtype) == (q.shape, torch.bfloat16)
     out.sum().backward()
     assert [t.grad.shape for t in (q, k, v)] == [q.shape, k.shape, v.shape]
-    assert not _attention.packed_flash_available(torch.empty(2, 4, 7, 16, dtype=torch.bfloat16), 0.0)  # CPU
+    assert not kernels.packed_flash_available(torch.empty(2, 4, 7, 16, dtype=torch.bfloat16), 0.0)  # CPU
 
 
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c["causal"]])

@@ -14,16 +14,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from scaling.nn import KVCache, ParallelSelfAttention, check_context_parallel, reduce_sequence_parallel_gradients
-from scaling.nn._context_parallel import (
-    TokenLayout,
+from scaling.nn._attention_kernels import (
     _aligned_bias,
-    all_to_all_attention,
     block_attention_backward,
     block_attention_forward,
     math_attention_backward,
     math_attention_forward,
-    ring_attention,
 )
+from scaling.nn._context_parallel import TokenLayout, all_to_all_attention, ring_attention
 from scaling.nn._rotary import document_ids_and_positions, packed_attention_mask
 from scaling.testing import make_topology, run_distributed, shard
 from scaling.topology import split_sequence

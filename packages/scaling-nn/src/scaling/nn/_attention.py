@@ -37,12 +37,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from scaling.collectives import copy_to_model_parallel_region, gather_from_sequence_parallel_region
+from scaling.nn._attention_kernels import packed_flash_attention, packed_flash_available
 from scaling.nn._checkpoint import tracker_checkpoint_context
 from scaling.nn._context_parallel import (
     CONTEXT_PARALLEL_METHODS,
     TokenLayout,
     all_to_all_attention,
-    cuda_capability,
     ring_attention,
 )
 from scaling.nn._init import (
@@ -59,65 +59,7 @@ from scaling.nn._rotary import KVCache, RotaryEmbedding, document_ids_and_positi
 from scaling.topology import zigzag_indices
 
 if TYPE_CHECKING:
-    from scaling.collectives import AutogradContext
     from scaling.topology import RNGTracker, Topology
-
-
-def packed_flash_available(q: torch.Tensor, dropout: float) -> bool:
-    """Whether :func:`packed_flash_attention` runs for queries like ``q`` (``[b, n, s, d]``)."""
-    d = q.shape[-1]
-    if q.device.type != "cuda" or dropout > 0.0 or q.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    return d % 8 == 0 and d <= 256 and cuda_capability(q.device) >= (8, 0)
-
-
-class _PackedFlash(torch.autograd.Function):
-    """Flash attention's variable-length kernel over ``[tokens, heads, d]`` with one ``cu_seqlens``
-    for queries and keys (what ``torch.nn.attention.varlen`` calls; its module is not imported:
-    in torch 2.10+ it imports DTensor, a second of start-up for every process)."""
-
-    @staticmethod
-    def forward(
-        ctx: AutogradContext,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu: torch.Tensor,
-        longest: int,
-        causal: bool,
-    ) -> torch.Tensor:
-        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, longest, longest, 0.0, causal, False
-        )
-        ctx.save_for_backward(q, k, v, out, lse, cu, rng_state, unused)
-        ctx.longest, ctx.causal = longest, causal
-        return out
-
-    @staticmethod
-    def backward(ctx: AutogradContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse, cu, rng_state, unused = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, cu, cu, ctx.longest, ctx.longest, 0.0, ctx.causal, rng_state, unused
-        )
-        return dq, dk, dv, None, None, None
-
-
-def packed_flash_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool
-) -> torch.Tensor:
-    """Attention within the documents of ``cu_seqlens`` by flash attention's variable-length kernel.
-
-    ``q`` ``[b, n, s, d]``, ``k``/``v`` ``[b, n_kv, s, d]`` (``n_kv`` divides ``n``);
-    ``cu_seqlens`` as :func:`document_ids_and_positions` takes it (documents never cross a
-    row, so ``s`` bounds every document and no host read of their lengths is needed).
-    Returns ``[b, n, s, d]``, what SDPA returns with :func:`packed_attention_mask`.
-    """
-    b, n, s, d = q.shape
-    if k.shape[1] != n:
-        k, v = (t.repeat_interleave(n // t.shape[1], dim=1) for t in (k, v))
-    q_, k_, v_ = (t.transpose(1, 2).reshape(b * s, n, d) for t in (q, k, v))
-    out = _PackedFlash.apply(q_, k_, v_, cu_seqlens.reshape(-1).to(torch.int32), s, causal)
-    return out.view(b, s, n, d).transpose(1, 2)
 
 
 def valid_model_parallel_sizes(num_attention_heads: int, num_kv_heads: int, fused_qkv: bool) -> list[int]:

@@ -27,7 +27,7 @@ import torch
 from pydantic import Field
 
 from scaling.config import BaseConfig
-from scaling.nn._context_parallel import cuda_capability
+from scaling.nn._attention_kernels import cuda_capability
 
 
 class CompileConfig(BaseConfig):
