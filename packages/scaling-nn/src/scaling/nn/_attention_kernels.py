@@ -87,25 +87,26 @@ def block_attention_backward(
     random-number state.
     """
     kernel = kernel or _kernel(q, mask)
-    sq, no_rng = q.shape[2], torch.empty((), dtype=torch.long, device=q.device)
     if kernel == "cpu_flash":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=_bias(mask, q.dtype), scale=scale
         )
-    elif kernel == "flash":
+        return dq, dk, dv
+    if kernel not in ("flash", "efficient"):
+        return math_attention_backward(grad_out, q, k, v, out, lse, mask, causal, scale)
+    sq, no_rng = q.shape[2], torch.empty((), dtype=torch.long, device=q.device)
+    if kernel == "flash":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             grad_out, q, k, v, out, lse.contiguous(), None, None, sq, k.shape[2], 0.0, causal, no_rng, no_rng,
             scale=scale,
         )  # fmt: skip
-    elif kernel == "efficient":
-        padded = lse.new_zeros(*lse.shape[:2], -(-sq // 32) * 32)
-        padded[:, :, :sq] = lse
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, k, v, _aligned_bias(mask, q), out, padded, no_rng, no_rng, 0.0, [True, True, True, False],
-            causal, scale=scale,
-        )  # fmt: skip
-    else:
-        return math_attention_backward(grad_out, q, k, v, out, lse, mask, causal, scale)
+        return dq, dk, dv
+    padded = lse.new_zeros(*lse.shape[:2], -(-sq // 32) * 32)
+    padded[:, :, :sq] = lse
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad_out, q, k, v, _aligned_bias(mask, q), out, padded, no_rng, no_rng, 0.0, [True, True, True, False],
+        causal, scale=scale,
+    )  # fmt: skip
     return dq, dk, dv
 
 
