@@ -7,10 +7,12 @@ import torch
 from scaling.nn import (
     ColumnParallelLinear,
     Float8Config,
+    Float8Weight,
     ParallelSwiGLUMLP,
     check_float8,
     enable_float8,
     float8_linear,
+    float8_quantize,
     float8_supported,
 )
 from scaling.testing import assert_parity
@@ -66,6 +68,29 @@ def test_products_match_the_dequantised_reference_and_the_rounding_bound(scaling
         error = (got - a @ b).abs()
         assert bool((error <= _bound(a, b, a_dtype, b_dtype)).all()), f"{name}: beyond float8's bound"
         assert error.max() > 0  # it did go through float8
+
+
+def test_a_weight_given_in_float8_is_used_as_it_is_and_the_weight_never_read():
+    """ZeRO-3's float8 all-gather hands the products the gathered float8 weight: with the bytes the
+    products would have made of the weight (its own amax), the output and every gradient are bit
+    for bit those of quantising it; and the products read the float8 tensor, not the weight."""
+    torch.manual_seed(0)
+    x, w, grad = torch.randn(4, 8, 64), torch.randn(48, 64), torch.randn(4, 8, 48)
+    config = Float8Config(enabled=True)
+    w8, inverse = float8_quantize(w, w.abs().amax(), E4M3)
+
+    def run(weight, weight8):
+        xg, wg = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        y = float8_linear(xg, wg, None, config, weight8)
+        y.backward(grad)
+        return y, xg.grad, wg.grad
+
+    quantised = run(w, None)
+    given = run(torch.full_like(w, float("nan")), Float8Weight(w8, inverse))  # weight values unread
+    for name, a, b in zip(("y", "dx", "dw"), quantised, given, strict=True):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="scaling='rowwise' needs the weight"):
+        float8_linear(x, w, None, Float8Config(enabled=True, scaling="rowwise"), Float8Weight(w8, inverse))
 
 
 @needs_rowwise

@@ -7,6 +7,7 @@ EXPECTED = [
     "CompileConfig",
     "CompileMonitor",
     "Float8Config",
+    "Float8Weight",
     "KVCache",
     "LayerInputError",
     "LayerNorm",

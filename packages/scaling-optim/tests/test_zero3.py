@@ -290,9 +290,15 @@ def _float8_all_gather(all_gather, offload=False):
         zero3_modules=[layers[0], layers[2]],
     )
     seen = {}
-    layers[0].register_forward_pre_hook(lambda m, a: seen.setdefault("gathered", m.weight.detach().clone()))
+
+    def first_gather(module, args):
+        seen.setdefault("gathered", module.weight.detach().clone())
+        held = module.float8_weight  # what the products use under float8 all-gathers
+        seen.setdefault("held", None if held is None else held.tensor.float() * held.inverse)
+
+    layers[0].register_forward_pre_hook(first_gather)
     losses = []
-    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1 + topo.data_parallel_rank))
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1 + topo.data_parallel_rank))
     for _ in range(3):
         opt.zero_grad()
         loss = layers(x).pow(2).mean()
@@ -300,10 +306,14 @@ def _float8_all_gather(all_gather, offload=False):
         opt.step()
         losses.append(loss.item())
     nbytes, calls, amax_reductions = opt.gatherer.sent_bytes, opt.gatherer.gathers, opt.gatherer.amax_reductions
-    with opt.full_parameters():
-        exact = layers[0].weight.detach().clone()
-        shards = [torch.zeros_like(opt.slots[0].param_shard) for _ in range(2)]
-        torch.distributed.all_gather(shards, opt.slots[0].param_shard, group=topo.data_parallel_group)
+    held = layers[0].float8_weight
+    with torch.no_grad():
+        gathered_out = layers(x)
+        with opt.full_parameters():  # exact gathers; a forward here quantises the exact weights alike
+            exact = layers[0].weight.detach().clone()
+            shards = [torch.zeros_like(opt.slots[0].param_shard) for _ in range(2)]
+            torch.distributed.all_gather(shards, opt.slots[0].param_shard, group=topo.data_parallel_group)
+            whole_out = layers(x)
     scale = torch.finfo(torch.float8_e4m3fn).max / full.abs().max()
     float8_grid = (full * scale).to(torch.float8_e4m3fn).float() * scale.reciprocal()
     return {
@@ -313,6 +323,9 @@ def _float8_all_gather(all_gather, offload=False):
         "amax_reductions": amax_reductions,
         "first_gather_is_float8": torch.equal(seen["gathered"], float8_grid),
         "first_gather_is_exact": torch.equal(seen["gathered"], full),
+        "products_use_the_gathered_float8": seen["held"] is not None and torch.equal(seen["held"], float8_grid),
+        "float8_freed_after_step": held is None or held.tensor.untyped_storage().nbytes() == 0,
+        "forward_on_exact_weights_equal": torch.equal(gathered_out, whole_out),
         "full_parameters_exact": torch.equal(exact.view(-1), torch.cat(shards)[: exact.numel()]),
     }
 
@@ -334,8 +347,13 @@ def test_float8_all_gather_sends_one_byte_per_weight_element_and_trains_alike():
     assert float8["bytes"] == plain["bytes"] // 2112 * 576
     # The weights' scales: one all-reduce per step for both layers, not one per gather (12 here).
     assert float8["calls"] == 12 and float8["amax_reductions"] == 3 and plain["amax_reductions"] == 0
-    # The float8 products quantise the gathered weight to the same float8 values: same training.
-    torch.testing.assert_close(torch.tensor(float8["losses"]), torch.tensor(plain["losses"]), rtol=1e-5, atol=0.0)
+    # The products take the gathered float8 weight as it is (no second quantisation); it holds
+    # the bytes the bf16 gather's products quantise the whole weight to: the same training, bit
+    # for bit. Its memory is freed with the layer.
+    assert float8["products_use_the_gathered_float8"] and not plain["products_use_the_gathered_float8"]
+    assert float8["losses"] == plain["losses"] and float8["float8_freed_after_step"]
+    # A forward on layers made whole exactly (inside full_parameters()) quantises them to the same bytes.
+    assert float8["forward_on_exact_weights_equal"] and plain["forward_on_exact_weights_equal"]
     # full_parameters() (checkpoints) gathers the exact weights, never the float8 ones.
     assert float8["full_parameters_exact"] and plain["full_parameters_exact"]
     # With cpu_offload the scales wait for the whole host update (they read every weight's

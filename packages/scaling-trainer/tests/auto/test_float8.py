@@ -59,6 +59,33 @@ def test_float8_tp_linears_track_fp32(tp: int) -> None:
         torch.testing.assert_close(got, expected, rtol=0.03, atol=0.0)
 
 
+def zero3_float8_worker(name: str, all_gather: bool) -> tuple[list[float], int]:
+    """ZeRO-3 at dp2 with float8 TP linears: losses, and how many linears hold a gathered float8 weight."""
+    cls, config = MODELS[name]
+    model = deferred_init(cls, config())
+    constraints = {"data_parallel_size": 2, "zero_stage": 3, "global_batch_size": GLOBAL_BATCH, "seed": 7}
+    model, optimizer, scheduler, loader = parallelize(
+        generate_plan(model, constraints),
+        model,
+        optimizer_fn,
+        lr_scheduler_fn,
+        TokenDataset(),
+        float8=Float8Config(enabled=True, min_features=16, all_gather=all_gather),
+    )
+    held = sum(getattr(m, "float8_weight", None) is not None for m in model.modules())
+    return plain_loop(model, optimizer, scheduler, loader), held
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])  # GPT-2's Conv1D stores its weights transposed
+def test_float8_all_gather_under_zero3_trains_as_gathering_exactly(name: str) -> None:
+    """The auto API's linears take ZeRO-3's gathered float8 weight as the products' weight: bit for
+    bit the run that gathers the weights in their own dtype (the products quantise them alike)."""
+    exact, float8 = (run_distributed(zero3_float8_worker, 2, name, flag, timeout_seconds=300) for flag in (False, True))
+    for (exact_losses, none_held), (float8_losses, held) in zip(exact, float8, strict=True):
+        assert none_held == 0 and held > 0
+        assert float8_losses == exact_losses
+
+
 def _refused_worker() -> str:
     cls, config = MODELS["llama"]
     model = deferred_init(cls, config().__class__(**{**config().to_dict(), "intermediate_size": 40}))

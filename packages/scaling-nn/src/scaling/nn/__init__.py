@@ -15,7 +15,7 @@ from scaling.nn._embedding import (
     vocab_parallel_embedding,
     vocab_range,
 )
-from scaling.nn._float8 import Float8Config, float8_linear, float8_quantize, float8_supported
+from scaling.nn._float8 import Float8Config, Float8Weight, float8_linear, float8_quantize, float8_supported
 from scaling.nn._float8_layers import TensorParallelLinear, check_float8, enable_float8
 from scaling.nn._init import LayerInputError
 from scaling.nn._layer import (
@@ -50,6 +50,7 @@ __all__ = [
     "CompileConfig",
     "CompileMonitor",
     "Float8Config",
+    "Float8Weight",
     "KVCache",
     "LayerInputError",
     "LayerNorm",

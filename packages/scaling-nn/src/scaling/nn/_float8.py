@@ -25,7 +25,7 @@ docs/architecture.md.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 from pydantic import Field, model_validator
@@ -81,6 +81,20 @@ class Float8Config(BaseConfig):
         return _FORMATS[self.grad_format or ("e5m2" if self.scaling == "tensorwise" else "e4m3")]
 
 
+class Float8Weight(NamedTuple):
+    """A linear's weight already in float8, handed to its products instead of the weight itself.
+
+    ZeRO-3's float8 all-gather (``Float8Config.all_gather``) gathers each weight quantised
+    with one scale and keeps it here (the tensors stay; their memory is filled at each gather
+    and freed with the layer), so the products use the gathered bytes as they are instead of
+    quantising the weight again (torchtitan hands its float8 all-gather's tensor to the
+    matrix multiply likewise). Tensorwise scaling only.
+    """
+
+    tensor: torch.Tensor  # the weight's shape, float8 e4m3
+    inverse: torch.Tensor  # 0-d fp32: tensor.float() * inverse dequantises
+
+
 def float8_quantize(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` cast to the float8 ``dtype`` with ``amax`` mapped to the format's largest value; and the
     inverse scale (``quantized.float() * inverse`` dequantises). ``amax`` may be a tensor's own
@@ -104,14 +118,16 @@ def float8_mm(
     rowwise: bool,
     out_dtype: torch.dtype,
     fast_accum: bool = False,
+    b_float8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``a [m, k] @ b [k, n]`` in float8: ``a`` scaled per row (or whole), ``b`` per column (or whole).
 
     ``fast_accum``: let the GPU's float8 tensor cores accumulate in their faster, less precise
     mode (torchao's default for the forward product, never for the gradients'); CPU ignores it.
+    ``b_float8``: ``b`` already quantised (tensorwise), with its inverse scale; ``b`` is then not read.
     """
     a8, a_inv = _scale(a, a_dtype, -1 if rowwise else None)
-    b8, b_inv = _scale(b, b_dtype, 0 if rowwise else None)
+    b8, b_inv = b_float8 if b_float8 is not None else _scale(b, b_dtype, 0 if rowwise else None)
     # _scaled_mm takes the left operand row-major and the right one column-major.
     return torch._scaled_mm(
         a8.contiguous(),
@@ -125,8 +141,15 @@ def float8_mm(
 
 class _Float8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: AutogradContext, x: torch.Tensor, weight: torch.Tensor, config: Float8Config) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
+    def forward(
+        ctx: AutogradContext,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight8: torch.Tensor | None,
+        inverse: torch.Tensor | None,
+        config: Float8Config,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, weight8, inverse)
         ctx.config = config
         x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[0] % 16:
@@ -136,31 +159,46 @@ class _Float8Linear(torch.autograd.Function):
                 "of 16): make the tokens per micro-batch and rank (micro-batch size x sequence length / context "
                 "parallel size) a multiple of 16, or keep this layer in high precision"
             )
-        y = float8_mm(x2, weight.t(), E4M3, E4M3, config.scaling == "rowwise", x.dtype, fast_accum=True)
+        given = None if weight8 is None or inverse is None else (weight8.t(), inverse)
+        y = float8_mm(x2, weight.t(), E4M3, E4M3, config.scaling == "rowwise", x.dtype, fast_accum=True, b_float8=given)
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
-    def backward(ctx: AutogradContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        x, weight = ctx.saved_tensors
+    def backward(
+        ctx: AutogradContext, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
+        x, weight, weight8, inverse = ctx.saved_tensors
         config: Float8Config = ctx.config
         rowwise = config.scaling == "rowwise"
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = float8_mm(g2, weight, config.grad_dtype, E4M3, rowwise, grad.dtype).view(x.shape)
+            given = None if weight8 is None else (weight8, inverse)
+            grad_x = float8_mm(g2, weight, config.grad_dtype, E4M3, rowwise, grad.dtype, b_float8=given).view(x.shape)
         if ctx.needs_input_grad[1]:
             x2 = x.reshape(-1, x.shape[-1])
             grad_w = float8_mm(g2.t(), x2, config.grad_dtype, E4M3, rowwise, weight.dtype)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None, None
 
 
 def float8_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: Float8Config | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: Float8Config | None,
+    weight8: Float8Weight | None = None,
 ) -> torch.Tensor:
-    """``x W^T + b`` with the product in float8 under ``config`` (``F.linear`` when None)."""
+    """``x W^T + b`` with the product in float8 under ``config`` (``F.linear`` when None).
+
+    ``weight8``: the weight already in float8 (ZeRO-3's float8 all-gather), used by the
+    products in its place; tensorwise scaling only.
+    """
     if config is None:
         return torch.nn.functional.linear(x, weight, bias)
-    y = _Float8Linear.apply(x, weight, config)
+    if weight8 is not None and config.scaling != "tensorwise":
+        raise ValueError(f"a weight given in float8 carries one scale; scaling={config.scaling!r} needs the weight")
+    data, inverse = (None, None) if weight8 is None else weight8
+    y = _Float8Linear.apply(x, weight, data, inverse, config)
     return y + bias if bias is not None else y
 
 

@@ -8,7 +8,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from scaling.nn._float8 import Float8Config, float8_supported
+from scaling.nn._float8 import Float8Config, Float8Weight, float8_supported
 
 
 @runtime_checkable
@@ -18,9 +18,12 @@ class TensorParallelLinear(Protocol):
     ``ColumnParallelLinear`` and ``RowParallelLinear`` have it, and so do the auto API's
     wrappers of unmodified modules; ``tensor_parallel_split`` is None for a linear that
     stays in high precision whatever the rule says (an LM head that gathers the vocabulary).
+    ``float8_weight`` is where ZeRO-3's float8 all-gather puts the gathered float8 weight
+    for the products to use (None: they quantise the weight themselves).
     """
 
     float8: Float8Config | None
+    float8_weight: Float8Weight | None
 
     @property
     def tensor_parallel_split(self) -> str | None: ...  # "column", "row" or None

@@ -18,7 +18,7 @@ from scaling.collectives import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_model_parallel_region,
 )
-from scaling.nn._float8 import Float8Config, float8_linear
+from scaling.nn._float8 import Float8Config, Float8Weight, float8_linear
 from scaling.nn._init import (
     InitMethod,
     LayerInputError,
@@ -46,6 +46,7 @@ def column_parallel_linear(
     sequence_parallel: bool = False,
     gather_output: bool = False,
     float8: Float8Config | None = None,
+    float8_weight: Float8Weight | None = None,
 ) -> torch.Tensor:
     """The column-parallel product: ``x`` enters the TP region, ``y = x W_r^T + b_r`` on this rank's rows.
 
@@ -58,12 +59,13 @@ def column_parallel_linear(
         group: the TP process group (None: one rank).
         gather_output: all-gather the output to ``[..., out]`` (else it stays split).
         float8: multiply in float8 under this config (None: in the parameters' dtype).
+        float8_weight: ``weight`` already in float8 (ZeRO-3's float8 all-gather), used in its place.
     """
     if sequence_parallel:
         x = gather_from_sequence_parallel_region(x, group)
     else:
         x = copy_to_model_parallel_region(x, group)
-    y = float8_linear(x, weight, bias, float8)
+    y = float8_linear(x, weight, bias, float8, float8_weight)
     return gather_from_model_parallel_region(y, group) if gather_output else y
 
 
@@ -75,6 +77,7 @@ def row_parallel_linear(
     *,
     sequence_parallel: bool = False,
     float8: Float8Config | None = None,
+    float8_weight: Float8Weight | None = None,
 ) -> torch.Tensor:
     """The row-parallel product: partial ``x_r W_r^T`` summed over TP, then the replicated bias once.
 
@@ -84,8 +87,9 @@ def row_parallel_linear(
         group: the TP process group (None: one rank).
         sequence_parallel: reduce-scatter the sum along dim 1 (else all-reduce it).
         float8: multiply in float8 under this config (None: in the parameters' dtype).
+        float8_weight: ``weight`` already in float8 (ZeRO-3's float8 all-gather), used in its place.
     """
-    y = float8_linear(x, weight, None, float8)
+    y = float8_linear(x, weight, None, float8, float8_weight)
     if sequence_parallel:
         y = reduce_scatter_to_sequence_parallel_region(y, group)
     else:
@@ -161,6 +165,8 @@ class ColumnParallelLinear(_SplitLinear):
         self.sequence_parallel = sequence_parallel
         #: Float8 products (set by :func:`~scaling.nn.enable_float8`); None = the parameter dtype.
         self.float8: Float8Config | None = None
+        #: The weight already in float8, set by ZeRO-3's float8 all-gather; None = quantised per product.
+        self.float8_weight: Float8Weight | None = None
         self.weight = sharded_parameter(
             (out_features, in_features), init_method or default_weight_init, self._tp, 0, dtype, "weight"
         )
@@ -188,6 +194,7 @@ class ColumnParallelLinear(_SplitLinear):
             sequence_parallel=self.sequence_parallel,
             gather_output=not self.parallel_output,
             float8=self.float8,
+            float8_weight=self.float8_weight,
         )
 
     def extra_repr(self) -> str:
@@ -244,6 +251,8 @@ class RowParallelLinear(_SplitLinear):
         self.sequence_parallel = sequence_parallel
         #: Float8 products (set by :func:`~scaling.nn.enable_float8`); None = the parameter dtype.
         self.float8: Float8Config | None = None
+        #: The weight already in float8, set by ZeRO-3's float8 all-gather; None = quantised per product.
+        self.float8_weight: Float8Weight | None = None
         self.weight = sharded_parameter(
             (out_features, in_features), init_method or default_weight_init, self._tp, 1, dtype, "weight"
         )
@@ -264,7 +273,13 @@ class RowParallelLinear(_SplitLinear):
         if not self.parallel_input:
             x = scatter_to_model_parallel_region(x, group)
         return row_parallel_linear(
-            x, self.weight, self.bias, group, sequence_parallel=self.sequence_parallel, float8=self.float8
+            x,
+            self.weight,
+            self.bias,
+            group,
+            sequence_parallel=self.sequence_parallel,
+            float8=self.float8,
+            float8_weight=self.float8_weight,
         )
 
     def _input_error(self, x: torch.Tensor) -> str:

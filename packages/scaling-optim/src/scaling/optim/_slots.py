@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from scaling.nn import ParameterMeta
+from scaling.nn import Float8Weight, ParameterMeta
 from scaling.optim._compat import foreach_copy_
 
 
@@ -72,6 +72,9 @@ class ParamSlot:
         # ZeRO-3: the owned elements of the parameter in its own dtype; the parameter's
         # storage is freed between uses (see _zero3.py).
         self.param_shard: torch.Tensor | None = None
+        # ZeRO-3 float8 all-gathers: the whole weight in float8 (filled and freed with the
+        # parameter) that the linear's products use; None for the other parameters.
+        self.float8_weight: Float8Weight | None = None
         # Whether this rank counts this parameter in the global gradient norm (TP
         # replicas and pipeline-tied copies count once).
         self.counts_in_norm = True

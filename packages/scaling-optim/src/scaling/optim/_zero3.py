@@ -47,12 +47,12 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
-from scaling.collectives import all_reduce
-from scaling.nn import ParameterMeta, TensorParallelLinear, float8_quantize
+from scaling.nn import ParameterMeta
 from scaling.optim._comm import group_size
 from scaling.optim._compat import all_gather_single, in_backward
 from scaling.optim._slots import ParamSlot
 from scaling.optim._weak import weak_hook
+from scaling.optim._zero3_float8 import WIRE_FLOAT8, Float8Gathers, fill_float8
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -70,6 +70,8 @@ class LayeredModule(Protocol):
 
 def free_storage(slot: ParamSlot) -> None:
     slot.param.untyped_storage().resize_(0)
+    if slot.float8_weight is not None:
+        slot.float8_weight.tensor.untyped_storage().resize_(0)
 
 
 def _meta_of(param: torch.Tensor, name: str) -> ParameterMeta:
@@ -104,9 +106,6 @@ def _iter_tensors(obj: object) -> Iterator[torch.Tensor]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from _iter_tensors(getattr(obj, f.name))
-
-
-_WIRE_FLOAT8 = torch.float8_e4m3fn  # the format of float8 all-gathers (a forward operand's)
 
 
 class _Pending(NamedTuple):
@@ -172,23 +171,8 @@ class ParameterGatherer:
                 f"zero_stage=3: parameters {missing} belong to none of the modules passed as zero3_modules; "
                 "pass every layer that uses a trained parameter"
             )
-        # Weights of the float8 linears whose config asks for float8 all-gathers (slot id ->
-        # slot): they travel quantised to e4m3, one byte per element (see _start).
-        self._float8: dict[int, ParamSlot] = {}
-        for module in modules:
-            for sub in module.modules():
-                config = getattr(sub, "float8", None)
-                weight = getattr(sub, "weight", None)
-                if isinstance(sub, TensorParallelLinear) and config is not None and config.all_gather:
-                    weight_slot = by_param.get(id(weight))
-                    if weight_slot is not None:
-                        self._float8[id(weight_slot)] = weight_slot
-        # Each float8 weight's amax over all its shards (slot id -> amax), taken for all of
-        # them in one all-reduce at the first float8 gather after the shards changed (as
-        # torchao's precompute_float8_dynamic_scale_for_fsdp): None until then.
-        self._amax: dict[int, torch.Tensor] | None = None
-        #: How many of those all-reduces ran (one per step with float8 all-gathers).
-        self.amax_reductions = 0
+        # The float8 linears' weights that travel in float8, their scales and gathered float8 copies.
+        self._float8 = Float8Gathers(modules, by_param, group)
         #: Layers whole with weights dequantised from float8 (forward / backward only; exact
         #: gathers, as for checkpoints, gather them again in their own dtype).
         self._lossy: set[int] = set()
@@ -216,8 +200,8 @@ class ParameterGatherer:
         slots = self.layers[index]
         world = group_size(self.group)
         inverse: dict[int, torch.Tensor] = {}
-        if not exact and any(id(s) in self._float8 for s in slots):
-            send, inverse = self._float8_bytes(slots)
+        if not exact and any(s in self._float8 for s in slots):
+            send, inverse = self._float8.pack(slots, self.before_gather)
         elif world == 1:  # one rank (an expert held by one rank, ZeRO-3 on one device): the shards are whole
             self._pending[index] = _Pending(None, None, 0, inverse)
             return
@@ -232,39 +216,10 @@ class ParameterGatherer:
         work = all_gather_single(recv, send, group=self.group, async_op=True)
         self._pending[index] = _Pending(work, recv, send.numel(), inverse)
 
-    def _float8_bytes(self, slots: list[ParamSlot]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """This rank's shards as one byte buffer: the float8 weights quantised, the rest as they are.
-
-        A weight's scale comes from its amax over all its shards, so every rank quantises
-        its part of the weight as the whole weight would be.
-        """
-        amax_of = self._float8_amax()
-        parts, inverse = [], {}
-        for s in slots:
-            chunk = s.padded_chunk(s.param_shard)  # type: ignore[arg-type]
-            if id(s) in self._float8:
-                chunk, inverse[id(s)] = float8_quantize(chunk, amax_of[id(s)], _WIRE_FLOAT8)
-            parts.append(chunk.view(torch.uint8))
-        return torch.cat(parts), inverse
-
-    def _float8_amax(self) -> dict[int, torch.Tensor]:
-        """Every float8 weight's amax over its shards: one all-reduce for all of them while
-        the shards stay as they are (every rank asks at the same gather: the first float8 one)."""
-        if self._amax is None:
-            if self.before_gather is not None:
-                self.before_gather(None)  # reads every float8 weight's shard
-            float8 = list(self._float8.values())
-            device = float8[0].param.device
-            amax = torch.stack(
-                [
-                    s.param_shard.detach().abs().max().float() if s.length else torch.zeros((), device=device)  # type: ignore[union-attr]
-                    for s in float8
-                ]
-            )
-            all_reduce(amax, self.group, op=dist.ReduceOp.MAX)
-            self.amax_reductions += 1
-            self._amax = {id(s): amax[i] for i, s in enumerate(float8)}
-        return self._amax
+    @property
+    def amax_reductions(self) -> int:
+        """How many float8 amax all-reduces ran (one per step with float8 all-gathers)."""
+        return self._float8.amax_reductions
 
     def gather(self, index: int, exact: bool = False) -> None:
         """Make layer ``index``'s parameters whole (waiting for a prefetch if one is running).
@@ -278,6 +233,8 @@ class ParameterGatherer:
             for slot in self.layers[index]:
                 free_storage(slot)
         if index not in self._pending and all(_is_whole(s) for s in self.layers[index]):
+            if not exact:
+                self._float8.fill_from_whole(self.layers[index], self.before_gather)
             return
         self._start(index, exact)
         if index not in self._pending:
@@ -299,10 +256,11 @@ class ParameterGatherer:
                 full = grid[:, offset : offset + slot.chunk].reshape(-1)[: slot.numel]
                 offset += slot.chunk
             else:  # a byte grid: each slot's columns are its chunk in its wire dtype
-                dtype = _WIRE_FLOAT8 if id(slot) in self._float8 else slot.param.dtype
+                dtype = WIRE_FLOAT8 if slot in self._float8 else slot.param.dtype
                 width = slot.chunk * dtype.itemsize
                 full = grid[:, offset : offset + width].contiguous().view(dtype).reshape(-1)[: slot.numel]
                 if id(slot) in pending.inverse:
+                    fill_float8(slot, full, pending.inverse[id(slot)])
                     full = full.float() * pending.inverse[id(slot)]
                 offset += width
             slot.param.data.view(-1).copy_(full)
@@ -323,7 +281,7 @@ class ParameterGatherer:
         shards are about to change (every rank calls this at the same point: the step, a load)."""
         for index in list(self._pending):
             self._drop_pending(index)
-        self._amax = None
+        self._float8.forget_amax()
 
     def _keep_in_place_update(self, slot: ParamSlot) -> None:
         """Write a frozen parameter changed in place while whole back into its shard.
@@ -412,6 +370,7 @@ class ParameterGatherer:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        self._float8.detach()
 
 
 def check_sharding(optimizer: OptimizerConfig, topology: TopologyConfig) -> None:

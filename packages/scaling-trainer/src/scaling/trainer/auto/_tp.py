@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from scaling.nn import Float8Config, column_parallel_linear, row_parallel_linear, vocab_parallel_embedding
+from scaling.nn import Float8Config, Float8Weight, column_parallel_linear, row_parallel_linear, vocab_parallel_embedding
 from scaling.trainer.auto._plan import ModuleSharding
 from scaling.trainer.auto._policy import shard_dim
 
@@ -75,6 +75,8 @@ class ShardedLinear(torch.nn.Module):
         self.group = group if size > 1 else None
         #: Float8 products (set by ``scaling.nn.enable_float8``); None = the parameter dtype.
         self.float8: Float8Config | None = None
+        #: This weight already in float8, set by ZeRO-3's float8 all-gather; None = quantised per product.
+        self.float8_weight: Float8Weight | None = None
         chunks = sharding.chunks
         self.weight = _local_param(source.get_parameter("weight"), shard_dim(sharding, "weight"), rank, size, chunks)
         bias = getattr(source, "bias", None)
@@ -94,11 +96,22 @@ class ShardedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         style = self.sharding.style
-        weight = self.weight.t() if self.sharding.transposed else self.weight
+        weight: torch.Tensor = self.weight
+        weight8 = self.float8_weight
+        if self.sharding.transposed:
+            weight = weight.t()
+            weight8 = None if weight8 is None else Float8Weight(weight8.tensor.t(), weight8.inverse)
         if style == "row":
-            return row_parallel_linear(x, weight, self.bias, self.group, float8=self.float8)
-        gather = style == "vocab_head"
-        return column_parallel_linear(x, weight, self.bias, self.group, gather_output=gather, float8=self.float8)
+            return row_parallel_linear(x, weight, self.bias, self.group, float8=self.float8, float8_weight=weight8)
+        return column_parallel_linear(
+            x,
+            weight,
+            self.bias,
+            self.group,
+            gather_output=style == "vocab_head",
+            float8=self.float8,
+            float8_weight=weight8,
+        )
 
     def extra_repr(self) -> str:
         return f"style={self.sharding.style}, transposed={self.sharding.transposed}, model_parallel_size={self.size}"
