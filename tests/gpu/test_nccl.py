@@ -93,3 +93,14 @@ def test_cpu_tensor_on_nccl_is_refused_by_name():
     ((message, tensor_device, group_device_type),) = run_distributed(_wrong_device_worker, 1, backend="nccl")
     assert (tensor_device, group_device_type) == ("cpu", "cuda")
     assert message.startswith("send on group 'p2p' (nccl) got a tensor of shape [3] (float32) on device cpu")
+
+
+def test_a_rank_beyond_the_nodes_gpus_is_refused_with_nccl():
+    """The node's real GPU count: local rank N on a node of N GPUs has none of its own under NCCL."""
+    from scaling.topology import Topology, TopologyConfig
+
+    count = torch.cuda.device_count()
+    config = TopologyConfig(world_size=count + 1, device="cuda", backend="nccl")
+    assert Topology(config, count - 1, local_rank=count - 1).device == torch.device("cuda", count - 1)
+    with pytest.raises(RuntimeError, match=f"local rank {count} has no GPU of its own: this node shows {count} CUDA"):
+        _ = Topology(config, count, local_rank=count).device

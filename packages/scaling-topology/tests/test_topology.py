@@ -83,6 +83,28 @@ def test_from_env():
         Topology.from_env(cfg, {})
 
 
+def test_more_nccl_ranks_on_a_node_than_gpus_is_refused_before_any_group(monkeypatch):
+    """NCCL takes one GPU per rank: local rank 2 on a node showing 2 GPUs is refused, naming the
+    counts and the fix, when the device is asked for (before initialize_distributed's
+    init_process_group). The real CUDA query is in tests/gpu/test_nccl.py; here the GPU count is
+    set, as on a node with 2 GPUs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    config = TopologyConfig(world_size=4, device="cuda", backend="nccl")
+    assert Topology(config, 1, local_rank=1).device == torch.device("cuda", 1)
+    with pytest.raises(RuntimeError) as info:
+        _ = Topology(config, 2, local_rank=2).device
+    assert str(info.value) == (
+        "local rank 2 has no GPU of its own: this node shows 2 CUDA device(s) (CUDA_VISIBLE_DEVICES=0,1) and NCCL "
+        "needs one per rank; start at most 2 processes per node (runner.nproc_per_node, or the hosts' slots), or "
+        "make more GPUs visible"
+    )
+    # auto picks CUDA with NCCL where there is CUDA: the same refusal.
+    with pytest.raises(RuntimeError, match="local rank 3 has no GPU of its own"):
+        _ = Topology(TopologyConfig(world_size=4), 3, local_rank=3).device
+
+
 def test_groups_need_initialisation():
     topo = Topology(TopologyConfig(world_size=1, device="cpu"), 0)
     with pytest.raises(RuntimeError, match="initialize_distributed"):
