@@ -60,12 +60,12 @@ def test_matches_a_per_token_reference(score_function, shared):
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason=f"torch {torch.__version__} has no _grouped_mm")
-@pytest.mark.parametrize(("dtype", "grouped_calls"), [(torch.bfloat16, 6), (torch.float32, 0)])
+@pytest.mark.parametrize(("dtype", "grouped_calls"), [(torch.bfloat16, 12), (torch.float32, 0)])
 def test_grouped_experts_equal_the_per_expert_loop_bitwise(monkeypatch, dtype, grouped_calls):
     """In bf16 the experts as three grouped matrix multiplies (what CUDA runs as one kernel
     each; forced here, on CPU, where the default loops) give the loop's outputs and gradients
     bit for bit, idle experts included; fp32 keeps the loop (torch's grouped kernels take
-    bf16 only)."""
+    bf16 only). Grouped: 3 calls per forward (two forwards) and 2 per projection in the backward."""
     calls = []
     grouped_mm = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
@@ -77,8 +77,70 @@ def test_grouped_experts_equal_the_per_expert_loop_bitwise(monkeypatch, dtype, g
         moe(x).backward(torch.randn(2, 3, H, dtype=dtype, generator=torch.Generator().manual_seed(2)))
         runs.append([moe(x).detach(), x.grad, *(p.grad for p in moe.parameters() if p.grad is not None)])
         assert (moe.last_load == 0).any()
-    assert len(calls) == grouped_calls  # three per forward of the grouped run, none in the loop's
+    assert len(calls) == grouped_calls  # none in the loop's run
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason=f"torch {torch.__version__} has no _grouped_mm")
+def test_grouped_experts_keep_no_stacked_copy_of_the_weights_for_the_backward():
+    """What autograd saves between the forward and the backward of the grouped experts: the
+    expert parameters themselves, never a stacked copy of them (which, for a large MoE layer,
+    is a second copy of all its expert weights, and under ZeRO-3 would outlive the layer)."""
+    torch.manual_seed(0)
+    moe = ParallelMoE(H, FFN, 16, top_k=2, dtype=torch.bfloat16, grouped_gemm=True)
+    params = {p.data_ptr() for p in moe.parameters()}
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.data_ptr()))
+        return t
+
+    x = torch.randn(2, 3, H, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = moe(x)
+    assert not [shape for shape, _ in saved if len(shape) == 3 and shape[0] == 16], saved  # no [experts, ., .]
+    assert sum(ptr in params for _, ptr in saved) >= 3 * 16  # each expert's three weights, as they are
+    y.sum().backward()
+    assert all(moe.experts[str(e)]["gate"].grad is not None for e in range(16))
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason=f"torch {torch.__version__} has no _grouped_mm")
+@pytest.mark.parametrize(("h", "f"), [(64, 96), (2048, 1408), (8, 16)])
+def test_grouped_experts_calls_trace_on_the_meta_device(h, f):
+    """The grouped calls of the forward and the backward, as CUDA gets them: torch's meta kernel for
+    ``_grouped_mm`` runs the CUDA kernel's checks (bf16, row- or column-major operands with rows
+    aligned to 16 bytes), so every layout the backward passes (the gradient transposed, the stacked
+    weights as they are) is checked here without a GPU; the shapes come out as the weights'."""
+    from scaling.nn._moe import _GroupedLinear
+
+    rows = torch.empty(40, h, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    offsets = torch.empty(4, dtype=torch.int32, device="meta")
+    weights = [torch.empty(f, h, dtype=torch.bfloat16, device="meta", requires_grad=True) for _ in range(4)]
+    out = _GroupedLinear.apply(rows, offsets, *weights)
+    out.backward(torch.empty_like(out))
+    assert out.shape == (40, f) and rows.grad.shape == (40, h)
+    assert all(w.grad.shape == (f, h) and w.grad.is_contiguous() for w in weights)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason=f"torch {torch.__version__} has no _grouped_mm")
+def test_compiled_grouped_experts_equal_eager():
+    """The grouped experts' autograd function compiles (aot_eager: Dynamo's capture and AOTAutograd's
+    forward/backward split of it): outputs and every gradient bit for bit as eager."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    moe = ParallelMoE(H, FFN, 8, top_k=2, dtype=torch.bfloat16, grouped_gemm=True)
+    x = torch.randn(2, 8, H, dtype=torch.bfloat16, requires_grad=True)
+    runs = []
+    for forward in (moe.forward, torch.compile(moe.forward, backend="aot_eager")):
+        x.grad = None
+        moe.zero_grad()
+        y = forward(x)
+        y.float().pow(2).sum().backward()
+        runs.append([y.detach(), x.grad, *(p.grad for p in moe.parameters() if p.grad is not None)])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
 def test_aux_loss_gradient_is_injected():

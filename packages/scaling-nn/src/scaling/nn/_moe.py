@@ -28,7 +28,8 @@ there is no capacity factor.
 **Expert compute.** On CUDA in bf16 a rank's experts run as three grouped matrix multiplies
 over the pairs sorted by expert (``torch._grouped_mm``: one kernel per projection for all the
 experts, CUTLASS on Hopper), with the experts' weights stacked for it, as torchtitan's grouped
-experts and Megatron's grouped GEMM do; the grouped path needs no host read of the expert
+experts and Megatron's grouped GEMM do (stacked in the forward and again in the backward, never
+kept in between: ``_GroupedLinear``); the grouped path needs no host read of the expert
 sizes (with one EP rank, none at all). Elsewhere a loop over the experts: on CPU torch's
 grouped multiply is itself a loop of matrix multiplies, so stacking the weights only costs
 (``grouped_gemm=True`` runs it there anyway, bitwise the loop: the tests do); in other
@@ -95,6 +96,34 @@ def check_moe(num_experts: int, top_k: int, expert_parallel_size: int, score_fun
         )
 
 
+class _GroupedLinear(torch.autograd.Function):
+    """``x W_e^T`` on each expert's rows of ``x`` (sorted by expert; ``offsets``: where each
+    expert's rows end) as one grouped matrix multiply, its weights ``W_e`` ``[out, in]``.
+
+    The weights are stacked for the kernel in the forward, and again in the backward, and
+    only the expert parameters themselves are saved: through autograd, the grouped multiply
+    would save the stacked copy, a second copy of every expert weight held from the forward
+    to the backward (under ZeRO-3, gathered weights kept past their layer's forward). The
+    gradients are the products torch's own grouped-multiply backward computes, in the same
+    layouts (bitwise on CPU; the weights' arrive stacked ``[E, out, in]``, each a contiguous
+    view).
+    """
+
+    @staticmethod
+    def forward(ctx: AutogradContext, x: torch.Tensor, offsets: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, offsets, *weights)
+        return torch._grouped_mm(x, torch.stack(weights).transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    def backward(ctx: AutogradContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, offsets, *weights = ctx.saved_tensors
+        grad_x = torch._grouped_mm(grad, torch.stack(weights), offs=offsets) if ctx.needs_input_grad[0] else None
+        grad_w: tuple[torch.Tensor | None, ...] = (None,) * len(weights)
+        if any(ctx.needs_input_grad[2:]):
+            grad_w = torch._grouped_mm(grad.t(), x, offs=offsets).unbind(0)
+        return grad_x, None, *grad_w
+
+
 def _swiglu_experts(
     rows: torch.Tensor, counts: torch.Tensor, experts: list[torch.nn.ParameterDict], grouped: bool | None
 ) -> torch.Tensor:
@@ -110,9 +139,10 @@ def _swiglu_experts(
     # with, takes no other); rows start at 16-byte multiples (8 elements).
     if grouped and hasattr(torch, "_grouped_mm") and rows.dtype == torch.bfloat16 and h % 8 == 0 and f % 8 == 0:
         offsets = counts.cumsum(0).to(torch.int32)
-        gate, up, down = (torch.stack([w[name] for w in experts]).transpose(-2, -1) for name in ("gate", "up", "down"))
-        inner = F.silu(torch._grouped_mm(rows, gate, offs=offsets)) * torch._grouped_mm(rows, up, offs=offsets)
-        return torch._grouped_mm(inner, down, offs=offsets)
+        gate, up, down = ([w[name] for w in experts] for name in ("gate", "up", "down"))
+        grouped_linear = _GroupedLinear.apply
+        inner = F.silu(grouped_linear(rows, offsets, *gate)) * grouped_linear(rows, offsets, *up)
+        return typing.cast(torch.Tensor, grouped_linear(inner, offsets, *down))
     chunks = rows.split(counts.tolist())
     outputs = [
         F.linear(F.silu(F.linear(c, w["gate"])) * F.linear(c, w["up"]), w["down"]) for c, w in zip(chunks, experts)
