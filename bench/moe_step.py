@@ -21,7 +21,8 @@ the grouped kernel of Hopper GPUs); ep > 1 needs as many GPUs and is skipped the
 It prints tokens/s per rank (median of ``steps`` after a warm-up, the slowest rank), over
 all ranks (per rank × ep), and that as a ratio against the dense block, and the all-to-all's share of the MoE step: the four token
 exchanges a step makes (dispatch and combine, forward and backward), timed alone on
-the same split sizes, over the step time. The ranks share this machine's cores (each gets
+the same split sizes, over the step time; on CUDA also the peak device memory of the step
+(``torch.cuda.max_memory_allocated``: the block, its gradients and what autograd saves). The ranks share this machine's cores (each gets
 ``cores // ep`` threads, at least 1).
 """
 
@@ -60,7 +61,7 @@ def _time(fn, steps: int) -> float:
 
 def _run(
     kind: str, hidden: int, ffn: int, experts: int, top_k: int, tokens: int, steps: int, device: str, dtype: str
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
     ep = dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ep))
     topo = make_topology(data_parallel_size=ep, expert_parallel_size=ep, device=device)
@@ -79,7 +80,10 @@ def _run(
         block.zero_grad(set_to_none=True)
         block(x).pow(2).mean().backward()
 
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     step_time = _time(step, steps)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else 0.0  # 0: not measured
     comm_time = 0.0
     if kind == "moe" and ep > 1:
         # The exchanges of one step, on this step's split sizes: dispatch + combine, forward + backward.
@@ -98,7 +102,11 @@ def _run(
                 all_to_all_tokens(back, send_splits, recv_splits, topo.expert_parallel_group)
 
         comm_time = _time(exchanges, steps)
-    return step_time, comm_time
+    return step_time, comm_time, peak
+
+
+def _mib(peak: float) -> str:
+    return f"{peak:>9.0f}" if peak else f"{'-':>9}"
 
 
 def main() -> None:
@@ -120,19 +128,19 @@ def main() -> None:
         f"block: hidden {args.hidden}, expert ffn {args.ffn}, {args.experts} experts, top-{args.top_k}, "
         f"{args.tokens} tokens per rank, {args.dtype}; dense reference: SwiGLU ffn {args.top_k * args.ffn}; {where}"
     )
-    ((dense, _),) = run_distributed(_run, 1, "dense", *shape, backend=backend, timeout_seconds=1800)
+    ((dense, _, dense_peak),) = run_distributed(_run, 1, "dense", *shape, backend=backend, timeout_seconds=1800)
     head = f"{'block':>8} {'ep':>3} {'step s':>8} {'tokens/s/rank':>14} {'all ranks':>10} {'/ dense':>8}"
-    print(f"{head} {'all-to-all share':>17}")
+    print(f"{head} {'all-to-all share':>17} {'peak MiB':>9}")
     row = f"{'dense':>8} {1:>3} {dense:>8.4f} {args.tokens / dense:>14.0f} {args.tokens / dense:>10.0f} {1.0:>8.3f}"
-    print(f"{row} {'-':>17}")
+    print(f"{row} {'-':>17} {_mib(dense_peak)}")
     runs = [("moe-loop", 1)] + [("moe", ep) for ep in args.eps if args.device == "cpu" or ep == 1]
     for kind, ep in runs:
         results = run_distributed(_run, ep, kind, *shape, backend=backend, timeout_seconds=1800)
-        step, comm = max(r[0] for r in results), max(r[1] for r in results)
+        step, comm, peak = (max(r[i] for r in results) for i in range(3))
         share = f"{comm / step:.3f}" if ep > 1 else "-"
         rate = args.tokens / step
         row = f"{kind:>8} {ep:>3} {step:>8.4f} {rate:>14.0f} {rate * ep:>10.0f} {rate * ep * dense / args.tokens:>8.3f}"
-        print(f"{row} {share:>17}", flush=True)
+        print(f"{row} {share:>17} {_mib(peak)}", flush=True)
         if kind == "moe-loop":
             loop = step
         elif ep == 1:
