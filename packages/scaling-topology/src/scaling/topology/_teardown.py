@@ -1,8 +1,13 @@
-"""destroy_process_group: torch's, after a pause that works round a torch 2.6 gloo deadlock."""
+"""destroy_process_group: torch's, after a pause that works round a torch 2.6 gloo deadlock; and
+the groups' teardown at a clean exit (:func:`destroy_at_exit`)."""
 
 from __future__ import annotations
 
+import atexit
+import gc
+import sys
 import time
+import types
 
 import torch.distributed as dist
 
@@ -25,3 +30,37 @@ def destroy_process_group() -> None:
     if dist.is_initialized():
         time.sleep(_GLOO_SETTLE_SECONDS)
         dist.destroy_process_group()
+
+
+_at_exit = {"registered": False, "uncaught": False}
+
+
+def destroy_at_exit() -> None:
+    """Destroy the process groups when the process exits cleanly (registered once per process).
+
+    A script that ends without ``destroy_process_group()`` (the walkthrough's ends with
+    ``trainer.run_training()``) left gloo's threads running into the interpreter's
+    teardown, which then aborted now and then ("terminate called without an active
+    exception", exit code 134 after a run that trained to the end). At exit this destroys the
+    groups (as torch asks every program to) and collects the reference cycles still holding
+    them, so each group's threads are joined before Python goes. After an uncaught exception it
+    does nothing: a peer may still be waiting in a collective, and tearing down a group with
+    work in flight can block the exit of a rank that is failing anyway.
+    """
+    if _at_exit["registered"]:
+        return
+    _at_exit["registered"] = True
+    previous = sys.excepthook
+
+    def note_uncaught(kind: type[BaseException], value: BaseException, tb: types.TracebackType | None) -> None:
+        _at_exit["uncaught"] = True
+        previous(kind, value, tb)
+
+    sys.excepthook = note_uncaught
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    if not _at_exit["uncaught"]:
+        destroy_process_group()
+        gc.collect()  # the groups held only by reference cycles go now, their threads joined

@@ -32,7 +32,7 @@ from scaling.topology._compile_cache import name_compile_cache
 from scaling.topology._config import TopologyConfig
 from scaling.topology._deprecated import DeprecatedNames
 from scaling.topology._groups import new_groups
-from scaling.topology._teardown import destroy_process_group
+from scaling.topology._teardown import destroy_at_exit, destroy_process_group
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -357,6 +357,7 @@ class Topology(DeprecatedNames):
                 timeout=self.timeout,
             )
             self._owns_default_group = True
+            destroy_at_exit()
         elif dist.get_world_size() != self.world_size or dist.get_rank() != self.global_rank:
             raise ValueError(
                 f"existing process group has rank {dist.get_rank()} of {dist.get_world_size()}, but the "
