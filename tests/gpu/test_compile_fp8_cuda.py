@@ -38,8 +38,8 @@ def test_float8_products_on_cuda(scaling):
 FP8_ARCH = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "precision": "bf16"}
 
 
-def _run(gpu_corpus, **training):
-    cfg = tiny_config(gpu_corpus, steps=20, training=training)
+def _run(gpu_corpus, optimizer=None, steps=20, **training):
+    cfg = tiny_config(gpu_corpus, steps=steps, training=training, optimizer=optimizer or {})
     cfg["topology"].update(CUDA)
     cfg["transformer_architecture"].update(FP8_ARCH)
     cfg["trainer"]["log_interval"] = 1
@@ -54,3 +54,15 @@ def test_compiled_and_float8_transformer_on_cuda(gpu_corpus):
     # bf16: inductor's fused kernels round differently from eager's, so a bf16 tolerance
     assert_parity(compiled, eager, rtol=2e-2, name="compiled vs eager (bf16)")
     assert_parity(fp8, eager, rtol=5e-2, name="fp8 compiled vs bf16 eager")
+
+
+def test_float8_all_gather_under_zero3_on_cuda(gpu_corpus):
+    """ZeRO-3 (one rank: the shards are whole, yet the weights go through float8 as with more) with
+    fp8.all_gather: the products take the gathered float8 weight (``_scaled_mm`` with it as the
+    column-major right operand, and row-major, copied, in the input gradient) and train bit for bit
+    as quantising the weight in each product (as on CPU)."""
+    zero3 = {"zero_stage": 3}
+    fp8 = {"enabled": True, "min_features": 16}
+    gathered = _run(gpu_corpus, zero3, 10, fp8={**fp8, "all_gather": True})
+    assert gathered == _run(gpu_corpus, zero3, 10, fp8=fp8)
+    assert gathered[-1] < gathered[0], gathered

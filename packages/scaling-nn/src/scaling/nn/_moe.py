@@ -117,6 +117,7 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: AutogradContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, offsets, *weights = ctx.saved_tensors
+        grad = grad.contiguous()  # CUDA's kernel takes row- or column-major operands only (not, say, expanded)
         grad_x = torch._grouped_mm(grad, torch.stack(weights), offs=offsets) if ctx.needs_input_grad[0] else None
         grad_w: tuple[torch.Tensor | None, ...] = (None,) * len(weights)
         if any(ctx.needs_input_grad[2:]):
