@@ -50,6 +50,30 @@ def test_run_training_sets_the_directory_rank_and_step(tmp_path):
         assert (step_after, dir_after) == (None, None)
 
 
+def _agreement_worker():
+    import signal as signals
+
+    import torch
+    import torch.distributed as dist
+
+    from scaling.trainer._signals import SignalWatcher
+
+    watcher = SignalWatcher(torch.device("cpu"), grace_seconds=60)
+    if dist.get_rank() == 1:
+        watcher.received = signals.SIGTERM  # as its handler would set it
+    agreed = watcher.agreed_signal()
+    last = get_recorder().records(dist.group.WORLD)[-1]
+    return agreed, last.op, last.group, last.ranks
+
+
+@pytest.mark.distributed
+def test_the_ranks_agree_on_a_signal_through_a_recorded_collective():
+    """The step boundary's agreement (any rank's signal, on every rank) goes through
+    scaling.collectives, so a rank that never reaches it is named like any other absent rank."""
+    for agreed, op, group, ranks in run_distributed(_agreement_worker, 2, timeout_seconds=60):
+        assert (agreed, op, group, ranks) == (signal.SIGTERM, "all_reduce", "world", (0, 1))
+
+
 WATCHDOG = """
 import os, signal, sys, time
 import torch

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from scaling.collectives import get_recorder
+from scaling.collectives import all_reduce, get_recorder
 
 #: What ``signal.signal`` returns and takes back: a handler, ``SIG_DFL``/``SIG_IGN``, or None.
 SignalHandler = Callable[[int, types.FrameType | None], object] | int | None
@@ -91,5 +91,7 @@ class SignalWatcher:
         """The signal any rank received (0 if none); collective over the default group."""
         flag = torch.tensor([self.received], dtype=torch.int64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            # Recorded and diagnosed like every other collective: a rank that never reaches this
+            # step boundary is named (CollectiveTimeoutError), not a bare backend timeout.
+            all_reduce(flag, dist.group.WORLD, op=dist.ReduceOp.MAX)
         return int(flag.item())
