@@ -132,13 +132,17 @@ class StageTransports:
         return transport
 
     def _make(self) -> PipeTransport:
+        # Over the stage's PP group, as Megatron-LM and torch's pipelining send: on NCCL a
+        # batched send/receive brings up its group's communicator, which the PP group's ranks
+        # alone then set up (over the default group every rank of the job would have to).
         topo = self.topology
+        group = topo.pipe_parallel_group
         if self.num_virtual_stages > 1:
             s, p = topo.pipe_parallel_rank, topo.pipe_parallel_size
             prev_rank, next_rank = topo.pipe_rank_of_stage((s - 1) % p), topo.pipe_rank_of_stage((s + 1) % p)
-            return PipeTransport(prev_rank, next_rank, topo.device, ring=True, static_shapes=self.static_shapes)
+            return PipeTransport(prev_rank, next_rank, topo.device, group, ring=True, static_shapes=self.static_shapes)
         return PipeTransport(
-            topo.previous_pipe_rank, topo.next_pipe_rank, topo.device, static_shapes=self.static_shapes
+            topo.previous_pipe_rank, topo.next_pipe_rank, topo.device, group, static_shapes=self.static_shapes
         )
 
 
