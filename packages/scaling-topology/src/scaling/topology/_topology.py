@@ -12,7 +12,7 @@ ranks. Gradients are averaged over them and ZeRO shards over them (Megatron-Core
 data-parallel group "with context parallel", torchtitan's ``dp_shard_cp``).
 
 What has its own concept lives apart: group construction (``_groups.py``), RNG
-(``_rng.py``), teardown (``_teardown.py``), sequence splits (``_sequence.py``), the
+(``_rng.py``), the rank's device (``_device.py``), teardown (``_teardown.py``), sequence splits (``_sequence.py``), the
 deprecated names (``_deprecated.py``).
 """
 
@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from scaling.topology._compile_cache import name_compile_cache
 from scaling.topology._config import TopologyConfig
 from scaling.topology._deprecated import DeprecatedNames
+from scaling.topology._device import local_device
 from scaling.topology._groups import new_groups
 from scaling.topology._teardown import destroy_at_exit, destroy_process_group
 
@@ -294,27 +295,8 @@ class Topology(DeprecatedNames):
     # ------------------------------------------------------------- device
     @property
     def device(self) -> torch.device:
-        """``cuda:local_rank`` for device cuda (or auto with CUDA present and no gloo backend), else cpu.
-
-        Raises:
-            RuntimeError: CUDA asked for where there is none, or more ranks on this node than it
-                has GPUs: NCCL (the backend on CUDA) takes one GPU per rank, and two ranks on one
-                GPU fail at their first collective.
-        """
-        want = self.config.device
-        if want == "cuda" or (want == "auto" and self.config.backend != "gloo" and torch.cuda.is_available()):
-            if not torch.cuda.is_available():
-                raise RuntimeError("topology device='cuda' but torch.cuda.is_available() is False; use device='cpu'")
-            count = torch.cuda.device_count()
-            if self.local_rank >= count:
-                raise RuntimeError(
-                    f"local rank {self.local_rank} has no GPU of its own: this node shows {count} CUDA device(s) "
-                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}) and NCCL needs one "
-                    f"per rank; start at most {count} processes per node (runner.nproc_per_node, or the hosts' "
-                    "slots), or make more GPUs visible"
-                )
-            return torch.device("cuda", self.local_rank)
-        return torch.device("cpu")
+        """``cuda:local_rank`` or cpu, as :func:`~scaling.topology._device.local_device` resolves it."""
+        return local_device(self.config, self.local_rank)
 
     @property
     def backend(self) -> str:
