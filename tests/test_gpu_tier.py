@@ -42,3 +42,54 @@ def test_gpu_tier_collects_at_least_13_tests_that_skip_with_the_reason():
     assert sum(int(line.split("[")[1].split("]")[0]) for line in skipped) >= 13, out.stdout
     assert all("needs a CUDA device; none is present on this machine" in line for line in skipped), skipped
     assert " passed" not in out.stdout and " failed" not in out.stdout
+
+
+def _gpu_check_bench_commands(out_dir: str) -> list[list[str]]:
+    """Every ``$PY bench/....py ...`` line of scripts/gpu_check, continuation lines joined,
+    ``$OUT`` and the compile step's two variants filled in, as argument lists."""
+    text = (ROOT / "scripts" / "gpu_check").read_text().replace("\\\n", " ")
+    commands = []
+    for line in text.splitlines():
+        if "$PY bench/" not in line:
+            continue
+        words = line.split("$PY ", 1)[1].split(" 2>&1")[0].replace("$OUT", out_dir).split()
+        variants = [[], ["--fp8"]] if "${variant#*:}" in words else [[]]
+        for extra in variants:
+            commands.append([w for w in words if w != "${variant#*:}"] + extra)
+    return commands
+
+
+PARSE_ONLY = """
+import argparse, os, runpy, sys
+parse = argparse.ArgumentParser.parse_args
+
+def parse_then_stop(self, *args, **kwargs):
+    parse(self, *args, **kwargs)  # exits 2 naming the argument it refuses
+    raise SystemExit(0)
+
+argparse.ArgumentParser.parse_args = parse_then_stop
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))  # as `python bench/x.py` has it
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_gpu_check_bench_commands_parse(tmp_path):
+    """The bench command lines gpu_check runs on a lent card (where a typo costs device time) are
+    accepted by each bench's own argument parser: parsed here, not run."""
+    commands = _gpu_check_bench_commands(str(tmp_path))
+    assert {c[0] for c in commands} >= {
+        "bench/transformer_step.py",
+        "bench/offload_step.py",
+        "bench/model_state_bytes.py",
+        "bench/ring_block_kernels.py",
+        "bench/moe_step.py",
+        "bench/compile_step.py",
+    }
+    assert ["--fp8"] == [c[-1] for c in commands if c[0] == "bench/compile_step.py"][1:]
+    for command in commands:
+        out = subprocess.run(
+            [sys.executable, "-c", PARSE_ONLY, *command], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, f"{' '.join(command)}: {out.stderr[-500:]}"
