@@ -46,16 +46,16 @@ def test_gpu_tier_collects_at_least_13_tests_that_skip_with_the_reason():
 
 def _gpu_check_bench_commands(out_dir: str) -> list[list[str]]:
     """Every ``$PY bench/....py ...`` line of scripts/gpu_check, continuation lines joined,
-    ``$OUT`` and the compile step's two variants filled in, as argument lists."""
+    ``$OUT`` and the compile step's two variants (``${2:-}``: none and ``--fp8``) filled in, as argument lists."""
     text = (ROOT / "scripts" / "gpu_check").read_text().replace("\\\n", " ")
     commands = []
     for line in text.splitlines():
         if "$PY bench/" not in line:
             continue
         words = line.split("$PY ", 1)[1].split(" 2>&1")[0].replace("$OUT", out_dir).split()
-        variants = [[], ["--fp8"]] if "${variant#*:}" in words else [[]]
+        variants = [[], ["--fp8"]] if "${2:-}" in words else [[]]
         for extra in variants:
-            commands.append([w for w in words if w != "${variant#*:}"] + extra)
+            commands.append([w for w in words if w != "${2:-}"] + extra)
     return commands
 
 
@@ -93,3 +93,32 @@ def test_gpu_check_bench_commands_parse(tmp_path):
             [sys.executable, "-c", PARSE_ONLY, *command], cwd=ROOT, capture_output=True, text=True, timeout=120
         )
         assert out.returncode == 0, f"{' '.join(command)}: {out.stderr[-500:]}"
+
+
+@pytest.mark.slow
+def test_gpu_check_orders_its_steps_and_names_the_skipped_ones_for_a_second_call(tmp_path):
+    """The script's own control flow, where a card would run it: its Python is told it has CUDA
+    (``torch.cuda.is_available`` answers True through a sitecustomize on its path, nothing else
+    changed) and the deadline is 0 s, so every step is skipped, in the documented order, and the
+    last line hands them to a second call. No wheels folder and no PYTHONPATH: the script's
+    path set-up must not need either."""
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "sitecustomize.py").write_text("import torch\ntorch.cuda.is_available = lambda: True\n")
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={fake}${{PYTHONPATH:+:$PYTHONPATH}} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env |= {"PYTHON": str(python), "GPU_CHECK_DEADLINE_S": "0", "SCALING_WHEELS": str(tmp_path / "none")}
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check"), str(tmp_path / "report")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    order = "tests app bench compile offload compile_fp8 moe cp_kernels"
+    assert f'run them in a second call: GPU_CHECK_STEPS="{order}"' in out.stdout, out.stdout
+    assert out.stdout.count(": skipped, its limit") == 8
+    assert (tmp_path / "report" / "report.txt").exists()
