@@ -12,8 +12,8 @@ ranks. Gradients are averaged over them and ZeRO shards over them (Megatron-Core
 data-parallel group "with context parallel", torchtitan's ``dp_shard_cp``).
 
 What has its own concept lives apart: group construction (``_groups.py``), RNG
-(``_rng.py``), the rank's device (``_device.py``), teardown (``_teardown.py``), sequence splits (``_sequence.py``), the
-deprecated names (``_deprecated.py``).
+(``_rng.py``), the rank's device (``_device.py``), teardown (``_teardown.py``), sequence
+splits (``_sequence.py``), the deprecated names (``_deprecated.py``).
 """
 
 from __future__ import annotations
