@@ -60,6 +60,7 @@ class ParallelModel(torch.nn.Module):
         self.float8_layers: list[str] = []
 
     def forward(self, batch: object) -> torch.Tensor:
+        batch = on_device(batch, self.topology.device)
         if self.pipeline is not None:
             if not self.training:
                 raise RuntimeError("a pipelined model runs training steps only (model.train())")
@@ -112,6 +113,21 @@ class ParallelModel(torch.nn.Module):
         return [(n, p, get_parameter_meta(p)) for n, p in self.module.named_parameters()]
 
 
+def on_device(batch: object, device: torch.device) -> object:
+    """The plain loop's batch (a tensor, or a mapping, list or tuple of them) with its tensors on
+    ``device``: the one place an auto-API batch reaches the model's device. From the loader's
+    pinned memory the copies are non-blocking (queued on the stream the forward uses); on the
+    CPU ``.to`` returns the tensor itself."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: on_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [on_device(v, device) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)  # a namedtuple, or not
+    return batch
+
+
 def _topology(plan: Plan, topology: Topology | None) -> Topology:
     if not (dist.is_available() and dist.is_initialized()) and plan.world_size > 1:
         raise ValueError(f"parallelize: the plan needs {plan.world_size} ranks; initialise torch.distributed first")
@@ -129,7 +145,9 @@ def _topology(plan: Plan, topology: Topology | None) -> Topology:
             data_parallel_size=plan.data_parallel_size,
             data_parallel_shard_size=plan.data_parallel_shard_size,
             context_parallel_size=plan.context_parallel_size,
-            device="cpu",
+            # The running group's backend decides (NCCL: this rank's GPU; gloo: the CPU); with
+            # none yet, CUDA where there is one, as torch's own default backend would.
+            device=("cuda" if dist.get_backend() == "nccl" else "cpu") if dist.is_initialized() else "auto",
         )
         topology = Topology(cfg, dist.get_rank() if dist.is_initialized() else 0).initialize_distributed()
     sizes = (
@@ -236,8 +254,9 @@ def parallelize(
             replacement = shard_fn(path, model.get_submodule(path))
             parent, _, name = path.rpartition(".")
             setattr(model.get_submodule(parent), name, replacement)
-    if plan.precision != "float32":
-        model.to(precision_dtype(plan.precision))
+    # Onto this rank's device (cuda:LOCAL_RANK or the CPU) in the plan's precision, before the
+    # optimizer sees the parameters (the same parameter objects: their metas stay).
+    model.to(device=topology.device, dtype=precision_dtype(plan.precision) if plan.precision != "float32" else None)
     attach_metas(model, plan, pipeline)
     if plan.context_parallel_size > 1:
         enable_context_parallel(model)
@@ -256,5 +275,12 @@ def parallelize(
             dataset, num_replicas=topology.data_parallel_size, rank=topology.data_parallel_rank, shuffle=False
         )
         per_rank = plan.global_batch_size // plan.data_parallel_size
-        loader = DataLoader(dataset, batch_size=per_rank, sampler=sampler, collate_fn=collate_fn, drop_last=True)
+        loader = DataLoader(
+            dataset,
+            batch_size=per_rank,
+            sampler=sampler,
+            collate_fn=collate_fn,
+            drop_last=True,
+            pin_memory=topology.device.type == "cuda",  # for model(batch)'s non-blocking copies
+        )
     return wrapped, optimizer, scheduler, loader
