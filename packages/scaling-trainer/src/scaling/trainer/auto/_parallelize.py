@@ -124,7 +124,10 @@ def on_device(batch: object, device: torch.device) -> object:
         return {k: on_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
         moved = [on_device(v, device) for v in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)  # a namedtuple, or not
+        if hasattr(batch, "_fields"):  # a namedtuple takes its fields one by one
+            make: Callable[..., object] = type(batch)
+            return make(*moved)
+        return type(batch)(moved)
     return batch
 
 
