@@ -118,6 +118,8 @@ class Float8Gathers:
     def fill_from_whole(self, slots: Iterable[ParamSlot], before_gather: Callable[[int | None], None] | None) -> None:
         """A layer whole from an exact gather (a checkpoint's, say) runs a forward: quantise its float8
         weights whose float8 copy is not filled, with their all-gather's scale (the bytes it would send)."""
+        if not self.slots:  # no float8 all-gathers: the common case, on every forward of a whole layer
+            return
         missing = [
             s for s in slots if s.float8_weight is not None and s.float8_weight.tensor.untyped_storage().nbytes() == 0
         ]
