@@ -31,21 +31,25 @@ pytestmark = [
 FLOAT8 = Float8Config(enabled=True, min_features=16)
 
 
-def float8_worker(constraints: dict) -> tuple[list[float], list[str]]:
-    cls, config = MODELS["llama"]
+def float8_worker(
+    constraints: dict, name: str = "llama", float8: Float8Config = FLOAT8
+) -> tuple[list[float], list[str], int]:
+    """The plain loop's losses, the float8 layers, and how many linears hold a gathered float8 weight."""
+    cls, config = MODELS[name]
     model = deferred_init(cls, config())
     plan = generate_plan(model, {**constraints, "global_batch_size": GLOBAL_BATCH, "seed": 7})
     model, optimizer, scheduler, loader = parallelize(
-        plan, model, optimizer_fn, lr_scheduler_fn, TokenDataset(), float8=FLOAT8
+        plan, model, optimizer_fn, lr_scheduler_fn, TokenDataset(), float8=float8
     )
-    return plain_loop(model, optimizer, scheduler, loader), model.float8_layers
+    held = sum(getattr(m, "float8_weight", None) is not None for m in model.modules())
+    return plain_loop(model, optimizer, scheduler, loader), model.float8_layers, held
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_float8_tp_linears_track_fp32(tp: int) -> None:
     expected = torch.tensor(reference_losses("llama"))
     results = run_distributed(float8_worker, tp, {"tensor_parallel.size": tp}, timeout_seconds=300)
-    for losses, layers in results:
+    for losses, layers, _ in results:
         names = {name.rsplit(".", 1)[-1] for name in layers}
         # k/v projections: 2 kv heads of 8 -> 16 outputs, 8 per rank at tp2 (below min_features there);
         # the LM head gathers the vocabulary and stays in high precision.
@@ -59,29 +63,23 @@ def test_float8_tp_linears_track_fp32(tp: int) -> None:
         torch.testing.assert_close(got, expected, rtol=0.03, atol=0.0)
 
 
-def zero3_float8_worker(name: str, all_gather: bool) -> tuple[list[float], int]:
-    """ZeRO-3 at dp2 with float8 TP linears: losses, and how many linears hold a gathered float8 weight."""
-    cls, config = MODELS[name]
-    model = deferred_init(cls, config())
-    constraints = {"data_parallel_size": 2, "zero_stage": 3, "global_batch_size": GLOBAL_BATCH, "seed": 7}
-    model, optimizer, scheduler, loader = parallelize(
-        generate_plan(model, constraints),
-        model,
-        optimizer_fn,
-        lr_scheduler_fn,
-        TokenDataset(),
-        float8=Float8Config(enabled=True, min_features=16, all_gather=all_gather),
-    )
-    held = sum(getattr(m, "float8_weight", None) is not None for m in model.modules())
-    return plain_loop(model, optimizer, scheduler, loader), held
-
-
 @pytest.mark.parametrize("name", ["gpt2", "llama"])  # GPT-2's Conv1D stores its weights transposed
 def test_float8_all_gather_under_zero3_trains_as_gathering_exactly(name: str) -> None:
     """The auto API's linears take ZeRO-3's gathered float8 weight as the products' weight: bit for
     bit the run that gathers the weights in their own dtype (the products quantise them alike)."""
-    exact, float8 = (run_distributed(zero3_float8_worker, 2, name, flag, timeout_seconds=300) for flag in (False, True))
-    for (exact_losses, none_held), (float8_losses, held) in zip(exact, float8, strict=True):
+    zero3 = {"data_parallel_size": 2, "zero_stage": 3}
+    exact, float8 = (
+        run_distributed(
+            float8_worker,
+            2,
+            zero3,
+            name,
+            Float8Config(enabled=True, min_features=16, all_gather=flag),
+            timeout_seconds=300,
+        )
+        for flag in (False, True)
+    )
+    for (exact_losses, _, none_held), (float8_losses, _, held) in zip(exact, float8, strict=True):
         assert none_held == 0 and held > 0
         assert float8_losses == exact_losses
 

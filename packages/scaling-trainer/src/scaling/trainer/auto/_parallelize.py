@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from scaling.collectives import all_reduce
 from scaling.nn import CompileConfig, Float8Config, ParameterMeta, compile_layers, enable_float8, get_parameter_meta
 from scaling.topology import Topology, TopologyConfig
+from scaling.trainer._placement import on_device
 from scaling.trainer.auto._context import enable as enable_context_parallel
 from scaling.trainer.auto._context import sliced
 from scaling.trainer.auto._deferred import is_deferred, materialize
@@ -111,24 +112,6 @@ class ParallelModel(torch.nn.Module):
     def named_parameters_with_meta(self) -> list[tuple[str, torch.nn.Parameter, ParameterMeta]]:
         """``(path, param, meta)`` for each unique local parameter, paths as in the unmodified model."""
         return [(n, p, get_parameter_meta(p)) for n, p in self.module.named_parameters()]
-
-
-def on_device(batch: object, device: torch.device) -> object:
-    """The plain loop's batch (a tensor, or a mapping, list or tuple of them) with its tensors on
-    ``device``: the one place an auto-API batch reaches the model's device. From the loader's
-    pinned memory the copies are non-blocking (queued on the stream the forward uses); on the
-    CPU ``.to`` returns the tensor itself."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        return {k: on_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        moved = [on_device(v, device) for v in batch]
-        if hasattr(batch, "_fields"):  # a namedtuple takes its fields one by one
-            make: Callable[..., object] = type(batch)
-            return make(*moved)
-        return type(batch)(moved)
-    return batch
 
 
 def _topology(plan: Plan, topology: Topology | None) -> Topology:
