@@ -6,6 +6,11 @@ also called directly on the topology's NCCL groups; the device check is exercise
 through point-to-point ops, which are checked before they are posted.
 """
 
+import pickle
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -104,3 +109,52 @@ def test_a_rank_beyond_the_nodes_gpus_is_refused_with_nccl():
     assert Topology(config, count - 1, local_rank=count - 1).device == torch.device("cuda", count - 1)
     with pytest.raises(RuntimeError, match=f"local rank {count} has no GPU of its own: this node shows {count} CUDA"):
         _ = Topology(config, count, local_rank=count).device
+
+
+STUCK = textwrap.dedent(
+    """
+    import sys
+    import torch, torch.distributed as dist
+    from scaling.topology import Topology, TopologyConfig, set_flight_recorder_folder
+
+    topology = Topology(TopologyConfig(world_size=1, device="cuda", timeout_seconds=5), 0)
+    topology.initialize_distributed(init_method="file://" + sys.argv[2])
+    set_flight_recorder_folder(topology.backend, sys.argv[1])  # what run_training does with diagnostics_dir
+    x = torch.ones(4, device=topology.device)
+    dist.all_reduce(x, group=topology.data_parallel_group)  # collective 1 completes
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1 << 40)  # the GPU spins for minutes, so collective 2 cannot start
+    dist.all_reduce(x, group=topology.data_parallel_group)
+    torch.cuda.synchronize()
+    print("never reached", flush=True)
+    """
+)
+
+
+def test_a_collective_stuck_on_the_gpu_is_ended_by_the_watchdog_and_leaves_its_flight_record(tmp_path):
+    """On NCCL the host does not wait in a collective, so Scaling's own diagnosis never fires: NCCL's
+    watchdog ends the process after the topology's timeout (5 s here), having dumped torch's flight
+    record (turned on by initialize_distributed) into the folder the trainer names, where torch's
+    analyser reads it."""
+    folder = tmp_path / "diagnostics"
+    run = subprocess.run(
+        [sys.executable, "-c", STUCK, str(folder), str(tmp_path / "rendezvous")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode != 0 and "never reached" not in run.stdout, run.stderr[-3000:]
+    dump_file = folder / "flight_recorder_rank_0"
+    assert dump_file.is_file(), f"no flight record in {sorted(folder.iterdir())}; stderr: {run.stderr[-3000:]}"
+    with dump_file.open("rb") as f:
+        entries = [e for e in pickle.load(f)["entries"] if e["profiling_name"] == "nccl:all_reduce"]
+    assert [e["collective_seq_id"] for e in entries][-2:] == [1, 2]
+    assert not entries[-1]["retired"]  # collective 2 never completed
+    printed = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(folder)]
+        + ["--prefix", "flight_recorder_rank_", "-j"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert printed.returncode == 0, printed.stderr[-2000:]  # it parsed the record and its group table

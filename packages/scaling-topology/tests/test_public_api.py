@@ -12,6 +12,7 @@ def test_public_api():
         "destroy_process_group",
         "get_rng_state",
         "seed_all",
+        "set_flight_recorder_folder",
         "set_rng_state",
         "split_sequence",
         "zigzag_indices",

@@ -50,6 +50,42 @@ def test_run_training_sets_the_directory_rank_and_step(tmp_path):
         assert (step_after, dir_after) == (None, None)
 
 
+def _flight_recorder_worker(diagnostics_dir):
+    """run_training points NCCL's flight-recorder dumps at its diagnostics folder. This gloo rank
+    answers as if its backend were NCCL's (the real function, told "nccl"); the environment is
+    handed back afterwards, since the pooled worker runs other tests."""
+    import os
+
+    from scaling.topology import set_flight_recorder_folder
+    from scaling.trainer import _trainer
+
+    saved = dict(os.environ)
+    calls = []
+
+    def as_if_nccl(backend, folder):
+        calls.append((backend, str(folder)))
+        return set_flight_recorder_folder("nccl", folder)
+
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"  # what initialize_distributed sets on NCCL
+    os.environ.pop("TORCH_FR_DUMP_TEMP_FILE", None)
+    _trainer.set_flight_recorder_folder = as_if_nccl
+    try:
+        trainer_model.train_worker(1, 1, {"train_iterations": 1, "diagnostics_dir": diagnostics_dir})
+        return calls, os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+    finally:
+        _trainer.set_flight_recorder_folder = set_flight_recorder_folder
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.mark.distributed
+def test_run_training_sends_the_flight_records_to_its_diagnostics_folder(tmp_path):
+    ((calls, prefix),) = run_distributed(_flight_recorder_worker, 1, str(tmp_path / "diag"), timeout_seconds=120)
+    assert calls == [("gloo", str(tmp_path / "diag"))]
+    assert prefix == str(tmp_path / "diag" / "flight_recorder_rank_")
+    assert (tmp_path / "diag").is_dir()
+
+
 def _agreement_worker():
     import signal as signals
 

@@ -1,6 +1,7 @@
 """scaling.topology: the rank grid, process groups, DeviceMesh and RNG streams."""
 
 from scaling.topology._config import TopologyConfig
+from scaling.topology._flight_recorder import set_flight_recorder_folder
 from scaling.topology._rng import MODEL_PARALLEL_RNG, RNGTracker, get_rng_state, seed_all, set_rng_state
 from scaling.topology._sequence import split_sequence, zigzag_indices
 from scaling.topology._teardown import destroy_process_group
@@ -16,6 +17,7 @@ __all__ = [
     "destroy_process_group",
     "get_rng_state",
     "seed_all",
+    "set_flight_recorder_folder",
     "set_rng_state",
     "split_sequence",
     "zigzag_indices",

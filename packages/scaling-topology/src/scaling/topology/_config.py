@@ -102,6 +102,15 @@ class TopologyConfig(BaseConfig):
     timeout_seconds: float = Field(
         600.0, gt=0, description="Timeout of every collective and of the rendezvous, in seconds (> 0)."
     )
+    flight_recorder_entries: int = Field(
+        2000,
+        ge=0,
+        description=(
+            "NCCL only: collectives each rank keeps in torch's flight recorder, dumped by NCCL's watchdog "
+            "when a collective times out (to the trainer's diagnostics_dir; read them with python -m "
+            "torch.distributed.flight_recorder.fr_trace <dir>); 0 = off. TORCH_FR_BUFFER_SIZE, when set, wins."
+        ),
+    )
 
     @model_validator(mode="after")
     def _derive(self) -> TopologyConfig:

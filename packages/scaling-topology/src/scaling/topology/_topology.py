@@ -13,7 +13,8 @@ data-parallel group "with context parallel", torchtitan's ``dp_shard_cp``).
 
 What has its own concept lives apart: group construction (``_groups.py``), RNG
 (``_rng.py``), the rank's device (``_device.py``), teardown (``_teardown.py``), sequence
-splits (``_sequence.py``), the deprecated names (``_deprecated.py``).
+splits (``_sequence.py``), NCCL's flight recorder (``_flight_recorder.py``), the deprecated
+names (``_deprecated.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from scaling.topology._compile_cache import name_compile_cache
 from scaling.topology._config import TopologyConfig
 from scaling.topology._deprecated import DeprecatedNames
 from scaling.topology._device import local_device
+from scaling.topology._flight_recorder import enable_flight_recorder
 from scaling.topology._groups import new_groups
 from scaling.topology._teardown import destroy_at_exit, destroy_process_group
 
@@ -322,12 +324,15 @@ class Topology(DeprecatedNames):
         """Create the default process group (unless one exists) and every subgroup.
 
         Every rank must call this collectively. With an existing default group (for
-        example from a test harness) only the subgroups and the mesh are created.
+        example from a test harness) only the subgroups and the mesh are created. On NCCL
+        torch's flight recorder is turned on first (``flight_recorder_entries``; see
+        ``_flight_recorder.py``).
 
         Args:
             init_method: rendezvous URL; default ``env://`` (MASTER_ADDR/MASTER_PORT).
         """
         name_compile_cache()
+        enable_flight_recorder(self.backend, self.config.flight_recorder_entries)  # before any NCCL group
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if not dist.is_initialized():

@@ -30,7 +30,8 @@ class TrainerConfig(BaseConfig):
         None,
         description=(
             "Folder where each rank writes rank_<R>.json (step, last collectives, byte counters) when a "
-            "collective fails or a stuck rank is ended; None = <save_dir>/diagnostics when save_dir is set, "
+            "collective fails or a stuck rank is ended, and on NCCL torch's flight record when a collective "
+            "times out (flight_recorder_rank_<R>); None = <save_dir>/diagnostics when save_dir is set, "
             "else no files."
         ),
     )

@@ -21,6 +21,7 @@ from scaling.collectives import all_reduce, get_recorder
 from scaling.data import BaseDataset, DataLoader
 from scaling.optim import Optimizer
 from scaling.pipeline import LossFunction, ParallelModule
+from scaling.topology import set_flight_recorder_folder
 from scaling.trainer._compiled import CompileLog
 from scaling.trainer._config import TrainerConfig
 from scaling.trainer._context import BaseContext
@@ -260,18 +261,23 @@ class BaseTrainer(Generic[ContextT]):
         exits with ``128 + signal``. A rank that cannot reach the step boundary within the
         collective timeout exits with the same code without saving. A rank whose collective
         fails, or that the watchdog ends, first writes ``rank_<R>.json`` (step, last
-        collectives, byte counters) to ``diagnostics_dir`` (default ``<save_dir>/diagnostics``).
+        collectives, byte counters) to ``diagnostics_dir`` (default ``<save_dir>/diagnostics``);
+        on NCCL, where a hung collective is ended by NCCL's watchdog instead, each rank's
+        flight record goes there (``flight_recorder_rank_<R>``, ``TopologyConfig.flight_recorder_entries``).
         """
         cfg = self.config
         topology = self.context.topology
         profiler = StepProfiler(self.profiler_config, topology.global_rank, self.parallel_module, topology.device)
         progress = progress_bar(cfg, topology.global_rank, self.context.iterations)
         self._print_flops_formula()
-        # A failed collective, or the watchdog ending a stuck rank, leaves <dir>/rank_<R>.json.
+        # A failed collective, or the watchdog ending a stuck rank, leaves <dir>/rank_<R>.json;
+        # on NCCL a collective that times out leaves torch's flight record there too.
         recorder = get_recorder()
         previous_diagnostics = (recorder.diagnostics_dir, recorder.rank)
-        if cfg.resolved_diagnostics_dir() is not None:
-            recorder.configure(diagnostics_dir=cfg.resolved_diagnostics_dir(), rank=topology.global_rank)
+        diagnostics_dir = cfg.resolved_diagnostics_dir()
+        if diagnostics_dir is not None:
+            recorder.configure(diagnostics_dir=diagnostics_dir, rank=topology.global_rank)
+            set_flight_recorder_folder(topology.backend, diagnostics_dir)
         watcher = SignalWatcher(topology.device, grace_seconds=topology.config.timeout_seconds).install()
         gc_was_enabled = gc.isenabled()
         if cfg.gc_interval is not None:
