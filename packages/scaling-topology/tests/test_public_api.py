@@ -15,5 +15,6 @@ def test_public_api():
         "set_flight_recorder_folder",
         "set_rng_state",
         "split_sequence",
+        "use_deterministic_algorithms",
         "zigzag_indices",
     ]

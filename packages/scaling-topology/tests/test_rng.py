@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -67,3 +69,28 @@ def test_tp_group_shares_default_stream_not_model_parallel_stream():
         assert torch.equal(replicated, out[0][1])  # same on every TP and DP rank (pp=1)
     assert not torch.equal(by_tp[0][0], by_tp[1][0])  # TP ranks draw different masks
     assert torch.equal(by_tp[0][0], by_tp[0][1])  # same TP rank across DP: same stream
+
+
+def test_use_deterministic_algorithms_sets_torch_cudnn_and_cublas_and_is_undone(monkeypatch):
+    from scaling.topology import use_deterministic_algorithms
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.backends.cudnn.benchmark
+    try:
+        use_deterministic_algorithms()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()  # an op without a kernel raises
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        use_deterministic_algorithms(False)
+        assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, before
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the other setting cuBLAS documents: kept
+    try:
+        use_deterministic_algorithms()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        use_deterministic_algorithms(False)
+        torch.backends.cudnn.benchmark = before

@@ -3,6 +3,7 @@
 import gc
 
 import pytest
+import torch
 from pydantic import ValidationError
 from trainer_model import build_trainer, loss_function, train_worker
 
@@ -144,3 +145,24 @@ def test_fine_tune_from_weights_only(tmp_path):
     assert [r["step"] for r in out] == [2, 2]
     # Trained weights were loaded: the first loss differs from a fresh start's.
     assert out[0]["losses"][0] != fresh[0]["losses"][0]
+
+
+def _deterministic_context_worker(deterministic):
+    from scaling.topology import Topology, TopologyConfig, use_deterministic_algorithms
+    from scaling.trainer import BaseContext, TrainerConfig, TrainingAppConfig
+
+    config = TrainingAppConfig(
+        topology=TopologyConfig(world_size=1, device="cpu"), trainer=TrainerConfig(deterministic=deterministic)
+    )
+    try:
+        BaseContext(config=config, topology=Topology(config.topology, 0)).initialize(seed=1)
+        return torch.are_deterministic_algorithms_enabled()
+    finally:
+        use_deterministic_algorithms(False)
+
+
+@pytest.mark.distributed
+def test_the_context_chooses_deterministic_kernels_before_the_model_is_built():
+    """`trainer.deterministic` takes effect at `context.initialize`, before any model or product exists."""
+    assert run_distributed(_deterministic_context_worker, 1, True) == [True]
+    assert run_distributed(_deterministic_context_worker, 1, False) == [False]

@@ -2,7 +2,14 @@
 
 from scaling.topology._config import TopologyConfig
 from scaling.topology._flight_recorder import set_flight_recorder_folder
-from scaling.topology._rng import MODEL_PARALLEL_RNG, RNGTracker, get_rng_state, seed_all, set_rng_state
+from scaling.topology._rng import (
+    MODEL_PARALLEL_RNG,
+    RNGTracker,
+    get_rng_state,
+    seed_all,
+    set_rng_state,
+    use_deterministic_algorithms,
+)
 from scaling.topology._sequence import split_sequence, zigzag_indices
 from scaling.topology._teardown import destroy_process_group
 from scaling.topology._topology import MESH_DIM_NAMES, RankCoordinates, Topology
@@ -20,5 +27,6 @@ __all__ = [
     "set_flight_recorder_folder",
     "set_rng_state",
     "split_sequence",
+    "use_deterministic_algorithms",
     "zigzag_indices",
 ]

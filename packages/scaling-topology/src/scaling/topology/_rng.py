@@ -11,11 +11,16 @@ Two streams, as in Megatron-LM:
 
 Activation checkpointing reproduces masks because the tracker's states and the default
 generator are captured before the forward and restored for the recomputation.
+
+Seeds fix the random numbers; on GPUs the kernels themselves may still sum in a different
+order from run to run (atomic additions in embedding, index and attention backwards), so
+:func:`use_deterministic_algorithms` asks torch for deterministic kernels only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -125,3 +130,24 @@ def set_rng_state(state: StateDict, tracker: RNGTracker | None = None) -> None:
         torch.cuda.set_rng_state_all(state["torch_cuda"])
     if tracker is not None and "tracker" in state:
         tracker.load_state_dict(state["tracker"])
+
+
+#: cuBLAS's workspace setting that makes its products deterministic (NVIDIA's cuBLAS docs, torch's).
+CUBLAS_DETERMINISTIC = ":4096:8"
+
+
+def use_deterministic_algorithms(enabled: bool = True) -> None:
+    """The same run gives the same bits: torch's deterministic kernels only, as torchtitan's
+    ``debug.deterministic`` and Megatron-LM's ``--deterministic-mode`` ask for.
+
+    Enabled: ``torch.use_deterministic_algorithms(True)`` (an operator without a deterministic
+    kernel on the device raises, naming itself), cuDNN deterministic and without autotuning,
+    and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless set (cuBLAS reads it at its first product,
+    so call this before the first product on the GPU). It costs speed on GPUs; CPU kernels
+    are deterministic already. Disabled: torch's defaults back (cuDNN autotuning stays off).
+    """
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC)
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(enabled)
+    torch.backends.cudnn.deterministic = enabled

@@ -14,6 +14,14 @@ class TrainerConfig(BaseConfig):
 
     train_iterations: int = Field(100, ge=1, description="Optimizer steps to train for, >= 1.")
     seed: int = Field(42, description="Seed of model initialisation, data order and dropout.")
+    deterministic: bool = Field(
+        False,
+        description=(
+            "Deterministic kernels only (torch.use_deterministic_algorithms, cuDNN deterministic, "
+            "CUBLAS_WORKSPACE_CONFIG=:4096:8), so a run repeats bit for bit on GPUs too; slower there. "
+            "An operator without a deterministic kernel raises, naming itself."
+        ),
+    )
     log_interval: int = Field(1, ge=1, description="Log metrics every this many steps (>= 1).")
     eval_interval: int | None = Field(
         None, ge=1, description="Evaluate every this many steps and after the last; None = never."

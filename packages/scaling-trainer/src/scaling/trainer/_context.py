@@ -5,7 +5,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from scaling.config import BaseConfig
-from scaling.topology import RNGTracker, Topology, get_rng_state, seed_all, set_rng_state
+from scaling.topology import (
+    RNGTracker,
+    Topology,
+    get_rng_state,
+    seed_all,
+    set_rng_state,
+    use_deterministic_algorithms,
+)
+from scaling.trainer._config import TrainerConfig
 
 if TYPE_CHECKING:
     from scaling.config import StateDict
@@ -39,7 +47,15 @@ class BaseContext(Generic[ConfigT]):
         self.rng_tracker: RNGTracker | None = None
 
     def initialize(self, seed: int, init_method: str | None = None) -> None:
-        """Create the process groups (collectively) and seed every generator of this rank."""
+        """Create the process groups (collectively) and seed every generator of this rank.
+
+        With ``trainer.deterministic`` in the config, torch's deterministic kernels are chosen
+        here, before the model is built (cuBLAS reads its setting at its first product; the
+        trainer chooses them too, for a context without that section).
+        """
+        trainer = getattr(self.config, "trainer", None)
+        if isinstance(trainer, TrainerConfig) and trainer.deterministic:
+            use_deterministic_algorithms()
         if not self.topology.is_distributed_initialized:
             self.topology.initialize_distributed(init_method=init_method)
         self.rng_tracker = seed_all(seed, self.topology)

@@ -21,7 +21,7 @@ from scaling.collectives import all_reduce, get_recorder
 from scaling.data import BaseDataset, DataLoader
 from scaling.optim import Optimizer
 from scaling.pipeline import LossFunction, ParallelModule
-from scaling.topology import set_flight_recorder_folder
+from scaling.topology import set_flight_recorder_folder, use_deterministic_algorithms
 from scaling.trainer._compiled import CompileLog
 from scaling.trainer._config import TrainerConfig
 from scaling.trainer._context import BaseContext
@@ -94,6 +94,8 @@ class BaseTrainer(Generic[ContextT]):
         flops_per_sample: FlopsEstimate | None = None,
         hardware_flops_per_sample: FlopsEstimate | None = None,
     ) -> None:
+        if config.deterministic:
+            use_deterministic_algorithms()
         self.config = config
         self.context = context
         self.parallel_module = parallel_module
