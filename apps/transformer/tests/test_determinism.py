@@ -23,17 +23,24 @@ def _worker(cfg):
         use_deterministic_algorithms(False)  # the pooled worker runs other tests next
 
 
+MOE_AC_DROPOUT = {
+    "moe": {"num_experts": 4, "top_k": 2},
+    "activation_checkpointing": "every_layer",
+    "attention_dropout": 0.1,
+    "hidden_dropout": 0.1,
+}
+
+
 @pytest.mark.distributed
-def test_deterministic_changes_no_bit_on_cpu(tiny_corpus):
-    arch = {
-        "moe": {"num_experts": 4, "top_k": 2},
-        "activation_checkpointing": "every_layer",
-        "attention_dropout": 0.1,
-        "hidden_dropout": 0.1,
-    }
+@pytest.mark.parametrize(
+    "arch, optimizer",
+    [(MOE_AC_DROPOUT, {}), ({}, {"zero_stage": 3})],  # ZeRO-3: padded shards, where filled empties would show
+    ids=["moe-ac-dropout", "zero3"],
+)
+def test_deterministic_changes_no_bit_on_cpu(tiny_corpus, arch, optimizer):
     runs = {}
     for deterministic in (False, True):
-        cfg = tiny_config(tiny_corpus, dp=2, steps=4, trainer={"deterministic": deterministic})
+        cfg = tiny_config(tiny_corpus, dp=2, steps=4, trainer={"deterministic": deterministic}, optimizer=optimizer)
         cfg["transformer_architecture"].update(arch)
         runs[deterministic] = run_distributed(_worker, 2, cfg)
     for rank in range(2):
