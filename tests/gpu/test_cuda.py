@@ -82,6 +82,53 @@ def test_deterministic_runs_on_cuda_repeat_bit_for_bit(gpu_corpus):
     assert runs[2] == runs[0], "activation checkpointing changed the bits"
 
 
+def _snapshot_worker(cfg, exhaust_at):
+    """The transformer app on CUDA with memory snapshots; at step ``exhaust_at`` (if any) the
+    loss first asks for 1 PiB of device memory."""
+    from scaling.topology import Topology
+    from scaling.transformer import train
+    from scaling.transformer.config import TransformerConfig
+
+    config = TransformerConfig.from_dict(cfg)
+    topology = Topology.from_env(config.topology)
+    trainer = train.build_trainer(config, topology)
+    real = trainer.loss_function
+
+    def exhausting(out, batch):
+        if trainer.context.iterations + 1 == exhaust_at:
+            torch.empty(1 << 50, dtype=torch.uint8, device=topology.device)
+        return real(out, batch)
+
+    trainer.loss_function = exhausting
+    try:
+        trainer.run_training()
+        return "trained"
+    except torch.OutOfMemoryError as err:
+        return type(err).__name__
+    finally:
+        topology.destroy()
+
+
+def test_memory_snapshots_on_cuda_at_the_window_and_on_out_of_memory(gpu_corpus, tmp_path):
+    import pickle
+
+    runs = {}
+    for name, exhaust_at in (("window", None), ("oom", 2)):
+        trace_dir = tmp_path / name
+        profiler = {"memory_snapshot": True, "trace_dir": str(trace_dir), "profile_start_step": 2, "profile_steps": 1}
+        cfg = _transformer(gpu_corpus, 3, profiler=profiler)
+        (outcome,) = run_distributed(_snapshot_worker, 1, cfg, exhaust_at, backend="nccl", timeout_seconds=300)
+        runs[name] = (outcome, sorted(p.name for p in trace_dir.glob("*.pickle")))
+    assert runs == {
+        "window": ("trained", ["memory_snapshot_rank0_step2.pickle"]),
+        "oom": ("OutOfMemoryError", ["memory_snapshot_rank0_oom.pickle"]),
+    }
+    for name, file in (("window", "memory_snapshot_rank0_step2.pickle"), ("oom", "memory_snapshot_rank0_oom.pickle")):
+        with (tmp_path / name / file).open("rb") as f:
+            snapshot = pickle.load(f)  # torch's own file, written by this test's run
+        assert snapshot["segments"] and any(snapshot["device_traces"]), name
+
+
 def _logits_after_training(cfg, ids):
     from scaling.topology import Topology
     from scaling.transformer import train

@@ -57,7 +57,7 @@ class _Collect(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def profiled_worker(pp: int, trainer: dict[str, Any], profiler: dict[str, Any]) -> dict[str, Any]:
+def profiled_worker(pp: int, trainer: dict[str, Any], profiler: dict[str, Any], loss: Any = None) -> dict[str, Any]:
     topology = make_topology(pipe_parallel_size=pp, global_batch_size=16, micro_batch_size=4)
     config = AppConfig(trainer=TrainerConfig(**trainer), profiler=ProfilerConfig(**profiler))
     context = BaseContext(config=config, topology=topology)
@@ -79,7 +79,7 @@ def profiled_worker(pp: int, trainer: dict[str, Any], profiler: dict[str, Any]) 
         dataset_evaluation=None,
         sync_batch_to_model_parallel=dataset.sync_batch_to_model_parallel,
         metrics_aggregation_fn=None,
-        loss_function=loss_function,
+        loss_function=loss or loss_function,
         flops_per_sample=FLOPS_PER_SAMPLE,
         hardware_flops_per_sample=lambda: HARDWARE_FLOPS_PER_SAMPLE,
     )
@@ -167,8 +167,10 @@ def test_no_peak_no_mfu():
 
 
 def test_profiler_and_metric_config_errors():
-    with pytest.raises(ValidationError, match=r"profiler.enabled=True needs profiler.trace_dir"):
+    with pytest.raises(ValidationError, match=r"profiler.enabled=true needs profiler.trace_dir"):
         ProfilerConfig(enabled=True)
+    with pytest.raises(ValidationError, match=r"profiler.memory_snapshot=true needs profiler.trace_dir; set trace_dir"):
+        ProfilerConfig(memory_snapshot=True)
     with pytest.raises(ValidationError, match=r"profile_steps\n  Input should be greater than or equal to 1"):
         ProfilerConfig(profile_steps=0)
     with pytest.raises(ValidationError, match=r"peak_flops_per_second\n  Input should be greater than 0"):
@@ -180,3 +182,39 @@ def test_profiler_config_describes_every_field():
         assert field.description, name
     assert ProfilerConfig().enabled is False
     assert Path(ProfilerConfig(enabled=True, trace_dir="t").trace_dir or "") == Path("t")
+
+
+def _out_of_memory_worker(trace_dir: str) -> tuple[str, int, list[str], list[str]]:
+    """A step that runs out of device memory (raised by the loss at step 2, as an allocation
+    would) with memory snapshots asked for: the error leaves run_training as it was. On CPU
+    there is no allocator history to dump, and the log says so once; the `gpu` tier checks
+    the `_oom` snapshot on CUDA."""
+    calls = []
+
+    def exhausting(out: Any, batch: Any) -> Any:
+        calls.append(len(calls) + 1)
+        if len(calls) > 4:  # step 2's first micro-batch (4 per step)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 PiB")
+        return loss_function(out, batch)
+
+    collect = _Collect()
+    logging.getLogger("scaling.trainer").addHandler(collect)
+    profiler = {"memory_snapshot": True, "trace_dir": trace_dir}
+    try:
+        profiled_worker(1, {"train_iterations": 3}, profiler, loss=exhausting)
+        caught = "nothing raised"
+    except torch.OutOfMemoryError as err:
+        caught = f"{type(err).__name__}: {err}"
+    finally:
+        logging.getLogger("scaling.trainer").removeHandler(collect)
+    files = sorted(p.name for p in Path(trace_dir).glob("*")) if Path(trace_dir).exists() else []
+    return caught, len(calls), [m for m in collect.messages if "memory_snapshot" in m], files
+
+
+@pytest.mark.distributed
+def test_a_step_out_of_memory_raises_on_and_cpu_takes_no_snapshot(tmp_path):
+    ((caught, calls, messages, files),) = run_distributed(_out_of_memory_worker, 1, str(tmp_path / "traces"))
+    assert caught == "OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 PiB"
+    assert calls == 5
+    assert messages == ["profiler.memory_snapshot: cpu has no CUDA caching allocator; no snapshot"]
+    assert files == []

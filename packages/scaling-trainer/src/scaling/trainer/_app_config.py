@@ -8,13 +8,15 @@ from scaling.config import BaseConfig
 from scaling.optim import LearningRateSchedulerConfig, OptimizerConfig, check_sharding
 from scaling.topology import TopologyConfig
 from scaling.trainer._config import TrainerConfig
+from scaling.trainer._profiler import ProfilerConfig
 from scaling.trainer.loggers import LoggerConfig
 
 
 class TrainingAppConfig(BaseConfig):
     """Base of a training app's config: the package sections a :class:`BaseTrainer` run reads.
 
-    ``logger``, ``topology``, ``optimizer``, ``learning_rate_scheduler`` and ``trainer``, and
+    ``logger``, ``topology``, ``optimizer``, ``learning_rate_scheduler``, ``trainer`` and
+    ``profiler`` (read by :class:`BaseTrainer` from the context's config), and
     the one check they need together (the optimizer's sharding fits the topology). An app
     adds its own sections (architecture, data, ...) and validators::
 
@@ -29,6 +31,9 @@ class TrainingAppConfig(BaseConfig):
         default_factory=LearningRateSchedulerConfig, description="Learning rate schedule of every parameter."
     )
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Iterations, evaluation, checkpoints.")
+    profiler: ProfilerConfig = Field(
+        default_factory=ProfilerConfig, description="Steps to profile with torch.profiler; CUDA memory snapshots."
+    )
 
     @model_validator(mode="after")
     def _check_sharding(self) -> TrainingAppConfig:

@@ -11,11 +11,19 @@ writes, on each profiled rank:
 - ``trace_dir/torch_trace_rank{r}_steps{a}-{b}.json``: Chrome trace (chrome://tracing, Perfetto);
 - ``trace_dir/tensorboard/rank{r}.*.pt.trace.json``: the same trace for TensorBoard's profiler plugin;
 - ``trace_dir/instructions_rank{r}_steps{a}-{b}.json``: the executor's instruction timers as a Chrome trace.
+
+With ``memory_snapshot`` (CUDA), torch's record of the caching allocator's history runs from
+the first step, as torchtitan's memory snapshots do, and is dumped (a pickle that
+https://pytorch.org/memory_viz opens) to ``trace_dir/memory_snapshot_rank{r}_step{b}.pickle``
+at the window's last step and to ``trace_dir/memory_snapshot_rank{r}_oom.pickle`` when a step
+runs out of device memory (the error is raised on after).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import resource
 import shutil
 import sys
@@ -30,7 +38,13 @@ from scaling.config import BaseConfig
 from scaling.trainer._config import TrainerConfig
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from scaling.config import JsonDict
+
+logger = logging.getLogger("scaling.trainer")
+#: Allocator events a memory snapshot keeps (torchtitan's default): the last ones before the dump.
+SNAPSHOT_ENTRIES = 100_000
 
 
 class TimedStage(Protocol):
@@ -69,11 +83,20 @@ class ProfilerConfig(BaseConfig):
     instruction_timers: bool = Field(
         True, description="Time each pipeline-executor instruction in the window and export the timers."
     )
+    memory_snapshot: bool = Field(
+        False,
+        description=(
+            "CUDA: record the caching allocator from step 1 and dump its snapshot to trace_dir at the window's "
+            "last step and when a step runs out of memory (open it at https://pytorch.org/memory_viz); "
+            "independent of enabled. Without CUDA nothing is recorded (the log says so)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ProfilerConfig:
-        if self.enabled and self.trace_dir is None:
-            raise ValueError("profiler.enabled=True needs profiler.trace_dir; set trace_dir or enabled=false")
+        for name in ("enabled", "memory_snapshot"):
+            if getattr(self, name) and self.trace_dir is None:
+                raise ValueError(f"profiler.{name}=true needs profiler.trace_dir; set trace_dir or {name}=false")
         return self
 
 
@@ -101,8 +124,13 @@ class StepProfiler:
     ) -> None:
         self.config = config or ProfilerConfig()
         self.rank, self.module = rank, module
-        self.active = self.config.enabled and (self.config.all_ranks or rank == 0)
+        chosen = self.config.all_ranks or rank == 0
+        self.active = self.config.enabled and chosen
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.snapshots = self.config.memory_snapshot and chosen and self.device.type == "cuda"
+        if self.config.memory_snapshot and chosen and not self.snapshots:
+            logger.warning("profiler.memory_snapshot: %s has no CUDA caching allocator; no snapshot", self.device)
+        self._recording = False
         self._prof: torch.profiler.profile | None = None
         self._first: int | None = None
         self._last: int | None = None
@@ -116,6 +144,9 @@ class StepProfiler:
 
     def step_begin(self, step: int) -> None:
         """Call before optimizer step ``step`` (1-based); opens the profiler at the window."""
+        if self.snapshots and not self._recording and step <= self.window[-1]:
+            torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES)
+            self._recording = True
         if not self.active or self._prof is not None or step not in self.window or self._first is not None:
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -137,6 +168,8 @@ class StepProfiler:
 
     def step_end(self, step: int) -> None:
         """Call after optimizer step ``step``; closes and exports at the window's last step."""
+        if self._recording and step >= self.window[-1]:
+            self._dump_snapshot(f"step{step}")
         if self._prof is None:
             return
         timings = self.module.instruction_timings
@@ -146,10 +179,33 @@ class StepProfiler:
         if step >= self.window[-1]:
             self._export()
 
+    @contextlib.contextmanager
+    def out_of_memory(self) -> Iterator[None]:
+        """Around a step: when it runs out of device memory, dump the snapshot (``_oom``), then raise on."""
+        try:
+            yield
+        except torch.OutOfMemoryError:
+            if self._recording:
+                self._dump_snapshot("oom")
+            raise
+
     def close(self) -> None:
         """Export a window cut short (training ended or stopped inside it); safe to call twice."""
         if self._prof is not None:
             self._export()
+        if self._recording:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self._recording = False
+
+    def _dump_snapshot(self, tag: str) -> None:
+        """The allocator's history so far to ``memory_snapshot_rank{r}_{tag}.pickle``; recording stops."""
+        trace_dir = Path(self.config.trace_dir or ".")
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        path = trace_dir / f"memory_snapshot_rank{self.rank}_{tag}.pickle"
+        torch.cuda.memory._dump_snapshot(str(path))
+        self.files.append(path)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self._recording = False
 
     def _export(self) -> None:
         assert self._prof is not None and self._first is not None

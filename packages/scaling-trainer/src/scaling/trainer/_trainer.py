@@ -289,7 +289,8 @@ class BaseTrainer(Generic[ContextT]):
             while self.context.iterations < cfg.train_iterations:
                 recorder.step = self.context.iterations + 1
                 profiler.step_begin(self.context.iterations + 1)
-                metrics = self.train_step()
+                with profiler.out_of_memory():
+                    metrics = self.train_step()
                 step = self.context.iterations
                 if progress is not None:
                     progress.update(1)
