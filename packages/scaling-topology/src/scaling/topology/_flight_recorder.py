@@ -12,10 +12,11 @@ watchdog dumps on a timeout, one file per rank, read by torch's analyser
 same way.
 
 :func:`enable_flight_recorder` (called by ``Topology.initialize_distributed`` before any
-group) sets the ring's size and dump-on-timeout for NCCL; :func:`set_flight_recorder_folder` (called
-by the trainer with its ``diagnostics_dir``) points the dumps at ``<folder>/flight_recorder_rank_<R>``,
-beside Scaling's own ``rank_<R>.json``. NCCL reads the dump location only when it dumps, so
-setting it after the groups exist is in time. A variable the user set is never overridden.
+group) sets the ring's size and dump-on-timeout for NCCL; :func:`set_flight_recorder_folder`
+(called by the trainer with its ``diagnostics_dir``) points the dumps at
+``<folder>/flight_recorder_rank_<R>``, beside Scaling's own ``rank_<R>.json``. NCCL reads the
+dump location only when it dumps, so setting it after the groups exist is in time. A
+variable the user set is never overridden.
 Gloo groups are left alone: Scaling's diagnosis covers them, and torch's analyser cannot
 read gloo's records (they carry no group table).
 """
