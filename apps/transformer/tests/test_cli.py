@@ -1,6 +1,8 @@
 """The command line and the config: bad input is refused before launch with the field, value and fix."""
 
 import math
+import shlex
+from pathlib import Path
 
 import pytest
 import yaml
@@ -139,6 +141,18 @@ def test_missing_default_corpus(capsys, tmp_path):
 def test_template_lists_every_section(capsys):
     assert main(["train", "--template"]) == 0
     assert set(yaml.safe_load(capsys.readouterr().out)) == set(TransformerConfig.model_fields)
+
+
+def test_the_readmes_gpu_command_is_a_valid_config():
+    """The README's "On GPUs" command (its config and overrides) validates as it is written."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("## On GPUs", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    words = shlex.split(block.replace("\\\n", " "))
+    assert words[:2] == ["scaling-transformer", "train"]
+    root = Path(__file__).resolve().parents[3]
+    cfg = TransformerConfig.from_file(root / words[2], overrides=words[3:])
+    assert (cfg.topology.device, cfg.topology.world_size, cfg.runner.nproc_per_node) == ("cuda", 8, 8)
+    assert cfg.training.compile.enabled and cfg.profiler.memory_snapshot
 
 
 def test_default_config_is_valid():
