@@ -118,7 +118,7 @@ def test_gpu_check_orders_its_steps_and_names_the_skipped_ones_for_a_second_call
         timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    order = "tests app bench compile offload compile_fp8 moe cp_kernels"
+    order = "tests app bench compile offload checkpoint compile_fp8 moe cp_kernels"
     assert f'run them in a second call: GPU_CHECK_STEPS="{order}"' in out.stdout, out.stdout
-    assert out.stdout.count(": skipped, its limit") == 8
+    assert out.stdout.count(": skipped, its limit") == 9
     assert (tmp_path / "report" / "report.txt").exists()

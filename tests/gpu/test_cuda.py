@@ -129,6 +129,31 @@ def test_memory_snapshots_on_cuda_at_the_window_and_on_out_of_memory(gpu_corpus,
         assert snapshot["segments"] and any(snapshot["device_traces"]), name
 
 
+def test_async_checkpoint_stages_cuda_tensors_into_kept_pinned_buffers(tmp_path):
+    """The trainer's asynchronous save of CUDA state: pinned host buffers filled by non-blocking
+    copies, waited for before the save returns, so a step right after it cannot reach the files;
+    the buffers are reused by the next save."""
+    from scaling.trainer.checkpoint import StagingBuffers, load_checkpoint, save_checkpoint
+
+    state = {"model": {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.arange(7.0, device="cuda")}}
+    staging = StagingBuffers()
+    expected, pointers = {}, []
+    for step in (1, 2):
+        expected[step] = {k: v.cpu() for k, v in state["model"].items()}
+        pending = save_checkpoint(tmp_path, step, state, None, async_save=True, staging=staging)
+        for value in state["model"].values():  # training goes on at once
+            value.mul_(3.0).add_(1.0)
+        pending.wait()
+        assert all(buffer.is_pinned() for buffer in staging._buffers.values())
+        pointers.append(sorted(b.data_ptr() for b in staging._buffers.values()))
+    assert pointers[0] == pointers[1]
+    for step, values in expected.items():
+        template = {"model": {k: torch.zeros_like(v) for k, v in values.items()}}
+        loaded = load_checkpoint(tmp_path, template, None, step=step)
+        for key, value in values.items():
+            assert torch.equal(loaded.state["model"][key], value), (step, key)
+
+
 def _logits_after_training(cfg, ids):
     from scaling.topology import Topology
     from scaling.transformer import train
