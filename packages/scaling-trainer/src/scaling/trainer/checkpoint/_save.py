@@ -95,9 +95,10 @@ class StagingBuffers:
     of the whole state (0.1-0.15 s per 256 MiB on the 2-core dev VM); these stay allocated
     for the next save, like DCP's ``cache_staged_state_dict`` (which needs pinned memory,
     hence a GPU) and torchtitan's pinned-memory staging. The price is host memory for one
-    copy of this rank's state between saves. A buffer is made anew when its (local) tensor's
-    shape or dtype changes. As for every save, wait for the previous one before starting
-    the next (it may still be writing from these buffers). Tensors and DTensors on CPU meshes
+    copy of this rank's state between saves (page-locked for CUDA state). A buffer is made
+    anew when its (local) tensor's shape or dtype changes. As for every save, wait for the
+    previous one before starting the next (it may still be writing from these buffers).
+    Tensors and DTensors on CPU meshes
     are staged here, and CUDA tensors into pinned host buffers by non-blocking copies, waited
     for once before the save returns (DCP's default staging copies them into fresh pageable
     memory, a slower copy that faults every page again); a state holding a DTensor on
