@@ -113,17 +113,30 @@ def test_memory_snapshots_on_cuda_at_the_window_and_on_out_of_memory(gpu_corpus,
     import pickle
 
     runs = {}
-    for name, exhaust_at in (("window", None), ("oom", 2)):
+    # (window's first step, step that runs out of memory); 3 steps each. "short": the run ends
+    # before the window does, so the snapshot is of the steps there were.
+    for name, start, exhaust_at in (("window", 2, None), ("oom", 2, 2), ("short", 5, None)):
         trace_dir = tmp_path / name
-        profiler = {"memory_snapshot": True, "trace_dir": str(trace_dir), "profile_start_step": 2, "profile_steps": 1}
+        profiler = {
+            "memory_snapshot": True,
+            "trace_dir": str(trace_dir),
+            "profile_start_step": start,
+            "profile_steps": 1,
+        }
         cfg = _transformer(gpu_corpus, 3, profiler=profiler)
         (outcome,) = run_distributed(_snapshot_worker, 1, cfg, exhaust_at, backend="nccl", timeout_seconds=300)
         runs[name] = (outcome, sorted(p.name for p in trace_dir.glob("*.pickle")))
-    assert runs == {
-        "window": ("trained", ["memory_snapshot_rank0_step2.pickle"]),
-        "oom": ("OutOfMemoryError", ["memory_snapshot_rank0_oom.pickle"]),
+    files = {
+        "window": "memory_snapshot_rank0_step2.pickle",
+        "oom": "memory_snapshot_rank0_oom.pickle",
+        "short": "memory_snapshot_rank0_step3.pickle",
     }
-    for name, file in (("window", "memory_snapshot_rank0_step2.pickle"), ("oom", "memory_snapshot_rank0_oom.pickle")):
+    assert runs == {
+        "window": ("trained", [files["window"]]),
+        "oom": ("OutOfMemoryError", [files["oom"]]),
+        "short": ("trained", [files["short"]]),
+    }
+    for name, file in files.items():
         with (tmp_path / name / file).open("rb") as f:
             snapshot = pickle.load(f)  # torch's own file, written by this test's run
         assert snapshot["segments"] and any(snapshot["device_traces"]), name

@@ -15,8 +15,9 @@ writes, on each profiled rank:
 With ``memory_snapshot`` (CUDA), torch's record of the caching allocator's history runs from
 the first step, as torchtitan's memory snapshots do, and is dumped (a pickle that
 https://pytorch.org/memory_viz opens) to ``trace_dir/memory_snapshot_rank{r}_step{b}.pickle``
-at the window's last step and to ``trace_dir/memory_snapshot_rank{r}_oom.pickle`` when a step
-runs out of device memory (the error is raised on after).
+at the window's last step (or at the last step run, when training ends or stops before it)
+and to ``trace_dir/memory_snapshot_rank{r}_oom.pickle`` when a step runs out of device memory
+(the error is raised on after).
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ class ProfilerConfig(BaseConfig):
         False,
         description=(
             "CUDA: record the caching allocator from step 1 and dump its snapshot to trace_dir at the window's "
-            "last step and when a step runs out of memory (open it at https://pytorch.org/memory_viz); "
+            "last step (or the last step run, if training ends first) and when a step runs out of memory (open it "
+            "at https://pytorch.org/memory_viz); "
             "independent of enabled. Without CUDA nothing is recorded (the log says so)."
         ),
     )
@@ -131,6 +133,7 @@ class StepProfiler:
         if self.config.memory_snapshot and chosen and not self.snapshots:
             logger.warning("profiler.memory_snapshot: %s has no CUDA caching allocator; no snapshot", self.device)
         self._recording = False
+        self._snapshot_step = 0  # the last step that ended while recording
         self._prof: torch.profiler.profile | None = None
         self._first: int | None = None
         self._last: int | None = None
@@ -168,6 +171,7 @@ class StepProfiler:
 
     def step_end(self, step: int) -> None:
         """Call after optimizer step ``step``; closes and exports at the window's last step."""
+        self._snapshot_step = step
         if self._recording and step >= self.window[-1]:
             self._dump_snapshot(f"step{step}")
         if self._prof is None:
@@ -193,9 +197,8 @@ class StepProfiler:
         """Export a window cut short (training ended or stopped inside it); safe to call twice."""
         if self._prof is not None:
             self._export()
-        if self._recording:
-            torch.cuda.memory._record_memory_history(enabled=None)
-            self._recording = False
+        if self._recording:  # training ended (or stopped) before the window's end: what there is
+            self._dump_snapshot(f"step{self._snapshot_step}")
 
     def _dump_snapshot(self, tag: str) -> None:
         """The allocator's history so far to ``memory_snapshot_rank{r}_{tag}.pickle``; recording stops."""
