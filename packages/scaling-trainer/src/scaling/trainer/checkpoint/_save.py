@@ -98,11 +98,10 @@ class StagingBuffers:
     copy of this rank's state between saves (page-locked for CUDA state). A buffer is made
     anew when its (local) tensor's shape or dtype changes. As for every save, wait for the
     previous one before starting the next (it may still be writing from these buffers).
-    Tensors and DTensors on CPU meshes
-    are staged here, and CUDA tensors into pinned host buffers by non-blocking copies, waited
-    for once before the save returns (DCP's default staging copies them into fresh pageable
-    memory, a slower copy that faults every page again); a state holding a DTensor on
-    another device keeps DCP's own staging.
+    Tensors and DTensors on CPU meshes are staged here, and CUDA tensors into pinned host
+    buffers by non-blocking copies, waited for once before the save returns (DCP's default
+    staging copies them into fresh pageable memory, a slower copy that faults every page
+    again); a state holding a DTensor on another device keeps DCP's own staging.
 
     Example::
 
