@@ -113,7 +113,7 @@ def test_a_rank_beyond_the_nodes_gpus_is_refused_with_nccl():
 
 STUCK = textwrap.dedent(
     """
-    import sys
+    import sys, time
     import torch, torch.distributed as dist
     from scaling.topology import Topology, TopologyConfig, set_flight_recorder_folder
 
@@ -125,7 +125,7 @@ STUCK = textwrap.dedent(
     torch.cuda.synchronize()
     torch.cuda._sleep(1 << 40)  # the GPU spins for minutes, so collective 2 cannot start
     dist.all_reduce(x, group=topology.data_parallel_group)
-    torch.cuda.synchronize()
+    time.sleep(200)  # waits without holding the GIL, which the dump's Python stacks need
     print("never reached", flush=True)
     """
 )
