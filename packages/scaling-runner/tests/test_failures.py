@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -48,6 +49,30 @@ def test_torchelastic_failures_become_report_lines_and_back(tmp_path, monkeypatc
     assert other.describe() == "rank 2 (local_rank 0 on node-01, pid 4711) was killed by signal 9 (SIGKILL)"
     assert first_failure(list(parser.failures.values())) == root
     assert worst_exit_code(list(parser.failures.values()), [1]) == 1  # the root cause's, not the stopped rank's
+
+
+def _failure_at(tmp_path, monkeypatch, name: str, mtime_ns: int, local_rank: int) -> ProcessFailure:
+    path = tmp_path / name
+    path.mkdir()
+    failure = ProcessFailure(local_rank, 100 + local_rank, 1, _error_file(path, monkeypatch))
+    os.utime(failure.error_file, ns=(mtime_ns, mtime_ns))
+    return failure
+
+
+def test_within_one_second_the_error_file_written_first_is_the_root_cause(tmp_path, monkeypatch):
+    """torchelastic's timestamps are whole seconds; a rank that raises and the peer whose
+    collective then breaks fail within one. The error files' write times order them, and a rank
+    the agent stopped (SIGTERM, no file) in that second comes after both."""
+    second = 1_800_000_000
+    peer = _failure_at(tmp_path, monkeypatch, "peer", second * 10**9 + 600_000_000, 0)
+    origin = _failure_at(tmp_path, monkeypatch, "origin", second * 10**9 + 200_000_000, 1)
+    stopped = ProcessFailure(local_rank=2, pid=102, exitcode=-15, error_file="<N/A>")
+    for failure in (peer, origin, stopped):
+        failure.timestamp = second
+    records = failure_records({0: peer, 1: origin, 2: stopped}, "node-01")
+    assert [r["root_cause"] for r in records] == [False, True, False]
+    assert [r["timestamp"] for r in records] == [second + 0.6, second + 0.2, second + 0.999]
+    assert first_failure([RankFailure(**r) for r in records]).rank == 1
 
 
 def test_first_failure_is_the_earliest_root_cause_across_nodes():

@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -103,7 +104,15 @@ def main() -> None:
 if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    record(main)()  # an exception lands in TORCHELASTIC_ERROR_FILE, which the runner reports
+    try:
+        record(main)()  # an exception lands in TORCHELASTIC_ERROR_FILE, which the runner reports
+    except Exception:  # noqa: BLE001 (any error of the rank: Python's exit code 1, as below)
+        # Exit 1 before the interpreter's teardown, where gloo's live threads can abort a rank
+        # that failed while its peer was mid-collective (exit 134 instead of 1); scripts that
+        # make their groups through scaling.topology get the same from its exit handler.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     # Everything this rank writes is closed by now: skip the interpreter's teardown (see the top).
     sys.stdout.flush()
     sys.stderr.flush()

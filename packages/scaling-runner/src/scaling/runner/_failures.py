@@ -35,7 +35,8 @@ class RankFailure:
             other ranks of that node, which are reported with SIGTERM and ``root_cause=False``.
         message: the worker's exception, ``"CheckpointError: ..."`` on one line, when its
             entry point is wrapped by ``torch.distributed.elastic``'s ``record``; else None.
-        timestamp: when it failed (seconds since the epoch, torchelastic's resolution).
+        timestamp: when it failed (seconds since the epoch; to the nanosecond where the rank
+            left an error file, see ``scaling.runner.torchrun.failure_time``).
     """
 
     rank: int
@@ -45,7 +46,7 @@ class RankFailure:
     pid: int
     root_cause: bool = False
     message: str | None = None
-    timestamp: int = 0
+    timestamp: float = 0.0
 
     @property
     def shell_code(self) -> int:
@@ -114,7 +115,7 @@ class RunReport:
 
 
 def first_failure(failures: list[RankFailure]) -> RankFailure | None:
-    """The failure that came first: the earliest root cause, the worse code first within a second."""
+    """The failure that came first: the earliest root cause, the worse code first at the same time."""
     roots = [f for f in failures if f.root_cause] or failures
     return min(roots, key=lambda f: (f.timestamp, -f.shell_code), default=None)
 

@@ -20,6 +20,8 @@ torchrun's 1, so the cause survives.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import sys
 from typing import TYPE_CHECKING
@@ -37,10 +39,12 @@ _NO_FILE = "<N/A>"
 def failure_records(failures: dict[int, ProcessFailure], host: str) -> list[JsonDict]:
     """One JSON-able record per failed rank of a ``ChildFailedError.failures`` mapping.
 
-    The first failure by timestamp is the node's root cause (torchrun's own rule); ``message``
-    is the worker's exception (``"CheckpointError: ..."``) when it wrote an error file, else None.
+    The first failure by :func:`failure_time` is the node's root cause (torchrun's rule, to the
+    nanosecond where it can be); ``message`` is the worker's exception (``"CheckpointError: ..."``)
+    when it wrote an error file, else None.
     """
-    first = min(failures, key=lambda r: failures[r].timestamp) if failures else None
+    times = {rank: failure_time(failure) for rank, failure in failures.items()}
+    first = min(times, key=times.__getitem__) if failures else None
     records = []
     for rank, failure in sorted(failures.items()):
         message = failure.message if failure.error_file != _NO_FILE else None
@@ -53,12 +57,29 @@ def failure_records(failures: dict[int, ProcessFailure], host: str) -> list[Json
                 "host": host,
                 "pid": int(failure.pid),
                 "exitcode": int(failure.exitcode),
-                "timestamp": int(failure.timestamp),
+                "timestamp": times[rank],
                 "root_cause": rank == first,
                 "message": " ".join(line.strip() for line in str(message).splitlines()) if message else None,
             }
         )
     return records
+
+
+def failure_time(failure: ProcessFailure) -> float:
+    """When a rank failed, in seconds since the epoch.
+
+    torchelastic keeps whole seconds, and a rank that raises and the peer whose collective then
+    breaks usually fail within the same one. So: the write time of the rank's error file, to the
+    nanosecond, where it left one; else torchelastic's second, at its end for a rank the agent
+    stopped (SIGTERM: a consequence by construction) and at its start for any other (a crash,
+    which rarely leaves a file, is more likely the origin).
+    """
+    if failure.error_file != _NO_FILE:
+        try:
+            return os.stat(failure.error_file).st_mtime_ns / 1e9
+        except OSError:
+            pass
+    return failure.timestamp + (0.999 if failure.exitcode == -signal.SIGTERM else 0.0)
 
 
 def main(argv: list[str] | None = None) -> int:

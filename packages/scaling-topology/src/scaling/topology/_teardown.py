@@ -1,10 +1,11 @@
 """destroy_process_group: torch's, after a pause that works round a torch 2.6 gloo deadlock; and
-the groups' teardown at a clean exit (:func:`destroy_at_exit`)."""
+the end of a process that created the groups (:func:`destroy_at_exit`)."""
 
 from __future__ import annotations
 
 import atexit
 import gc
+import os
 import sys
 import time
 import types
@@ -43,9 +44,17 @@ def destroy_at_exit() -> None:
     teardown, which then aborted now and then ("terminate called without an active
     exception", exit code 134 after a run that trained to the end). At exit this destroys the
     groups (as torch asks every program to) and collects the reference cycles still holding
-    them, so each group's threads are joined before Python goes. After an uncaught exception it
-    does nothing: a peer may still be waiting in a collective, and tearing down a group with
-    work in flight can block the exit of a rank that is failing anyway.
+    them, so each group's threads are joined before Python goes.
+
+    After an uncaught exception the groups are left as they are: a peer may still be waiting
+    in a collective, and tearing down a group with work in flight can block the exit of a rank
+    that is failing anyway. The process then ends at this point with the exit code Python
+    gives an uncaught exception (1), skipping the interpreter's own teardown, where the
+    groups' live threads aborted it about one time in five when a peer was mid-collective
+    (exit 134, and the launcher reported a SIGABRT instead of the rank's error). Handlers
+    registered before the groups were made (``logging``'s flush, ``multiprocessing``'s)
+    do not run then; standard output and error are flushed. An exception shown by an
+    interactive session does not count: the session goes on.
     """
     if _at_exit["registered"]:
         return
@@ -53,7 +62,7 @@ def destroy_at_exit() -> None:
     previous = sys.excepthook
 
     def note_uncaught(kind: type[BaseException], value: BaseException, tb: types.TracebackType | None) -> None:
-        _at_exit["uncaught"] = True
+        _at_exit["uncaught"] = not hasattr(sys, "ps1")  # a REPL shows the error and goes on
         previous(kind, value, tb)
 
     sys.excepthook = note_uncaught
@@ -64,3 +73,10 @@ def _destroy_at_exit() -> None:
     if not _at_exit["uncaught"]:
         destroy_process_group()
         gc.collect()  # the groups held only by reference cycles go now, their threads joined
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # closed or replaced streams
+            pass
+    os._exit(1)  # an uncaught exception's exit code, before the interpreter's teardown
