@@ -75,6 +75,16 @@ def test_within_one_second_the_error_file_written_first_is_the_root_cause(tmp_pa
     assert first_failure([RankFailure(**r) for r in records]).rank == 1
 
 
+def test_seen_in_one_poll_without_error_files_the_killed_rank_is_the_root_cause():
+    """The agent saw both go in one poll (one timestamp): a rank SIGKILLed mid-save, and its peer,
+    whose collective then broke, exiting 1 without an error file. The worse code is the origin."""
+    broke = ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file="<N/A>")
+    killed = ProcessFailure(local_rank=1, pid=101, exitcode=-9, error_file="<N/A>")
+    broke.timestamp = killed.timestamp = 1_800_000_000
+    records = failure_records({0: broke, 1: killed}, "node-01")
+    assert [r["root_cause"] for r in records] == [False, True]
+
+
 def test_first_failure_is_the_earliest_root_cause_across_nodes():
     lost_peer = RankFailure(
         0, 0, "node1", 1, 10, root_cause=True, message="RuntimeError: Connection closed", timestamp=6

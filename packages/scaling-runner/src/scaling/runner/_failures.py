@@ -51,7 +51,7 @@ class RankFailure:
     @property
     def shell_code(self) -> int:
         """The exit code as a shell reports it (128 + signal for a killed process)."""
-        return 128 - self.exitcode if self.exitcode < 0 else self.exitcode
+        return shell_code(self.exitcode)
 
     def describe(self) -> str:
         """E.g. ``rank 2 (local_rank 2 on node-01, pid 4711) was killed by signal 9 (SIGKILL)``."""
@@ -59,6 +59,11 @@ class RankFailure:
         if self.exitcode < 0:
             return f"{where} was killed by signal {-self.exitcode} ({signal_name(-self.exitcode)})"
         return f"{where} exited with code {self.exitcode}" + (f": {self.message}" if self.message else "")
+
+
+def shell_code(exitcode: int) -> int:
+    """A worker's exit code as a shell reports it: ``128 + N`` for one killed by signal N (negative ``exitcode``)."""
+    return 128 - exitcode if exitcode < 0 else exitcode
 
 
 def signal_name(signum: int) -> str:

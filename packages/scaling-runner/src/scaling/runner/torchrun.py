@@ -26,7 +26,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from scaling.runner._failures import REPORT_PREFIX, STOP_PREFIX
+from scaling.runner._failures import REPORT_PREFIX, STOP_PREFIX, shell_code
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -44,7 +44,9 @@ def failure_records(failures: dict[int, ProcessFailure], host: str) -> list[Json
     when it wrote an error file, else None.
     """
     times = {rank: failure_time(failure) for rank, failure in failures.items()}
-    first = min(times, key=times.__getitem__) if failures else None
+    # At the same time the worse code first, as across nodes (a rank killed by a signal before the
+    # one whose collective then broke, when the agent saw both go in one poll).
+    first = min(times, key=lambda r: (times[r], -shell_code(failures[r].exitcode))) if failures else None
     records = []
     for rank, failure in sorted(failures.items()):
         message = failure.message if failure.error_file != _NO_FILE else None
