@@ -38,22 +38,12 @@ def test_float8_products_on_cuda(scaling):
 FP8_ARCH = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "precision": "bf16"}
 
 
-def _deterministic_worker(cfg):
-    from scaling.topology import use_deterministic_algorithms
-
-    try:
-        return train_worker(cfg)
-    finally:
-        use_deterministic_algorithms(False)  # the pooled worker runs other tests next
-
-
 def _run(gpu_corpus, optimizer=None, steps=20, deterministic=False, **training):
     cfg = tiny_config(gpu_corpus, steps=steps, training=training, optimizer=optimizer or {})
     cfg["topology"].update(CUDA)
     cfg["transformer_architecture"].update(FP8_ARCH)
     cfg["trainer"].update(log_interval=1, deterministic=deterministic)
-    worker = _deterministic_worker if deterministic else train_worker
-    return losses(run_distributed(worker, 1, cfg, backend="nccl", timeout_seconds=600)[0])
+    return losses(run_distributed(train_worker, 1, cfg, backend="nccl", timeout_seconds=600)[0])
 
 
 def test_compiled_and_float8_transformer_on_cuda(gpu_corpus):

@@ -61,22 +61,13 @@ def test_activation_checkpointing_on_cuda_matches_no_checkpointing(gpu_corpus):
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-4, atol=1e-5)
 
 
-def _deterministic_worker(cfg):
-    from scaling.topology import use_deterministic_algorithms
-
-    try:
-        return train_worker(cfg)
-    finally:
-        use_deterministic_algorithms(False)  # the pooled worker runs other tests next
-
-
 def test_deterministic_runs_on_cuda_repeat_bit_for_bit(gpu_corpus):
     """With `trainer.deterministic` a CUDA run repeats bit for bit, and activation checkpointing
     (the same kernels recomputed) changes no bit: what the test above cannot ask without it."""
     runs = []
     for ac in ("none", "none", "every_layer"):
         cfg = _transformer(gpu_corpus, 6, arch={"activation_checkpointing": ac}, trainer={"deterministic": True})
-        (history,) = run_distributed(_deterministic_worker, 1, cfg, backend="nccl", timeout_seconds=300)
+        (history,) = run_distributed(train_worker, 1, cfg, backend="nccl", timeout_seconds=300)
         runs.append([losses(history), losses(history, "training/global_grad_norm")])
     assert runs[1] == runs[0], "two runs with deterministic kernels differ"
     assert runs[2] == runs[0], "activation checkpointing changed the bits"

@@ -9,15 +9,17 @@ checkpointing. That a CUDA run then repeats bit for bit is the `gpu` tier's
 
 import pytest
 import torch
-from transformer_testlib import losses, tiny_config, train_worker
+from transformer_testlib import losses, tiny_config
 
 from scaling.testing import run_distributed
 from scaling.topology import use_deterministic_algorithms
+from scaling.transformer import train
 
 
 def _worker(cfg):
+    # train.main, not train_worker: the switches are read before they are turned off again.
     try:
-        history = train_worker(cfg)
+        history = train.main(cfg)
         return history, torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic
     finally:
         use_deterministic_algorithms(False)  # the pooled worker runs other tests next

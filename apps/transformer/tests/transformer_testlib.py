@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from scaling.topology import use_deterministic_algorithms
 from scaling.transformer import train
 from scaling.transformer.__main__ import DEFAULT_CONFIG
 from scaling.transformer.corpus import preprocess
@@ -58,8 +59,15 @@ def tiny_config(
 
 
 def train_worker(cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    """Runs on every rank of scaling.testing.run_distributed; returns the metric history."""
-    return train.main(cfg)
+    """Runs on every rank of scaling.testing.run_distributed; returns the metric history.
+
+    A config that chose ``trainer.deterministic`` has torch's deterministic kernels switched
+    off again afterwards: the pooled worker runs other tests next."""
+    try:
+        return train.main(cfg)
+    finally:
+        if cfg.get("trainer", {}).get("deterministic"):
+            use_deterministic_algorithms(False)
 
 
 def losses(history: list[dict[str, Any]], key: str = "training/loss") -> list[float]:

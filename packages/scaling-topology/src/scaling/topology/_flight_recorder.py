@@ -72,8 +72,8 @@ def set_flight_recorder_folder(
     The folder is created, since torch does not.
     """
     environ = os.environ if environ is None else environ
-    chosen = {k: v for k, v in environ.items() if k in (DUMP_FILE, _OLD_NAMES[DUMP_FILE]) and _ours.get(k) != v}
-    if "nccl" not in backend or _unset(BUFFER_SIZE, environ) or chosen:
+    users = any(environ.get(name, _ours.get(name)) != _ours.get(name) for name in (DUMP_FILE, _OLD_NAMES[DUMP_FILE]))
+    if "nccl" not in backend or _unset(BUFFER_SIZE, environ) or users:
         return None
     Path(folder).mkdir(parents=True, exist_ok=True)
     prefix = Path(folder) / DUMP_PREFIX
