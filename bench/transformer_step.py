@@ -134,6 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--ffn", type=int, default=None, help="MLP inner size (default: 8/3 of hidden, rounded up to 8)")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
@@ -198,6 +199,7 @@ def build(
     arch = TransformerArchitectureConfig(
         vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers, num_attention_heads=a.heads,
         num_kv_heads=a.kv_heads, max_sequence_length=a.seq, precision=a.dtype, document_masking=a.documents > 0,
+        intermediate_size=a.ffn,
     )  # fmt: skip
     cfg = TransformerConfig.from_dict(
         {

@@ -121,7 +121,7 @@ def _kernel(q: torch.Tensor, mask: torch.Tensor | None) -> str:
         return "math"
     d = q.shape[-1]
     if mask is None and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256:
-        if cuda_capability(q.device) >= (8, 0):
+        if cuda_capability(q.device)[0] >= 8:
             return "flash"
     return "efficient"
 
@@ -189,7 +189,7 @@ def packed_flash_available(q: torch.Tensor, dropout: float) -> bool:
     d = q.shape[-1]
     if q.device.type != "cuda" or dropout > 0.0 or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    return d % 8 == 0 and d <= 256 and cuda_capability(q.device) >= (8, 0)
+    return d % 8 == 0 and d <= 256 and cuda_capability(q.device)[0] >= 8
 
 
 class _PackedFlash(torch.autograd.Function):

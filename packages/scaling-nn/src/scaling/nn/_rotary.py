@@ -139,8 +139,10 @@ def document_ids_and_positions(
 
 def _documents(cu: torch.Tensor, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.arange(batch_size * seq_len, device=cu.device)
-    # The document of token t: how many boundaries after the first are <= t (empty documents skipped).
-    doc = torch.searchsorted(cu[1:], tokens, right=True)
+    # The document of token t: how many boundaries after the first (cu[0] = 0) are <= t (empty documents
+    # skipped). Searched in all of cu, not the view cu[1:]: inductor (torch 2.11) cannot lower a sliced view
+    # as searchsorted's boundaries.
+    doc = torch.searchsorted(cu, tokens, right=True) - 1
     positions = tokens - cu[doc]
     return doc.view(batch_size, seq_len), positions.view(batch_size, seq_len)
 
