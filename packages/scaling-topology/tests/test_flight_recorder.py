@@ -15,17 +15,35 @@ import pytest
 import torch
 
 from scaling.topology import TopologyConfig, set_flight_recorder_folder
+from scaling.topology import _flight_recorder
 from scaling.topology._flight_recorder import DUMP_FILE, DUMP_ON_TIMEOUT, enable_flight_recorder
 
+# The names torch reads: TORCH_FR_* from 2.8 (the older ones then warn as deprecated), TORCH_NCCL_* before.
+SPELLINGS = {
+    True: ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE"),
+    False: ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"),
+}
 
-def test_nccl_gets_the_recorder_and_dump_on_timeout():
+
+@pytest.fixture(params=[True, False], ids=["torch>=2.8", "torch<2.8"])
+def spelling(request, monkeypatch):
+    """(buffer size, dump file): the names a torch of either age reads, that version pretended."""
+    monkeypatch.setattr(_flight_recorder, "_NEW_NAMES", request.param)
+    return SPELLINGS[request.param]
+
+
+def test_the_running_torch_gets_the_names_it_reads():
+    assert _flight_recorder._NEW_NAMES == (torch.torch_version.TorchVersion(torch.__version__) >= (2, 8))
+
+
+def test_nccl_gets_the_recorder_and_dump_on_timeout(spelling):
     env = {}
-    expected = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", DUMP_ON_TIMEOUT: "1"}
-    assert enable_flight_recorder("nccl", 2000, env) == expected  # both names: torch 2.6 reads the old one
+    expected = {spelling[0]: "2000", DUMP_ON_TIMEOUT: "1"}
+    assert enable_flight_recorder("nccl", 2000, env) == expected  # one name: the other would warn or be ignored
     assert env == expected
     both = {}
     enable_flight_recorder("cpu:gloo,cuda:nccl", 16, both)
-    assert both["TORCH_FR_BUFFER_SIZE"] == "16"
+    assert both[spelling[0]] == "16"
 
 
 @pytest.mark.parametrize("backend, entries", [("gloo", 2000), ("nccl", 0)])
@@ -36,23 +54,23 @@ def test_gloo_or_zero_entries_leave_the_environment_alone(backend, entries):
 
 
 @pytest.mark.parametrize("name", ["TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"])
-def test_a_size_the_user_set_wins_under_either_name(name):
+def test_a_size_the_user_set_wins_under_either_name(name, spelling):
     env = {name: "0", DUMP_ON_TIMEOUT: "0"}
     assert enable_flight_recorder("nccl", 2000, env) == {}
     assert env == {name: "0", DUMP_ON_TIMEOUT: "0"}
 
 
-def test_the_dumps_go_to_the_folder_which_is_created(tmp_path):
+def test_the_dumps_go_to_the_folder_which_is_created(tmp_path, spelling):
     env = {}
     enable_flight_recorder("nccl", 2000, env)
     folder = tmp_path / "run" / "diagnostics"
     prefix = set_flight_recorder_folder("nccl", folder, env)
     assert prefix == folder / "flight_recorder_rank_"
-    assert env[DUMP_FILE] == env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(prefix)
+    assert env == {spelling[0]: "2000", DUMP_ON_TIMEOUT: "1", spelling[1]: str(prefix)}
     assert folder.is_dir()
     # A second run in the same process moves the dumps to its own folder (the first's was not the user's).
     assert set_flight_recorder_folder("nccl", tmp_path / "second", env) == tmp_path / "second" / "flight_recorder_rank_"
-    assert env[DUMP_FILE] == str(tmp_path / "second" / "flight_recorder_rank_")
+    assert env[spelling[1]] == str(tmp_path / "second" / "flight_recorder_rank_")
 
 
 @pytest.mark.parametrize(
@@ -64,7 +82,7 @@ def test_the_dumps_go_to_the_folder_which_is_created(tmp_path):
         ("nccl", {"TORCH_FR_BUFFER_SIZE": "2000", DUMP_FILE: "/elsewhere/r_"}),
     ],
 )
-def test_no_dump_folder_where_nothing_is_dumped_or_the_user_chose_one(tmp_path, backend, env):
+def test_no_dump_folder_where_nothing_is_dumped_or_the_user_chose_one(tmp_path, backend, env, spelling):
     before = dict(env)
     assert set_flight_recorder_folder(backend, tmp_path / "diagnostics", env) is None
     assert env == before

@@ -66,12 +66,14 @@ def _flight_recorder_worker(diagnostics_dir):
         calls.append((backend, str(folder)))
         return set_flight_recorder_folder("nccl", folder)
 
-    os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"  # what initialize_distributed sets on NCCL
-    os.environ.pop("TORCH_FR_DUMP_TEMP_FILE", None)
+    from scaling.topology._flight_recorder import BUFFER_SIZE, DUMP_FILE, _read
+
+    os.environ[_read(BUFFER_SIZE)] = "2000"  # what initialize_distributed sets on NCCL
+    os.environ.pop(_read(DUMP_FILE), None)
     _trainer.set_flight_recorder_folder = as_if_nccl
     try:
         trainer_model.train_worker(1, 1, {"train_iterations": 1, "diagnostics_dir": diagnostics_dir})
-        return calls, os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+        return calls, os.environ.get(_read(DUMP_FILE))
     finally:
         _trainer.set_flight_recorder_folder = set_flight_recorder_folder
         os.environ.clear()

@@ -389,7 +389,9 @@ def barrier(group: ProcessGroup | None) -> None:
     if group_size(group) == 1:
         return
     assert group is not None
-    _collective("barrier", group, (), lambda: dist.barrier(group=group))
+    # NCCL runs a barrier as an all-reduce on a device; named, so it does not guess one from the global rank.
+    ids = [torch.cuda.current_device()] if dist.get_backend(group) == "nccl" else None
+    _collective("barrier", group, (), lambda: dist.barrier(group=group, device_ids=ids))
 
 
 def batch_send_recv(ops: Sequence[tuple[str, torch.Tensor, int]], group: ProcessGroup | None = None) -> None:

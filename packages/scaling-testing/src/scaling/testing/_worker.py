@@ -117,7 +117,7 @@ def _run_task(task: Task) -> object:
         # Every rank finishes before any tears its groups down: a rank that returns early
         # would otherwise close connections a slower peer is still opening (gloo's
         # connectFullMesh fails on the peer).
-        dist.barrier()
+        dist.barrier(device_ids=[torch.cuda.current_device()] if dist.get_backend() == "nccl" else None)
         return result
     finally:
         destroy_process_group()  # with torch 2.6's teardown-deadlock pause

@@ -27,17 +27,27 @@ import os
 from collections.abc import MutableMapping
 from pathlib import Path
 
+import torch
+from torch.torch_version import TorchVersion
+
 BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
 DUMP_ON_TIMEOUT = "TORCH_NCCL_DUMP_ON_TIMEOUT"
 DUMP_FILE = "TORCH_FR_DUMP_TEMP_FILE"
-# The names older torch reads (2.6 only these; newer ones fall back to them): set alike.
+# The names torch read before 2.8; from 2.8 it reads TORCH_FR_* and takes these with a deprecation
+# warning on every rank, so only the name the running torch reads is set (either counts as the user's).
 _OLD_NAMES = {BUFFER_SIZE: "TORCH_NCCL_TRACE_BUFFER_SIZE", DUMP_FILE: "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}
+_NEW_NAMES = TorchVersion(torch.__version__) >= (2, 8)
 DUMP_PREFIX = "flight_recorder_rank_"
 _ours: dict[str, str] = {}  # the dump location this process set last (a later run may move it)
 
 
 def _unset(name: str, environ: MutableMapping[str, str]) -> bool:
     return name not in environ and _OLD_NAMES.get(name, name) not in environ
+
+
+def _read(name: str) -> str:
+    """``name`` as this torch reads it."""
+    return name if _NEW_NAMES else _OLD_NAMES.get(name, name)
 
 
 def enable_flight_recorder(
@@ -57,7 +67,7 @@ def enable_flight_recorder(
     changed = {}
     for name, value in wanted.items():
         if _unset(name, environ):
-            changed.update({name: value, _OLD_NAMES.get(name, name): value})
+            changed[_read(name)] = value
     environ.update(changed)
     return changed
 
@@ -77,6 +87,7 @@ def set_flight_recorder_folder(
         return None
     Path(folder).mkdir(parents=True, exist_ok=True)
     prefix = Path(folder) / DUMP_PREFIX
-    _ours.update({DUMP_FILE: str(prefix), _OLD_NAMES[DUMP_FILE]: str(prefix)})
+    _ours.clear()
+    _ours[_read(DUMP_FILE)] = str(prefix)
     environ.update(_ours)
     return prefix

@@ -63,8 +63,8 @@ def _all_gather(obj: T, pg: ProcessGroup | None, world: int) -> list[T]:
 
 
 def _barrier(pg: ProcessGroup | None, world: int) -> None:
-    if world > 1:
-        dist.barrier(group=pg)
+    if world > 1:  # on NCCL with the device named, as scaling.collectives.barrier does
+        dist.barrier(group=pg, device_ids=[torch.cuda.current_device()] if dist.get_backend(pg) == "nccl" else None)
 
 
 class PendingSave:
