@@ -14,8 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from scaling.topology import TopologyConfig, set_flight_recorder_folder
-from scaling.topology import _flight_recorder
+from scaling.topology import TopologyConfig, _flight_recorder, set_flight_recorder_folder
 from scaling.topology._flight_recorder import DUMP_FILE, DUMP_ON_TIMEOUT, enable_flight_recorder
 
 # The names torch reads: TORCH_FR_* from 2.8 (the older ones then warn as deprecated), TORCH_NCCL_* before.
