@@ -12,6 +12,8 @@ column- and row-parallel linears in float8 (tensorwise; the reference stays in -
 The first step of each compiled side is timed apart (the compile); then the sides alternate
 step by step. Prints median step times, tokens/s, MFU (with a known card or --peak-tflops),
 peak memory on CUDA, and the ratios compiled/eager and ours/reference (target <= 1.03).
+``--profile DIR`` then profiles 3 steps of each compiled side (``compiled_ours_top_ops.txt``,
+``compiled_reference_top_ops.txt``: where the compiled step's time goes, phase by phase).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from transformer_step import _timed, build, card_peak_tflops  # noqa: E402
+from transformer_step import _timed, build, card_peak_tflops, trace  # noqa: E402
 from transformer_step import parse_args as step_args  # noqa: E402
 
 from scaling.nn import CompileConfig, Float8Config, compile_layer  # noqa: E402
@@ -36,6 +38,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0], add_help=False)
     p.add_argument("--backend", default="inductor", help="torch.compile backend of both compiled sides")
     p.add_argument("--fp8", action="store_true", help="our compiled side's linears in float8 (tensorwise)")
+    p.add_argument("--profile", default=None, help="folder for the top operators of 3 steps of both compiled sides")
     if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
         p.print_help()  # then bench/transformer_step.py's options, which it takes too
         print()
@@ -90,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     if eager.device.type == "cuda":
         print(f"device: {torch.cuda.get_device_name(eager.device)}; peak memory "
               f"{torch.cuda.max_memory_allocated(eager.device) / 2**30:.1f} GiB (all sides)")  # fmt: skip
+    if own.profile:
+        trace({"compiled_ours": sides["compiled"], "compiled_reference": sides["reference"]}, eager.device, own.profile)
     eager.topo.destroy()
 
 

@@ -303,29 +303,31 @@ def main(argv: list[str] | None = None) -> None:
         print(f"device: {torch.cuda.get_device_name(b.device)}; torch {torch.__version__}; peak memory "
               f"{torch.cuda.max_memory_allocated(b.device) / 2**30:.1f} GiB (both sides)")  # fmt: skip
     if a.trace:
-        trace(b, a.trace)
+        trace({"transformer_step": b.ours, "reference_step": b.reference}, b.device, a.trace, "transformer_step")
     b.topo.destroy()
 
 
-def trace(b: Bench, folder: str) -> None:
-    """Profile 3 steps of each side (CPU and CUDA activity): ``folder/transformer_step_trace.json.gz`` (ours)
-    and the top operators of each side, ``transformer_step_top_ops.txt`` and ``reference_step_top_ops.txt``."""
+def trace(sides: dict[str, Callable[[], None]], device: torch.device, folder: str, chrome: str | None = None) -> None:
+    """Profile 3 steps of each side (CPU and CUDA activity): the top 60 operators of each in
+    ``folder/<side>_top_ops.txt`` (our step's phases are the rows ``train_step: schedule`` and
+    ``train_step: optimizer``; torch.optim's is ``Optimizer.step#...``), and side ``chrome``'s
+    trace in ``folder/<chrome>_trace.json.gz`` (chrome://tracing or Perfetto)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if b.device.type == "cuda":
+    if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     os.makedirs(folder, exist_ok=True)
-    sort = "self_cuda_time_total" if b.device.type == "cuda" else "self_cpu_time_total"
-    for name, step in (("transformer_step", b.ours), ("reference_step", b.reference)):
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    for name, step in sides.items():
         with torch.profiler.profile(activities=activities) as prof:
             for _ in range(3):
                 step()
-            if b.device.type == "cuda":
+            if device.type == "cuda":
                 torch.cuda.synchronize()
-        if name == "transformer_step":
-            prof.export_chrome_trace(os.path.join(folder, "transformer_step_trace.json.gz"))
+        if name == chrome:
+            prof.export_chrome_trace(os.path.join(folder, f"{name}_trace.json.gz"))
         with open(os.path.join(folder, f"{name}_top_ops.txt"), "w") as f:
-            f.write(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60))
-    print(f"traces of 3 steps: {folder}/transformer_step_trace.json.gz, *_top_ops.txt")
+            f.write(prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=60))
+    print(f"profiles of 3 steps: {', '.join(f'{folder}/{n}_top_ops.txt' for n in sides)}")
 
 
 if __name__ == "__main__":

@@ -42,11 +42,15 @@ def test_transformer_step_bench_runs_with_packed_documents():
 
 
 @pytest.mark.skipif(float8_supported(torch.device("cpu")) is not None, reason="no float8 products on CPU here")
-def test_compile_step_bench_runs_with_float8_linears():
+def test_compile_step_bench_runs_with_float8_linears_and_profiles_both_compiled_sides(tmp_path):
     # aot_eager: the bench's logic without inductor's compile time (the GPU run uses inductor)
     out = _bench("bench/compile_step.py", "--backend", "aot_eager", "--fp8", "--hidden", "64", "--layers", "2",
-                 "--heads", "4", "--vocab", "256", "--seq", "32", "--batch", "2", "--warmup", "1", "--iters", "2")  # fmt: skip
+                 "--heads", "4", "--vocab", "256", "--seq", "32", "--batch", "2", "--warmup", "1", "--iters", "2",
+                 "--profile", str(tmp_path))  # fmt: skip
     assert "ours compiled / reference compiled = " in out
+    ours = (tmp_path / "compiled_ours_top_ops.txt").read_text()
+    assert "train_step: schedule" in ours and "train_step: optimizer" in ours  # our step's phases, named
+    assert "Optimizer.step#AdamW.step" in (tmp_path / "compiled_reference_top_ops.txt").read_text()
 
 
 @pytest.mark.skipif(

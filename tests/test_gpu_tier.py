@@ -1,6 +1,7 @@
 """The GPU tier and the prepared GPU check behave on a machine without CUDA."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,14 +47,16 @@ def test_gpu_tier_collects_at_least_13_tests_that_skip_with_the_reason():
 
 def _gpu_check_bench_commands(out_dir: str) -> list[list[str]]:
     """Every ``$PY bench/....py ...`` line of scripts/gpu_check, continuation lines joined,
-    ``$OUT`` and the compile step's two variants (``${2:-}``: none and ``--fp8``) filled in, as argument lists."""
+    ``$OUT`` and the compile step's variants (``${2:-}``: each ``compile_step KEY "ARGS"`` call's ARGS)
+    filled in, as argument lists."""
     text = (ROOT / "scripts" / "gpu_check").read_text().replace("\\\n", " ")
+    calls = re.findall(r'^compile_step \w+(?: "([^"]*)")?', text, re.MULTILINE)
     commands = []
     for line in text.splitlines():
         if "$PY bench/" not in line:
             continue
         words = line.split("$PY ", 1)[1].split(" 2>&1")[0].replace("$OUT", out_dir).split()
-        variants = [[], ["--fp8"]] if "${2:-}" in words else [[]]
+        variants = [args.split() for args in calls] if "${2:-}" in words else [[]]
         for extra in variants:
             commands.append([w for w in words if w != "${2:-}"] + extra)
     return commands
@@ -87,7 +90,8 @@ def test_gpu_check_bench_commands_parse(tmp_path):
         "bench/moe_step.py",
         "bench/compile_step.py",
     }
-    assert ["--fp8"] == [c[-1] for c in commands if c[0] == "bench/compile_step.py"][1:]
+    compiles = [c for c in commands if c[0] == "bench/compile_step.py"]
+    assert ["--fp8" in c for c in compiles] == [False, True]
     for command in commands:
         out = subprocess.run(
             [sys.executable, "-c", PARSE_ONLY, *command], cwd=ROOT, capture_output=True, text=True, timeout=120

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 import torch
+from torch.profiler import record_function
 
 from scaling.collectives import PyTree
 from scaling.pipeline import LossBackward, LossFunction, StageOutputs
@@ -163,17 +164,19 @@ def train_step(
     optimizer.set_gradient_accumulation_steps(len(batches))  # DP reduction in the last backward
     results = StepResults(module, metrics_aggregation_fn)
     try:
-        outputs = module.run_schedule(
-            batches,
-            loss_function,
-            loss_backward=optimizer.backward,
-            loss_scale=optimizer.loss_scaler.scale,
-            before_first_wait=results.post_receive,
-        )
+        with record_function("train_step: schedule"):  # the phases, named in a profiler's trace
+            outputs = module.run_schedule(
+                batches,
+                loss_function,
+                loss_backward=optimizer.backward,
+                loss_scale=optimizer.loss_scaler.scale,
+                before_first_wait=results.post_receive,
+            )
         # An overlapped DP reduction adds its averages into .grad: finish it before the tied sum.
         optimizer.finish_gradient_reduction()
         module.reduce_tied_gradients()
-        report = optimizer.step()
+        with record_function("train_step: optimizer"):
+            report = optimizer.step()
     except BaseException:
         results.abandon()  # every rank keeps one result broadcast per step
         raise
