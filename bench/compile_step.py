@@ -7,7 +7,9 @@ python bench/compile_step.py --hidden 2048 --layers 16 --heads 16 --vocab 32000 
 Three sides on the same shapes and batch (see bench/transformer_step.py for the model and its
 plain-PyTorch twin): ours eager, ours with ``compile=CompileConfig(enabled=True)`` (every layer
 compiled, identical blocks sharing one graph), and the reference with each block compiled by
-``torch.compile`` (torchtitan's regional compilation). ``--fp8`` puts our compiled side's
+``torch.compile`` (torchtitan's regional compilation); both compiled sides compile their loss too
+(``CompileConfig.loss``, torchtitan's ``compile.components = ["model", "loss"]``; ``--eager-loss``: neither
+does). ``--fp8`` puts our compiled side's
 column- and row-parallel linears in float8 (tensorwise; the reference stays in --dtype).
 The first step of each compiled side is timed apart (the compile); then the sides alternate
 step by step. Prints median step times, tokens/s, MFU (with a known card or --peak-tflops),
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from transformer_step import _timed, build, card_peak_tflops, trace  # noqa: E402
+from transformer_step import _timed, build, card_peak_tflops, ref_loss, trace  # noqa: E402
 from transformer_step import parse_args as step_args  # noqa: E402
 
 from scaling.nn import CompileConfig, Float8Config, compile_layer  # noqa: E402
@@ -38,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0], add_help=False)
     p.add_argument("--backend", default="inductor", help="torch.compile backend of both compiled sides")
     p.add_argument("--fp8", action="store_true", help="our compiled side's linears in float8 (tensorwise)")
+    p.add_argument("--eager-loss", action="store_true", help="keep both compiled sides' loss functions eager")
     p.add_argument("--profile", default=None, help="folder for the top operators of 3 steps of both compiled sides")
     if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
         p.print_help()  # then bench/transformer_step.py's options, which it takes too
@@ -48,14 +51,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 def main(argv: list[str] | None = None) -> None:
     own, rest = parse_args(argv)
     a = step_args(rest)
-    config = CompileConfig(enabled=True, backend=own.backend)
+    config = CompileConfig(enabled=True, backend=own.backend, loss=not own.eager_loss)
     eager = build(a)  # ours eager and the reference
     compiled = build(
         a, topo=eager.topo, compile=config, fp8=Float8Config(enabled=True) if own.fp8 else None, reference=False
     )
     assert eager.ref_model is not None
-    for block in eager.ref_model.blocks:  # torchtitan's regional compilation of the reference
+    for block in eager.ref_model.blocks:  # torchtitan's regional compilation of the reference, and its loss
         compile_layer(block, config)
+    if config.loss:
+        eager.ref_model.loss = torch.compile(ref_loss, backend=config.backend)
     sides = {"eager": eager.ours, "compiled": compiled.ours, "reference": eager.reference}
     compile_seconds = {}
     for name in ("compiled", "reference"):
@@ -73,10 +78,11 @@ def main(argv: list[str] | None = None) -> None:
     tokens, fpt = a.batch * a.seq, flops_per_token(eager.arch, a.seq)
     threads = torch.get_num_threads() if eager.device.type == "cpu" else "-"
     fp8 = " + fp8 linears (ours compiled)" if own.fp8 else ""
+    loss = "eager" if own.eager_loss else "compiled"
     print(
         f"model: hidden {a.hidden}, layers {a.layers}, heads {a.heads}, vocab {a.vocab}, seq {a.seq}, batch "
-        f"{a.batch}, {a.dtype}{fp8} on {eager.device} ({threads} threads); backend {own.backend}; {a.iters} steps "
-        f"per side after {a.warmup} warm-up; torch {torch.__version__}"
+        f"{a.batch}, {a.dtype}{fp8} on {eager.device} ({threads} threads); backend {own.backend}, loss {loss}; "
+        f"{a.iters} steps per side after {a.warmup} warm-up; torch {torch.__version__}"
     )
     print(
         f"first step (compile): ours {compile_seconds['compiled']:.1f} s, reference {compile_seconds['reference']:.1f} s"

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from scaling.nn import CompileConfig, Float8Config, compile_layers, enable_float8
+from scaling.nn import CompileConfig, Float8Config, compile_layers, compile_loss, enable_float8
 from scaling.optim import Optimizer
 from scaling.pipeline import ParallelModule
 from scaling.topology import Topology
@@ -88,6 +88,10 @@ class RefBlock(torch.nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
+def ref_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
 class RefModel(torch.nn.Module):
     def __init__(self, arch: TransformerArchitectureConfig) -> None:
         super().__init__()
@@ -98,6 +102,7 @@ class RefModel(torch.nn.Module):
         )
         self.norm = torch.nn.Parameter(torch.ones(arch.hidden_size))
         self.eps = arch.norm_eps
+        self.loss = ref_loss  # bench/compile_step.py compiles it, as torchtitan compiles its loss
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         x = self.emb(ids)
@@ -108,8 +113,7 @@ class RefModel(torch.nn.Module):
             mask = ((doc.unsqueeze(-1) == doc.unsqueeze(-2)) & causal).unsqueeze(1)
         for blk in self.blocks:
             x = blk(x, positions, mask)
-        logits = F.linear(F.rms_norm(x, (x.shape[-1],), self.norm, self.eps), self.emb.weight)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return self.loss(F.linear(F.rms_norm(x, (x.shape[-1],), self.norm, self.eps), self.emb.weight), targets)
 
 
 @dataclass
@@ -221,7 +225,7 @@ def build(
     if compile is not None:
         compile_layers(module.layers.values(), compile)
     optimizer = Optimizer(config=cfg.optimizer, parameter_groups=parameter_groups(module, cfg), topology=topo)
-    loss_fn = TransformerLoss(arch.vocab_size, topo)
+    loss_fn = compile_loss(TransformerLoss(arch.vocab_size, topo), compile)  # as BaseTrainer does
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g)
     positions, cu = packed_rows(a.batch, a.seq, a.documents) if a.documents > 0 else (None, None)

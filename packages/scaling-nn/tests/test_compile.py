@@ -5,7 +5,15 @@ import copy
 
 import torch
 
-from scaling.nn import CompileConfig, CompileMonitor, ParallelSwiGLUMLP, compile_layer, compile_layers
+from scaling.nn import (
+    CompileConfig,
+    CompileMonitor,
+    ParallelSwiGLUMLP,
+    compile_layer,
+    compile_layers,
+    compile_loss,
+    vocab_parallel_cross_entropy,
+)
 from scaling.testing import assert_parity
 
 
@@ -75,3 +83,27 @@ def test_recompilation_is_reported_with_its_reason():
     graphs, reasons = monitor.poll()
     assert graphs == 1 and len(reasons) == 1
     assert reasons[0].startswith("Block.forward: ") and "size mismatch" in reasons[0], reasons
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return vocab_parallel_cross_entropy(logits, targets, None)
+
+
+def test_the_loss_compiles_with_the_layers_unless_told_not_to():
+    assert compile_loss(_cross_entropy, None) is _cross_entropy
+    assert compile_loss(_cross_entropy, CompileConfig()) is _cross_entropy  # compile off
+    assert compile_loss(_cross_entropy, CompileConfig(enabled=True, loss=False)) is _cross_entropy
+    torch.manual_seed(0)
+    logits = torch.randn(2, 7, 50, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 7))
+    targets[0, 0] = -100  # ignored
+    expected = _cross_entropy(logits, targets)
+    (expected_grad,) = torch.autograd.grad(expected, logits)
+    torch._dynamo.reset()
+    monitor = CompileMonitor()
+    compiled = compile_loss(_cross_entropy, CompileConfig(enabled=True, backend="aot_eager"))
+    loss = compiled(logits, targets)
+    (grad,) = torch.autograd.grad(loss, logits)
+    assert monitor.poll() == (1, [])  # one graph: the loss, forward and backward
+    assert_parity(loss, expected, rtol=1e-6, atol=1e-7, name="loss")
+    assert_parity(grad, expected_grad, rtol=0, atol=0, name="logits' gradient")

@@ -37,6 +37,7 @@ EXPECTED = [
     "column_parallel_linear",
     "compile_layer",
     "compile_layers",
+    "compile_loss",
     "enable_float8",
     "export_peft_adapter",
     "float8_linear",

@@ -3,7 +3,7 @@
 from scaling.nn._adapters import BottleneckAdapter, apply_bottleneck_adapters, mark_only_bias_trainable
 from scaling.nn._attention import ParallelSelfAttention, check_context_parallel, valid_model_parallel_sizes
 from scaling.nn._checkpoint import checkpoint_layer, checkpoint_sequential_layers, tracker_checkpoint_context
-from scaling.nn._compile import CompileConfig, CompileMonitor, compile_layer, compile_layers
+from scaling.nn._compile import CompileConfig, CompileMonitor, compile_layer, compile_layers, compile_loss
 from scaling.nn._context_parallel import (
     TokenLayout,
     all_to_all_attention,
@@ -80,6 +80,7 @@ __all__ = [
     "column_parallel_linear",
     "compile_layer",
     "compile_layers",
+    "compile_loss",
     "enable_float8",
     "export_peft_adapter",
     "float8_linear",

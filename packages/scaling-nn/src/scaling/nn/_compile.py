@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Iterable, Mapping
-from typing import Literal
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 from pydantic import Field
 
 from scaling.config import BaseConfig
 from scaling.nn._attention_kernels import cuda_capability
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class CompileConfig(BaseConfig):
@@ -47,6 +49,12 @@ class CompileConfig(BaseConfig):
     )
     dynamic: bool | None = Field(
         None, description="Dynamic shapes: None = Dynamo decides (static first, dynamic after a shape change)."
+    )
+    loss: bool = Field(
+        True,
+        description="With enabled: compile the trainer's loss function too (torchtitan's 'loss' component): "
+        "a cross-entropy's upcast, log-softmax and target gather fuse, so its fp32 copy of the logits is never "
+        "written out.",
     )
 
 
@@ -92,6 +100,23 @@ def compile_layer(module: torch.nn.Module, config: CompileConfig) -> None:
         dynamic=config.dynamic,
     )
     module.forward = types.MethodType(compiled, module)
+
+
+def compile_loss(loss_function: F, config: CompileConfig | None) -> F:
+    """``loss_function`` compiled by ``torch.compile`` when ``config.enabled`` and ``config.loss``; else itself.
+
+    The trainer compiles its loss this way (``BaseTrainer``, from its module's ``compile_config``);
+    a loop of one's own can do the same. A loss with collectives (vocabulary-parallel
+    cross-entropy under TP, context parallelism's weight sum) breaks the graph at each and runs
+    it eagerly, as a compiled layer does.
+    """
+    if config is None or not (config.enabled and config.loss):
+        return loss_function
+    _keep_collectives_eager()
+    compiled = torch.compile(
+        loss_function, backend=config.backend, mode=config.mode, fullgraph=config.fullgraph, dynamic=config.dynamic
+    )
+    return cast("F", compiled)
 
 
 def compile_layers(modules: Iterable[torch.nn.Module], config: CompileConfig) -> None:

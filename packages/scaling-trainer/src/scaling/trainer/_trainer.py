@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from scaling.collectives import all_reduce, get_recorder
 from scaling.data import BaseDataset, DataLoader
+from scaling.nn import compile_loss
 from scaling.optim import Optimizer
 from scaling.pipeline import LossFunction, ParallelModule
 from scaling.topology import set_flight_recorder_folder, use_deterministic_algorithms
@@ -104,7 +105,8 @@ class BaseTrainer(Generic[ContextT]):
         self.dataset_evaluation = dataset_evaluation
         self.sync_batch_to_model_parallel = sync_batch_to_model_parallel
         self.metrics_aggregation_fn = metrics_aggregation_fn
-        self.loss_function = loss_function
+        # Compiled with the module's layers unless its compile_config says otherwise (torchtitan's 'loss').
+        self.loss_function = compile_loss(loss_function, getattr(parallel_module, "compile_config", None))
         attach_model = getattr(optimizer, "attach_model", None)
         if attach_model is not None:  # ZeRO-3 and overlap_param_gather hook into the model
             attach_model(parallel_module)
