@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     loss = "eager" if own.eager_loss else "compiled"
     print(
         f"model: hidden {a.hidden}, layers {a.layers}, heads {a.heads}, vocab {a.vocab}, seq {a.seq}, batch "
-        f"{a.batch}, {a.dtype}{fp8} on {eager.device} ({threads} threads); backend {own.backend}, loss {loss}; "
+        f"{a.batch}, {a.dtype}{fp8} on {eager.device} ({threads} threads); backend {own.backend}, loss {loss}, "
+        f"reference recipe {a.reference}; "
         f"{a.iters} steps per side after {a.warmup} warm-up; torch {torch.__version__}"
     )
     print(

@@ -154,6 +154,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-master-weights", action="store_true",
         help="bf16: update the bf16 weights directly, as the reference does (default: fp32 master weights)",
     )  # fmt: skip
+    p.add_argument(
+        "--reference", choices=["bf16", "fsdp2"], default="bf16",
+        help="bf16: the plain model's weights and AdamW state in --dtype, updated directly, no gradient norm; "
+        "fsdp2: torchtitan's recipe on one rank (fp32 weights and fused AdamW, fully_shard with bf16 compute "
+        "and fp32 gradient reduction, clip_grad_norm_ at 1.0), both sides clipping at 1.0",
+    )  # fmt: skip
     p.add_argument("--trace", default=None, help="folder for a torch.profiler trace of 3 of our steps (chrome JSON)")
     p.add_argument("--documents", type=int, default=0, help="packed documents per row (0: one sequence per row)")
     return p.parse_args(argv)
@@ -210,7 +216,8 @@ def build(
             "runner": {"runner_type": "local", "nproc_per_node": 1},
             "topology": {"world_size": 1, "global_batch_size": a.batch, "micro_batch_size": a.batch,
                          "device": a.device},
-            "optimizer": {"zero_stage": 0, "master_weights": a.dtype != "fp32" and not a.no_master_weights},
+            "optimizer": {"zero_stage": 0, "master_weights": a.dtype != "fp32" and not a.no_master_weights,
+                          "gradient_clipping": 1.0 if a.reference == "fsdp2" else 0.0},
             "learning_rate_scheduler": {"learning_rate": 1e-4},
             "transformer_architecture": arch.as_dict(),
             "data": {"sequence_length": a.seq},
@@ -231,8 +238,7 @@ def build(
     positions, cu = packed_rows(a.batch, a.seq, a.documents) if a.documents > 0 else (None, None)
     batch = TransformerBatch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), positions, cu).to(device)
 
-    ref = RefModel(arch).to(device, arch.dtype) if reference else None
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, weight_decay=0.01, foreach=True) if ref else None
+    ref, ref_opt = _reference(arch, device, a.reference) if reference else (None, None)
 
     def ours() -> None:
         train_step(module, [batch], optimizer, loss_fn)
@@ -241,9 +247,33 @@ def build(
         assert ref is not None and ref_opt is not None, "built with reference=False"
         ref_opt.zero_grad(set_to_none=True)
         ref(batch.input_token_ids, batch.target_token_ids, batch.position_ids).backward()
+        if a.reference == "fsdp2":
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=1.0, foreach=True)
         ref_opt.step()
 
     return Bench(ours, run_reference, arch, topo, device, optimizer, ref_opt, module, ref)
+
+
+def _reference(
+    arch: TransformerArchitectureConfig, device: torch.device, recipe: str
+) -> tuple[RefModel, torch.optim.AdamW]:
+    """The plain-PyTorch model and its optimizer: ``bf16`` updates the weights in ``arch.dtype``
+    directly (foreach AdamW); ``fsdp2`` is torchtitan's single-rank recipe: fp32 weights and
+    fused AdamW, each block and the root ``fully_shard``-ed computing in ``arch.dtype`` with
+    gradients reduced in fp32 (the caller clips the norm at 1.0)."""
+    if recipe == "bf16":
+        ref = RefModel(arch).to(device, arch.dtype)
+        return ref, torch.optim.AdamW(ref.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    ref = RefModel(arch).to(device)
+    policy = MixedPrecisionPolicy(param_dtype=arch.dtype, reduce_dtype=torch.float32)
+    mesh = init_device_mesh(device.type, (1,))
+    for block in ref.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(ref, mesh=mesh, mp_policy=policy)
+    return ref, torch.optim.AdamW(ref.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
 
 
 def _timed(step: Callable[[], None], device: torch.device) -> tuple[float, float]:
@@ -282,7 +312,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model: hidden {a.hidden}, layers {a.layers}, heads {a.heads}/{b.arch.kv_heads}, vocab {a.vocab}, "
           f"seq {a.seq}, batch {a.batch}, {a.dtype} on {b.device} ({threads} threads); "
           f"FLOPs/token = 6*N + 12*L*H*S = {fpt:.3e}; {a.iters} steps per side after {a.warmup} warm-up")  # fmt: skip
-    if a.dtype != "fp32":
+    if a.reference == "fsdp2":
+        print(f"ours: {'bf16 weights updated directly' if a.no_master_weights else 'fp32 master weights'}, "
+              "clipping at 1.0; reference: torchtitan's recipe (fully_shard with bf16 compute and fp32 reduction, "
+              "fp32 weights, fused AdamW, clip_grad_norm_ at 1.0)")  # fmt: skip
+    elif a.dtype != "fp32":
         print(f"ours: {'bf16 weights updated directly' if a.no_master_weights else 'fp32 master weights'}; "
               "reference: bf16 weights updated directly (torch.optim.AdamW, foreach)")  # fmt: skip
     print(f"ours      {mo * 1e3:9.2f} ms/step  {tokens / mo:10.0f} tokens/s  {tokens * fpt / mo / 1e12:.3f} TFLOP/s")

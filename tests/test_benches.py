@@ -41,6 +41,19 @@ def test_transformer_step_bench_runs_with_packed_documents():
     assert "wall ratio ours/reference = " in out
 
 
+@pytest.mark.skipif(
+    not hasattr(torch.cpu.Stream(), "record_event"),
+    reason=f"torch {torch.__version__}'s FSDP2 cannot run on CPU (its CPU stream has no record_event)",
+)
+def test_transformer_step_bench_runs_against_torchtitans_recipe():
+    out = _bench(
+        "bench/transformer_step.py", "--hidden", "64", "--layers", "2", "--heads", "4", "--vocab", "256",
+        "--seq", "32", "--batch", "2", "--dtype", "bf16", "--warmup", "1", "--iters", "2", "--reference", "fsdp2",
+    )  # fmt: skip
+    assert "reference: torchtitan's recipe" in out
+    assert "wall ratio ours/reference = " in out
+
+
 @pytest.mark.skipif(float8_supported(torch.device("cpu")) is not None, reason="no float8 products on CPU here")
 def test_compile_step_bench_runs_with_float8_linears_and_profiles_both_compiled_sides(tmp_path):
     # aot_eager: the bench's logic without inductor's compile time (the GPU run uses inductor)
