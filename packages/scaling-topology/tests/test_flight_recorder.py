@@ -32,7 +32,7 @@ def spelling(request, monkeypatch):
 
 
 def test_the_running_torch_gets_the_names_it_reads():
-    assert _flight_recorder._NEW_NAMES == (torch.torch_version.TorchVersion(torch.__version__) >= (2, 8))
+    assert _flight_recorder._NEW_NAMES == (torch.torch_version.TorchVersion(torch.__version__) >= "2.8")
 
 
 def test_nccl_gets_the_recorder_and_dump_on_timeout(spelling):

@@ -36,7 +36,7 @@ DUMP_FILE = "TORCH_FR_DUMP_TEMP_FILE"
 # The names torch read before 2.8; from 2.8 it reads TORCH_FR_* and takes these with a deprecation
 # warning on every rank, so only the name the running torch reads is set (either counts as the user's).
 _OLD_NAMES = {BUFFER_SIZE: "TORCH_NCCL_TRACE_BUFFER_SIZE", DUMP_FILE: "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}
-_NEW_NAMES = TorchVersion(torch.__version__) >= (2, 8)
+_NEW_NAMES = TorchVersion(torch.__version__) >= "2.8"
 DUMP_PREFIX = "flight_recorder_rank_"
 _ours: dict[str, str] = {}  # the dump location this process set last (a later run may move it)
 
