@@ -12,6 +12,9 @@ dispatch) go through ``scaling.collectives``' recorded calls, which Dynamo does 
 the graph breaks around each, they run eagerly, and the code between them is compiled.
 Parity with eager is kept (the tests check it); the fusion lost at a break is the price.
 
+:func:`compile_loss` compiles a trainer's loss function the same way (``CompileConfig.loss``,
+torchtitan's "loss" component): a cross-entropy then fuses its upcast and log-softmax.
+
 :class:`CompileMonitor` counts what Dynamo compiled and the guard failures that made it
 recompile, so a trainer can say when a layer recompiled and why.
 """

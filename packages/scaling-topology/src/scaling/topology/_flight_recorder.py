@@ -7,7 +7,8 @@ timeout, which then ends the process. What says which collective, on which rank,
 completed is torch's flight recorder, a ring of each NCCL group's last collectives that the
 watchdog dumps on a timeout, one file per rank, read by torch's analyser
 (``python -m torch.distributed.flight_recorder.fr_trace <folder>``). It records nothing unless
-``TORCH_FR_BUFFER_SIZE`` is set before the groups are created, and dumps under
+``TORCH_FR_BUFFER_SIZE`` (``TORCH_NCCL_TRACE_BUFFER_SIZE`` before torch 2.8) is set before the
+groups are created, and dumps under
 ``~/.cache/torch`` unless told otherwise; torchtitan and Megatron-Bridge turn it on in the
 same way.
 
