@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal, TypeVar, cast
+from typing import Literal, TypeVar, cast
 
 import torch
 from pydantic import Field
@@ -32,7 +32,7 @@ from pydantic import Field
 from scaling.config import BaseConfig
 from scaling.nn._attention_kernels import cuda_capability
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., object])  # the loss function, its signature kept
 
 
 class CompileConfig(BaseConfig):
