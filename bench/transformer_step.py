@@ -35,7 +35,7 @@ from scaling.nn import CompileConfig, Float8Config, compile_layers, compile_loss
 from scaling.optim import Optimizer
 from scaling.pipeline import ParallelModule
 from scaling.topology import Topology
-from scaling.trainer import train_step
+from scaling.trainer import device_peak_flops, train_step
 from scaling.transformer.config import TransformerArchitectureConfig, TransformerConfig
 from scaling.transformer.data import TransformerBatch
 from scaling.transformer.model import TransformerLoss, flops_per_token, layer_specs
@@ -178,16 +178,10 @@ def packed_rows(batch: int, seq: int, documents: int) -> tuple[torch.Tensor, tor
     return torch.stack(positions), torch.tensor(cu, dtype=torch.int32)
 
 
-# Dense bf16 peak TFLOP/s by the vendor's datasheets (SXM parts), for MFU.
-BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
-
-
 def card_peak_tflops(device: torch.device) -> float | None:
-    """The bf16 dense peak of this CUDA card when its name is in ``BF16_PEAK_TFLOPS``, else None."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in BF16_PEAK_TFLOPS.items() if k in name), None)
+    """The dense bf16 peak TFLOP/s of this CUDA card where the trainer knows it (its MFU's denominator), else None."""
+    peak = device_peak_flops(device)
+    return None if peak is None else peak / 1e12
 
 
 def build(

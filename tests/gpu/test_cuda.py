@@ -13,6 +13,7 @@ from mlp_testlib import train_worker as mlp_train_worker
 from transformer_testlib import losses, tiny_config, train_worker
 
 from scaling.testing import assert_parity, run_distributed
+from scaling.trainer import device_peak_flops
 
 pytestmark = pytest.mark.gpu
 CUDA = {"device": "cuda", "backend": "nccl"}
@@ -46,8 +47,11 @@ def _transformer(corpus, steps=20, arch=None, **sections):
 
 def test_transformer_app_trains_20_steps_on_cuda_in_bf16(gpu_corpus):
     cfg = _transformer(gpu_corpus, arch={"precision": "bf16"}, optimizer={"master_weights": True})
-    curve = losses(run_distributed(train_worker, 1, cfg, backend="nccl", timeout_seconds=300)[0])
+    (history,) = run_distributed(train_worker, 1, cfg, backend="nccl", timeout_seconds=300)
+    curve = losses(history)
     assert len(curve) == 20 and curve[-1] < curve[0] - 0.5, curve
+    if device_peak_flops(torch.device("cuda")) is not None:  # a known card: MFU with no peak configured
+        assert all(0 < m["runtime/mfu"] < 1 for m in history if "training/loss" in m), history[-1]
 
 
 def test_activation_checkpointing_on_cuda_matches_no_checkpointing(gpu_corpus):

@@ -18,7 +18,8 @@ from scaling.nn import LayerSpec
 from scaling.optim import Optimizer, OptimizerConfig, OptimizerParamGroup, OptimizerParamGroupConfig
 from scaling.pipeline import ParallelModule
 from scaling.testing import make_topology, run_distributed
-from scaling.trainer import BaseContext, BaseTrainer, ProfilerConfig, TrainerConfig
+from scaling.trainer import BaseContext, BaseTrainer, ProfilerConfig, TrainerConfig, device_peak_flops
+from scaling.trainer._profiler import peak_flops_of
 
 FLOPS_PER_SAMPLE = 3.0e6
 HARDWARE_FLOPS_PER_SAMPLE = 4.0e6
@@ -164,6 +165,25 @@ def test_no_peak_no_mfu():
     assert all(m["runtime/tflops_per_device"] > 0 for m in out[0]["history"])
     assert out[0]["formula_lines"] == []
     assert all(m["runtime/peak_memory_mib"] > 1.0 for m in out[0]["history"])
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),  # not the SXM part's figure
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA B200", 2.25e15),
+        ("NVIDIA GeForce RTX 4090", None),  # unknown: no MFU unless configured
+    ],
+)
+def test_a_known_gpu_gives_mfu_its_bf16_peak(name, peak):
+    assert peak_flops_of(name) == peak
+
+
+def test_no_peak_on_cpu():
+    assert device_peak_flops(torch.device("cpu")) is None  # CPUs have no standard figure
 
 
 def test_profiler_and_metric_config_errors():

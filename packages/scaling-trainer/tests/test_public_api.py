@@ -25,6 +25,7 @@ def test_public_api():
         "TrainerConfig",
         "TrainingAppConfig",
         "committed_steps",
+        "device_peak_flops",
         "evaluation_step",
         "exit_code_for",
         "load_checkpoint",

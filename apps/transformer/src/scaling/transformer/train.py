@@ -38,7 +38,8 @@ class TransformerContext(BaseContext[TransformerConfig]):
 class TransformerTrainer(BaseTrainer[TransformerContext]):
     """BaseTrainer plus tokens/s and the mixture-of-experts metrics.
 
-    TFLOP/s per device and MFU (with ``trainer.peak_flops_per_second``; none on CPU) are the
+    TFLOP/s per device and MFU (against ``trainer.peak_flops_per_second`` or a known GPU's bf16 peak;
+    none on CPU) are the
     BaseTrainer's, from ``flops_per_sample``: ``6 N + 12 L H S`` FLOPs per token (N active
     parameters, L layers, H hidden, S sequence length) times ``S``.
     """

@@ -8,7 +8,7 @@ from scaling.trainer import checkpoint
 from scaling.trainer._app_config import TrainingAppConfig
 from scaling.trainer._config import TrainerConfig
 from scaling.trainer._context import BaseContext
-from scaling.trainer._profiler import ProfilerConfig, StepProfiler
+from scaling.trainer._profiler import ProfilerConfig, StepProfiler, device_peak_flops
 from scaling.trainer._signals import HANDLED_SIGNALS, exit_code_for
 from scaling.trainer._step import OptimizerLike, ScheduledStage, TrainStepOutput, evaluation_step, train_step
 from scaling.trainer._trainer import BaseTrainer
@@ -53,6 +53,7 @@ __all__ = [
     "TrainerConfig",
     "TrainingAppConfig",
     "committed_steps",
+    "device_peak_flops",
     "evaluation_step",
     "exit_code_for",
     "load_checkpoint",

@@ -75,7 +75,8 @@ class TrainerConfig(BaseConfig):
         description=(
             "Peak FLOP/s of one device (e.g. 989e12 for H100 bf16 dense; CPUs have no standard figure, so "
             "measure one); with the trainer's flops_per_sample the metrics get runtime/mfu (and runtime/hfu). "
-            "None = no MFU/HFU."
+            "None = the GPU's dense bf16 peak where the card is known (H100 SXM and H200 989e12, H100 PCIe 756e12, "
+            "A100 312e12, B200 2.25e15; torchtitan's convention, also for runs in other precisions), else no MFU/HFU."
         ),
     )
     progress_bar: bool = Field(False, description="Show a tqdm progress bar on global rank 0 (needs tqdm).")

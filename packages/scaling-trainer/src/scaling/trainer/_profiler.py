@@ -257,6 +257,21 @@ class StepProfiler:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
+# Dense bf16 peak FLOP/s of one GPU by the vendor's datasheet, matched on torch.cuda.get_device_name:
+# the more specific name first (an "H100 PCIe" is not an SXM H100). torchtitan reports MFU the same way.
+BF16_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("B200", 2.25e15))
+
+
+def peak_flops_of(device_name: str) -> float | None:
+    """The dense bf16 peak FLOP/s of the GPU called ``device_name`` when it is in ``BF16_PEAK_FLOPS``, else None."""
+    return next((flops for key, flops in BF16_PEAK_FLOPS if key in device_name), None)
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """:func:`peak_flops_of` this CUDA device; None on CPU (no standard figure) and for an unknown card."""
+    return peak_flops_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
 def peak_memory_mib(device: torch.device) -> float:
     """Peak memory of this process in MiB: CUDA max allocated on a GPU, peak RSS on CPU."""
     if device.type == "cuda":

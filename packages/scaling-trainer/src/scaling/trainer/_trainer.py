@@ -26,7 +26,14 @@ from scaling.topology import set_flight_recorder_folder, use_deterministic_algor
 from scaling.trainer._compiled import CompileLog
 from scaling.trainer._config import TrainerConfig
 from scaling.trainer._context import BaseContext
-from scaling.trainer._profiler import ProfilerConfig, StepProfiler, num_tokens, peak_memory_mib, progress_bar
+from scaling.trainer._profiler import (
+    ProfilerConfig,
+    StepProfiler,
+    device_peak_flops,
+    num_tokens,
+    peak_memory_mib,
+    progress_bar,
+)
 from scaling.trainer._results import MetricsAggregation
 from scaling.trainer._signals import SignalWatcher, exit_code_for
 from scaling.trainer._state import TrainerCheckpointer
@@ -61,11 +68,10 @@ class BaseTrainer(Generic[ContextT]):
             when the app config has that section, else no profiling.
         flops_per_sample: model FLOPs of forward + backward for one sample (e.g.
             ``6 * parameters * tokens_per_sample``), or a zero-argument callable returning
-            it; the metrics get ``runtime/tflops_per_device`` and, with
-            ``config.peak_flops_per_second``, ``runtime/mfu``.
+            it; the metrics get ``runtime/tflops_per_device`` and, with a peak
+            (``config.peak_flops_per_second``, else a known GPU's bf16 peak), ``runtime/mfu``.
         hardware_flops_per_sample: as ``flops_per_sample`` but counting recomputation
-            (activation checkpointing); with ``config.peak_flops_per_second`` the
-            metrics get ``runtime/hfu``.
+            (activation checkpointing); with a peak the metrics get ``runtime/hfu``.
 
     Example::
 
@@ -122,6 +128,8 @@ class BaseTrainer(Generic[ContextT]):
         self.profiler_config = profiler_config
         self.flops_per_sample = flops_per_sample
         self.hardware_flops_per_sample = hardware_flops_per_sample
+        # MFU's denominator: the config's, else the card's dense bf16 peak where it is known (as torchtitan).
+        self.peak_flops_per_second = config.peak_flops_per_second or device_peak_flops(topology.device)
         self.loader = DataLoader(
             dataset,
             seed=config.seed,
@@ -195,19 +203,19 @@ class BaseTrainer(Generic[ContextT]):
         return [(name, float(e() if callable(e) else e)) for name, e in pairs if e is not None]
 
     def _utilization(self, samples_per_second: float) -> dict[str, float]:
-        """Model TFLOP/s per device and MFU / HFU: achieved FLOP/s over ``peak_flops_per_second`` times the world size."""
+        """Model TFLOP/s per device and MFU / HFU: achieved FLOP/s over the peak FLOP/s times the world size."""
         if self.flops_per_sample is None:
             return {}
         world = self.context.topology.world_size
         estimates = self._flops_estimates()
         metrics = {"runtime/tflops_per_device": estimates[0][1] * samples_per_second / world / 1e12}
-        peak = self.config.peak_flops_per_second
+        peak = self.peak_flops_per_second
         if peak is not None:
             metrics.update({f"runtime/{n}": flops * samples_per_second / (peak * world) for n, flops in estimates})
         return metrics
 
     def _print_flops_formula(self) -> None:
-        peak = self.config.peak_flops_per_second
+        peak = self.peak_flops_per_second
         if peak is None:
             return
         world = self.context.topology.world_size
