@@ -37,7 +37,9 @@ def test_recompiles_are_logged_with_the_reason(caplog):
         third = log.step_metrics(3)
     assert third["compile/recompiles"] == 1 and third["compile/graphs"] == first["compile/graphs"] + 1
     (record,) = [r for r in caplog.records if "recompiled" in r.getMessage()]
-    assert record.getMessage().startswith("rank 0, step 3: a compiled layer recompiled: Tiny.forward: ")
+    assert record.getMessage().startswith(
+        "rank 0, step 3: compiled code recompiled (a layer or the loss): Tiny.forward: "
+    )
     assert "size mismatch" in record.getMessage()
 
 

@@ -38,10 +38,12 @@ class CompileLog:
             return {}
         _, reasons = self.monitor.poll()
         for reason in reasons:
-            logger.warning("rank %d, step %d: a compiled layer recompiled: %s", self.rank, step, reason)
+            logger.warning(
+                "rank %d, step %d: compiled code recompiled (a layer or the loss): %s", self.rank, step, reason
+            )
         for reason in self.monitor.new_graph_breaks():
             logger.info(
-                "rank %d, step %d: a compiled layer runs a call eagerly (graph break): %s", self.rank, step, reason
+                "rank %d, step %d: compiled code runs a call eagerly (graph break): %s", self.rank, step, reason
             )
         counts = torch.tensor(
             [self.monitor.graphs, len(reasons), self.monitor.graph_breaks], dtype=torch.float64, device=self.device
