@@ -114,6 +114,9 @@ def test_gpu_check_orders_its_steps_and_names_the_skipped_ones_for_a_second_call
     python.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env |= {"PYTHON": str(python), "GPU_CHECK_DEADLINE_S": "0", "SCALING_WHEELS": str(tmp_path / "none")}
+    # A bench's output left in the folder (as a first call leaves it): the summary quotes its headline.
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "bench.txt").write_text("ours  130.40 ms/step\nwall ratio ours/reference = 1.025\n")
     out = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check"), str(tmp_path / "report")],
         env=env,
@@ -126,3 +129,5 @@ def test_gpu_check_orders_its_steps_and_names_the_skipped_ones_for_a_second_call
     assert f'run them in a second call: GPU_CHECK_STEPS="{order}"' in out.stdout, out.stdout
     assert out.stdout.count(": skipped, its limit") == 9
     assert (tmp_path / "report" / "report.txt").exists()
+    summary = out.stdout.split("=== summary ===\n")[1].splitlines()
+    assert summary[0] == "bench.txt:wall ratio ours/reference = 1.025", summary
