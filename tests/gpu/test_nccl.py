@@ -29,6 +29,7 @@ from scaling.collectives import (
     reduce_scatter_async,
 )
 from scaling.testing import make_topology, run_distributed
+from scaling.topology import barrier_device_ids
 
 pytestmark = pytest.mark.gpu
 
@@ -73,6 +74,8 @@ def _collectives_worker():
     _compat.reduce_scatter_single(nccl_scatter, x, group=group)
     box = [{"step": 3}]
     dist.broadcast_object_list(box, src=0, group=group, device=group_device(group))
+    out["barrier"] = barrier_device_ids(group)  # the device an NCCL barrier names: this rank's
+    dist.barrier(group=group, device_ids=out["barrier"])
     out["async"] = [gathered.tolist(), scattered.tolist()]
     out["nccl"] = [nccl_sum.tolist(), nccl_gather.tolist(), nccl_scatter.tolist(), box[0]]
     torch.cuda.synchronize()
@@ -85,6 +88,7 @@ def test_collectives_run_on_an_nccl_group():
     assert out["wrappers"] == [r, r, r, {"k": 1}, "cuda"]
     assert out["async"] == [r, r]
     assert out["nccl"] == [r, r, r, {"step": 3}]
+    assert out["barrier"] == [0]
 
 
 def _wrong_device_worker():

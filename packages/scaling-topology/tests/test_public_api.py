@@ -9,6 +9,7 @@ def test_public_api():
         "RankCoordinates",
         "Topology",
         "TopologyConfig",
+        "barrier_device_ids",
         "destroy_process_group",
         "get_rng_state",
         "seed_all",

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from scaling.testing import run_distributed
-from scaling.topology import RankCoordinates, Topology, TopologyConfig, destroy_process_group
+from scaling.topology import RankCoordinates, Topology, TopologyConfig, barrier_device_ids, destroy_process_group
 
 CP_LAYOUTS = [(1, 1, 1, 2), (2, 1, 1, 2), (1, 2, 1, 2), (2, 2, 1, 2), (1, 2, 2, 2), (1, 1, 1, 4), (2, 1, 2, 2)]
 LAYOUTS = [
@@ -269,3 +269,15 @@ def test_expert_groups_on_real_ranks(dp, cp, ep):
         same = [r for r in range(world) if _expected(r, *layout)[1] % ep == d % ep]
         assert out["expert_data_parallel"] == (None if len(same) == 1 else same)
         assert out["edp_rank"] == same.index(rank)  # its ZeRO shard index for the experts
+
+
+def _barrier_ids():
+    ids = (barrier_device_ids(), barrier_device_ids(dist.group.WORLD))
+    dist.barrier(device_ids=ids[0])  # what the callers pass: accepted by gloo as no device
+    return ids
+
+
+@pytest.mark.distributed
+def test_a_gloo_barrier_names_no_device():
+    """Only NCCL runs a barrier on a device (the CUDA side: tests/gpu/test_nccl.py)."""
+    assert run_distributed(_barrier_ids, 2, timeout_seconds=60) == [(None, None), (None, None)]

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from scaling.collectives import _compat, _diagnosis, _p2p_diagnosis
 from scaling.collectives._recorder import CollectiveRecord, _GroupState, get_recorder
+from scaling.topology import barrier_device_ids
 
 ProcessGroup = dist.ProcessGroup
 _RECORDER = get_recorder()
@@ -389,8 +390,7 @@ def barrier(group: ProcessGroup | None) -> None:
     if group_size(group) == 1:
         return
     assert group is not None
-    # NCCL runs a barrier as an all-reduce on a device; named, so it does not guess one from the global rank.
-    ids = [torch.cuda.current_device()] if dist.get_backend(group) == "nccl" else None
+    ids = barrier_device_ids(group)  # NCCL's device named, not guessed from the global rank
     _collective("barrier", group, (), lambda: dist.barrier(group=group, device_ids=ids))
 
 

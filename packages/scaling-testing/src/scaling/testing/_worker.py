@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypedDict
 
 # Imported here, so the forkserver (which preloads this module) imports it once for every worker.
-from scaling.topology import destroy_process_group
+from scaling.topology import barrier_device_ids, destroy_process_group
 
 if TYPE_CHECKING:
     import multiprocessing.queues
@@ -117,7 +117,7 @@ def _run_task(task: Task) -> object:
         # Every rank finishes before any tears its groups down: a rank that returns early
         # would otherwise close connections a slower peer is still opening (gloo's
         # connectFullMesh fails on the peer).
-        dist.barrier(device_ids=[torch.cuda.current_device()] if dist.get_backend() == "nccl" else None)
+        dist.barrier(device_ids=barrier_device_ids())
         return result
     finally:
         destroy_process_group()  # with torch 2.6's teardown-deadlock pause

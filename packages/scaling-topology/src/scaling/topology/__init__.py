@@ -1,6 +1,7 @@
 """scaling.topology: the rank grid, process groups, DeviceMesh and RNG streams."""
 
 from scaling.topology._config import TopologyConfig
+from scaling.topology._device import barrier_device_ids
 from scaling.topology._flight_recorder import set_flight_recorder_folder
 from scaling.topology._rng import (
     MODEL_PARALLEL_RNG,
@@ -21,6 +22,7 @@ __all__ = [
     "RankCoordinates",
     "Topology",
     "TopologyConfig",
+    "barrier_device_ids",
     "destroy_process_group",
     "get_rng_state",
     "seed_all",

@@ -1,10 +1,13 @@
-"""Which device a rank computes on: ``cuda:LOCAL_RANK`` or the CPU, refused where it cannot run."""
+"""Which device a rank computes on: ``cuda:LOCAL_RANK`` or the CPU, refused where it cannot run; the
+device an NCCL barrier names."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from scaling.topology._config import TopologyConfig
 
@@ -31,3 +34,13 @@ def local_device(config: TopologyConfig, local_rank: int) -> torch.device:
             )
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def barrier_device_ids(group: ProcessGroup | None = None) -> list[int] | None:
+    """``device_ids`` for ``torch.distributed.barrier`` on ``group`` (None: the default group).
+
+    NCCL runs a barrier as an all-reduce on a device: named here (the current CUDA device, the
+    one the topology set), it does not guess one from the global rank, which can hang where
+    ranks map to GPUs unevenly. Other backends take none.
+    """
+    return [torch.cuda.current_device()] if dist.get_backend(group) == "nccl" else None

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint import staging as dcp_staging
 from torch.distributed.checkpoint import state_dict_saver as dcp_saver
 from torch.distributed.tensor import DTensor
 
+from scaling.topology import barrier_device_ids
 from scaling.trainer.checkpoint import _marker as mk
 from scaling.trainer.checkpoint._hashing_writer import Digest, HashingFileSystemWriter, write_file_hashed
 from scaling.trainer.checkpoint._tree import encode_pytree, flatten_state
@@ -63,8 +64,8 @@ def _all_gather(obj: T, pg: ProcessGroup | None, world: int) -> list[T]:
 
 
 def _barrier(pg: ProcessGroup | None, world: int) -> None:
-    if world > 1:  # on NCCL with the device named, as scaling.collectives.barrier does
-        dist.barrier(group=pg, device_ids=[torch.cuda.current_device()] if dist.get_backend(pg) == "nccl" else None)
+    if world > 1:
+        dist.barrier(group=pg, device_ids=barrier_device_ids(pg))
 
 
 class PendingSave:
