@@ -33,7 +33,7 @@ def _error_file(tmp_path, monkeypatch) -> str:
 def test_torchelastic_failures_become_report_lines_and_back(tmp_path, monkeypatch):
     raised = ProcessFailure(local_rank=1, pid=13592, exitcode=1, error_file=_error_file(tmp_path, monkeypatch))
     killed = ProcessFailure(local_rank=0, pid=4711, exitcode=-9, error_file="<N/A>")
-    killed.timestamp = raised.timestamp + 1  # observed after the one that raised
+    killed.timestamp = raised.timestamp + 2  # seen well after the one that raised
     error = ChildFailedError("train.py", {3: raised, 2: killed})
     lines = [REPORT_PREFIX + json.dumps(r) + "\n" for r in failure_records(error.failures, "node-01")]
     parser = FailureParser()
@@ -73,6 +73,19 @@ def test_within_one_second_the_error_file_written_first_is_the_root_cause(tmp_pa
     assert [r["root_cause"] for r in records] == [False, True, False]
     assert [r["timestamp"] for r in records] == [second + 0.6, second + 0.2, second + 0.999]
     assert first_failure([RankFailure(**r) for r in records]).rank == 1
+
+
+def test_a_sigkilled_rank_seen_in_the_next_second_is_still_the_root_cause(tmp_path, monkeypatch):
+    """Rank 1 SIGKILLed at .95 s; rank 0's collective broke and it wrote its file at .97 s; the
+    agent's poll saw both after the second turned (what CI once met). No peer's failure causes a
+    SIGKILL, so the killed rank is the origin."""
+    second = 1_800_000_000
+    broke = _failure_at(tmp_path, monkeypatch, "broke", second * 10**9 + 970_000_000, 0)
+    killed = ProcessFailure(local_rank=1, pid=101, exitcode=-9, error_file="<N/A>")
+    broke.timestamp = second
+    killed.timestamp = second + 1
+    records = failure_records({0: broke, 1: killed}, "node-01")
+    assert [r["root_cause"] for r in records] == [False, True]
 
 
 def test_seen_in_one_poll_without_error_files_the_killed_rank_is_the_root_cause():

@@ -72,16 +72,20 @@ def failure_time(failure: ProcessFailure) -> float:
 
     torchelastic keeps whole seconds, and a rank that raises and the peer whose collective then
     breaks usually fail within the same one. So: the write time of the rank's error file, to the
-    nanosecond, where it left one; else torchelastic's second, at its end for a rank the agent
-    stopped (SIGTERM: a consequence by construction) and at its start for any other (a crash,
-    which rarely leaves a file, is more likely the origin).
+    nanosecond, where it left one; else torchelastic's second (when the agent's poll saw the exit),
+    placed by what the exit says: at its end for a rank the agent stopped (SIGTERM: a
+    consequence by construction); a second earlier for SIGKILL, which no peer's failure causes
+    (the kernel's OOM killer, an operator's ``kill -9``: origins), because the poll that saw it
+    may fall in the next second after a peer whose collective then broke wrote its file; at its
+    start for any other crash (which rarely leaves a file and is more likely the origin).
     """
     if failure.error_file != _NO_FILE:
         try:
             return os.stat(failure.error_file).st_mtime_ns / 1e9
         except OSError:
             pass
-    return failure.timestamp + (0.999 if failure.exitcode == -signal.SIGTERM else 0.0)
+    offset = {-signal.SIGTERM: 0.999, -signal.SIGKILL: -1.0}.get(failure.exitcode, 0.0)
+    return failure.timestamp + offset
 
 
 def main(argv: list[str] | None = None) -> int:
