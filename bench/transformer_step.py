@@ -21,6 +21,8 @@ thread by default (--threads 0 keeps torch's default).
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import os
 import statistics
 import tempfile
@@ -343,7 +345,9 @@ def trace(sides: dict[str, Callable[[], None]], device: torch.device, folder: st
     """Profile 3 steps of each side (CPU and CUDA activity): the top 60 operators of each in
     ``folder/<side>_top_ops.txt`` (our step's phases are the rows ``train_step: schedule`` and
     ``train_step: optimizer``; torch.optim's is ``Optimizer.step#...``), and side ``chrome``'s
-    trace in ``folder/<chrome>_trace.json.gz`` (chrome://tracing or Perfetto)."""
+    trace in ``folder/<chrome>_trace.json.gz`` (chrome://tracing or Perfetto). On a GPU each
+    file begins with, and the output gets a line of, where the device sat idle
+    (:func:`device_idle`)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -355,11 +359,72 @@ def trace(sides: dict[str, Callable[[], None]], device: torch.device, folder: st
                 step()
             if device.type == "cuda":
                 torch.cuda.synchronize()
-        if name == chrome:
-            prof.export_chrome_trace(os.path.join(folder, f"{name}_trace.json.gz"))
+        path = os.path.join(folder, f"{name}_trace.json.gz" if name == chrome else f".{name}_trace.json")
+        prof.export_chrome_trace(path)
+        idle = device_idle(_trace_events(path))
+        if name != chrome:
+            os.remove(path)
         with open(os.path.join(folder, f"{name}_top_ops.txt"), "w") as f:
+            if idle:
+                f.write("\n".join(idle) + "\n\n")
             f.write(prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=60))
+        if idle:
+            print(f"{name}: {idle[0]}; {idle[1]}")
     print(f"profiles of 3 steps: {', '.join(f'{folder}/{n}_top_ops.txt' for n in sides)}")
+
+
+_DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _trace_events(path: str) -> list[tuple[str, str, float, float]]:
+    """``(category, name, start, end)`` in microseconds of a chrome trace's complete events."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    return [(e["cat"], e["name"], e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and "cat" in e]
+
+
+def device_idle(events: list[tuple[str, str, float, float]], top: int = 8) -> list[str] | None:
+    """Where the device waited in a profiler trace (:func:`_trace_events`); None without device work.
+
+    The device is busy while any kernel, copy or memset runs; each hole between the first and
+    the last is idle time (the host was not feeding it: Python, a host-side operator, a wait
+    for the host). A hole is charged to the innermost ``record_function`` range around its
+    middle on the host (``train_step: schedule`` / ``train_step: optimizer``, torch.optim's
+    ``Optimizer.step#...``) and described by the host operators that started during it.
+    Lines: the busy share, idle time by range, the ``top`` largest holes.
+    """
+    spans = sorted((start, end) for cat, _, start, end in events if cat in _DEVICE_WORK)
+    if not spans:
+        return None
+    holes, busy, reached = [], 0.0, spans[0][0]
+    for start, end in spans:
+        if start > reached:
+            holes.append((reached, start))
+        busy += max(0.0, end - max(start, reached))
+        reached = max(reached, end)
+    wall = reached - spans[0][0]
+    ranges = [(start, end, name) for cat, name, start, end in events if cat == "user_annotation"]
+
+    def range_at(t: float) -> str:
+        inside = [(start, name) for start, end, name in ranges if start <= t <= end]
+        return max(inside)[1] if inside else "(outside any range)"
+
+    by_range: dict[str, float] = {}
+    for a, b in holes:
+        name = range_at((a + b) / 2)
+        by_range[name] = by_range.get(name, 0.0) + b - a
+    lines = [
+        f"device busy {busy / 1e3:.2f} ms of {wall / 1e3:.2f} ms ({busy / wall:.1%}); "
+        f"idle {(wall - busy) / 1e3:.2f} ms in {len(holes)} holes",
+        "idle by range: "
+        + ", ".join(f"{n} {t / 1e3:.2f} ms" for n, t in sorted(by_range.items(), key=lambda x: -x[1])),
+    ]
+    for a, b in sorted(holes, key=lambda h: h[0] - h[1])[:top]:
+        started = dict.fromkeys(name for cat, name, start, _ in events if cat == "cpu_op" and a <= start < b)
+        names = ", ".join(list(started)[:12]) or "none"
+        lines.append(f"  hole {(b - a) / 1e3:.3f} ms in {range_at((a + b) / 2)}; host operators started: {names}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -31,6 +31,33 @@ def test_transformer_step_bench_runs_with_master_weights_and_a_trace(tmp_path):
     )  # fmt: skip
     assert "wall ratio ours/reference = " in out
     assert (tmp_path / "transformer_step_top_ops.txt").exists()
+    assert not list(tmp_path.glob(".*_trace.json"))  # read for the device's idle time, then removed
+
+
+def test_device_idle_charges_each_hole_to_the_host_range_around_it():
+    """The GPU profile's idle analysis, on a hand-made trace (a CPU profile has no device work)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from transformer_step import device_idle
+
+    events = [
+        ("kernel", "gemm", 0.0, 10_000.0),
+        ("kernel", "gemm", 5_000.0, 20_000.0),  # overlaps the first: one busy stretch
+        ("gpu_memcpy", "DtoH", 22_000.0, 30_000.0),
+        ("kernel", "adamw", 90_000.0, 100_000.0),
+        ("user_annotation", "train_step: schedule", 0.0, 21_500.0),
+        ("user_annotation", "train_step: optimizer", 21_500.0, 100_000.0),
+        ("cpu_op", "aten::item", 35_000.0, 36_000.0),
+        ("cpu_op", "aten::_foreach_norm", 40_000.0, 41_000.0),
+        ("cpu_op", "aten::mm", 10_000.0, 11_000.0),  # started while the device was busy
+    ]
+    lines = device_idle(events)
+    assert lines[0] == "device busy 38.00 ms of 100.00 ms (38.0%); idle 62.00 ms in 2 holes"
+    assert lines[1] == "idle by range: train_step: optimizer 60.00 ms, train_step: schedule 2.00 ms"
+    assert lines[2] == (
+        "  hole 60.000 ms in train_step: optimizer; host operators started: aten::item, aten::_foreach_norm"
+    )
+    assert lines[3] == "  hole 2.000 ms in train_step: schedule; host operators started: none"
+    assert device_idle([e for e in events if e[0] not in ("kernel", "gpu_memcpy")]) is None
 
 
 def test_transformer_step_bench_runs_with_packed_documents():

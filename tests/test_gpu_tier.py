@@ -116,7 +116,10 @@ def test_gpu_check_orders_its_steps_and_names_the_skipped_ones_for_a_second_call
     env |= {"PYTHON": str(python), "GPU_CHECK_DEADLINE_S": "0", "SCALING_WHEELS": str(tmp_path / "none")}
     # A bench's output left in the folder (as a first call leaves it): the summary quotes its headline.
     (tmp_path / "report").mkdir()
-    (tmp_path / "report" / "bench.txt").write_text("ours  130.40 ms/step\nwall ratio ours/reference = 1.025\n")
+    (tmp_path / "report" / "bench.txt").write_text(
+        "ours  130.40 ms/step\nwall ratio ours/reference = 1.025\n"
+        "transformer_step: device busy 370.84 ms of 391.20 ms (94.8%); idle 20.36 ms in 41 holes; idle by range: ...\n"
+    )
     out = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check"), str(tmp_path / "report")],
         env=env,
@@ -131,3 +134,4 @@ def test_gpu_check_orders_its_steps_and_names_the_skipped_ones_for_a_second_call
     assert (tmp_path / "report" / "report.txt").exists()
     summary = out.stdout.split("=== summary ===\n")[1].splitlines()
     assert summary[0] == "bench.txt:wall ratio ours/reference = 1.025", summary
+    assert summary[1].startswith("bench.txt:transformer_step: device busy 370.84 ms of 391.20 ms"), summary
