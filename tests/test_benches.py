@@ -97,6 +97,19 @@ def test_compile_step_bench_runs_with_float8_linears_and_profiles_both_compiled_
     not hasattr(torch.cpu.Stream(), "record_event"),
     reason=f"torch {torch.__version__}'s FSDP2 cannot run on CPU (its CPU stream has no record_event)",
 )
+def test_compile_step_bench_runs_against_torchtitans_recipe_compiled():
+    # gpu_check's compile_fsdp2 step: the reference's blocks are fully_shard-ed, then compiled
+    out = _bench("bench/compile_step.py", "--backend", "aot_eager", "--reference", "fsdp2", "--dtype", "bf16",
+                 "--hidden", "64", "--layers", "2", "--heads", "4", "--vocab", "256", "--seq", "32", "--batch", "2",
+                 "--warmup", "1", "--iters", "2")  # fmt: skip
+    assert "reference recipe fsdp2" in out
+    assert "ours compiled / reference compiled = " in out
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.cpu.Stream(), "record_event"),
+    reason=f"torch {torch.__version__}'s FSDP2 cannot run on CPU (its CPU stream has no record_event)",
+)
 def test_offload_step_bench_runs_all_three_sides():
     out = _bench("bench/offload_step.py", "--hidden", "64", "--blocks", "2", "--batch", "32", "--steps", "2",
                  "--rounds", "1")  # fmt: skip
