@@ -200,3 +200,46 @@ def test_bad_gradient_accumulation_steps_are_named():
     reducer = GradientReducer.over_parameters([torch.nn.Parameter(torch.zeros(2))], None)
     with pytest.raises(ValueError, match=r"backwards=0 must be a positive int"):
         reducer.accumulate(0)
+
+
+def _bf16_gradients(g: torch.Generator) -> torch.Tensor:
+    """A (16, 8) bf16 gradient whose entries span 2^-6..2^6: a bf16 sum of four of them rounds often."""
+    scale = 2.0 ** torch.randint(-6, 7, (16, 8), generator=g)
+    return (torch.randn(16, 8, generator=g) * scale).to(torch.bfloat16)
+
+
+def _reduced_bf16(zero, fp32_reduce, shard_size):
+    topo = make_topology(data_parallel_shard_size=shard_size)
+    layer = torch.nn.Linear(8, 16, bias=False).to(torch.bfloat16)
+    meta = ParameterMeta("w", (16, 8), layer_index=0).attach(layer.weight).parameter_meta
+    opt = Optimizer(
+        config=OptimizerConfig(zero_stage=zero, grad_reduce_in_fp32=fp32_reduce),
+        parameter_groups=[OptimizerParamGroup([(meta.key, layer.weight, meta)], OptimizerParamGroupConfig(name="w"))],
+        topology=topo,
+        zero3_modules=[layer] if zero == 3 else None,
+    )
+    target = _bf16_gradients(torch.Generator().manual_seed(topo.data_parallel_rank)).t()
+    opt.zero_grad()
+    # y = I W^T = W^T, so the gradient of sum(y * target) is target^T, exactly, on every rank.
+    opt.backward((layer(torch.eye(8, dtype=torch.bfloat16)) * target).sum())
+    opt.finish_gradient_reduction()
+    (slot,) = opt.slots
+    return slot.start, slot.end, slot.owned_grad().float()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "zero, shard_size",
+    [(0, None), (1, None), (2, None), (3, None), (3, 2)],
+    ids=["zero0", "zero1", "zero2", "zero3", "hsdp"],
+)
+def test_bf16_gradients_are_summed_in_fp32_over_data_parallel_ranks(zero, shard_size):
+    """Megatron-LM and torchtitan reduce bf16 gradients in fp32; so does the optimizer by default.
+    The DP mean then is the exact mean of the ranks' bf16 gradients, rounded once to bf16 where it
+    lands in ``.grad`` (ZeRO 0 and 1) and not at all in the fp32 gradient shards (ZeRO 2, 3, HSDP).
+    Reduced in bf16 (``grad_reduce_in_fp32=False``) the sum is rounded at every step and differs."""
+    exact = sum(_bf16_gradients(torch.Generator().manual_seed(r)).double() for r in range(4)) / 4
+    expected = (exact.to(torch.bfloat16) if zero < 2 else exact).float().reshape(-1)
+    for fp32_reduce in (True, False):
+        for start, end, got in run_distributed(_reduced_bf16, 4, zero, fp32_reduce, shard_size, timeout_seconds=120):
+            assert torch.equal(got, expected[start:end]) == fp32_reduce, (fp32_reduce, start, end)

@@ -131,7 +131,7 @@ class Optimizer:
         self._host_update = LayeredHostUpdate(topology.device)
         self._dp_reduced = False
         for space in self.spaces:
-            space.start_reduction(config.zero_stage, config.allreduce_bucket_size)
+            space.start_reduction(config.zero_stage, config.allreduce_bucket_size, self._reduce_dtype)
         # Hooks last: a constructor that raises leaves no hook behind on the parameters.
         if zero3_modules is not None:
             self.attach_model(zero3_modules)
@@ -162,7 +162,7 @@ class Optimizer:
         if self.config.zero_stage == 3:
             units = zero3_units(model)
             for space in self.spaces:
-                gatherer = space.attach_zero3(units, self.config.zero3_reshard_after_forward)
+                gatherer = space.attach_zero3(units, self.config.zero3_reshard_after_forward, self._reduce_dtype)
                 gatherer.before_gather = self._host_update.wait
             self.gatherer = self.spaces[0].gatherer
             self._host_update.order(self.slots, [gatherer.layers for gatherer in self._gatherers()])
@@ -175,6 +175,10 @@ class Optimizer:
                 if space.shard_gather is not None:
                     self._hooks += space.shard_gather.wait_hooks(model)
         self._model_attached = True
+
+    @property
+    def _reduce_dtype(self) -> torch.dtype | None:
+        return torch.float32 if self.config.grad_reduce_in_fp32 else None
 
     def _gatherers(self) -> list[ParameterGatherer]:
         """ZeRO-3: each space's gatherer (dense, then experts); empty otherwise."""

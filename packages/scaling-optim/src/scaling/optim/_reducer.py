@@ -73,6 +73,13 @@ DEFAULT_BUCKET_SIZE_BYTES = 25_000_000  # OptimizerConfig.allreduce_bucket_size'
 FIRST_BUCKET_BYTES = 1024 * 1024
 
 
+def widened(flat: torch.Tensor, reduce_dtype: torch.dtype | None) -> torch.Tensor:
+    """``flat`` in ``reduce_dtype`` when it is a 16-bit float (bf16, fp16) and one is given; else itself."""
+    if reduce_dtype is None or flat.dtype not in (torch.bfloat16, torch.float16):
+        return flat
+    return flat.to(reduce_dtype)
+
+
 def check_backward_passes(passes: int, name: str) -> None:
     """Refuse a count of backward passes per step that is not a positive int (``name``: the caller's argument)."""
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
@@ -85,12 +92,20 @@ class GradientReducer:
     Args:
         slots: the trainable parameters, in model order.
         group: the data-parallel group.
-        bucket_size_bytes: a bucket is closed once it holds this many bytes.
+        bucket_size_bytes: a bucket is closed once it holds this many bytes (of the parameters' dtype).
         mode: ``"all_reduce"``, ``"shard"`` or ``"shard_free"`` (see the module docstring).
+        reduce_dtype: bf16/fp16 gradients travel in this dtype (fp32: the sum over ranks is
+            rounded once, into ``.grad``, or not at all into an fp32 ``grad_shard``); None:
+            in their own.
     """
 
     def __init__(
-        self, slots: Sequence[ParamSlot], group: ProcessGroup, bucket_size_bytes: int, mode: str = "all_reduce"
+        self,
+        slots: Sequence[ParamSlot],
+        group: ProcessGroup,
+        bucket_size_bytes: int,
+        mode: str = "all_reduce",
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"GradientReducer mode must be one of {MODES}, got {mode!r}")
@@ -99,7 +114,7 @@ class GradientReducer:
                 f"bucket_size_bytes={bucket_size_bytes!r} must be a positive int (bytes per bucket), "
                 f"e.g. {DEFAULT_BUCKET_SIZE_BYTES}"
             )
-        self.group, self.mode = group, mode
+        self.group, self.mode, self.reduce_dtype = group, mode, reduce_dtype
         self.world = group_size(group)
         self.buckets: list[list[ParamSlot]] = []
         size, cap = 0, min(bucket_size_bytes, FIRST_BUCKET_BYTES)
@@ -207,11 +222,12 @@ class GradientReducer:
             grads.append(s.param.grad)
         if self.mode == "all_reduce":
             flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
+            flat = widened(flat, self.reduce_dtype)
             pending = all_reduce_async(flat, self.group)
         else:
             # Rank-major: row r of each (world, chunk) view is rank r's chunk of that parameter.
             flat = torch.cat([s.padded_flat(g).view(self.world, s.chunk) for s, g in zip(slots, grads)], dim=1)
-            flat = flat.view(-1)
+            flat = widened(flat.view(-1), self.reduce_dtype)
             out = flat.new_empty(flat.numel() // self.world)
             pending = reduce_scatter_async(out, flat, self.group)
             flat = out

@@ -81,23 +81,28 @@ class ShardSpace:
         self.indices.append(index)
         self.slots.append(slot)
 
-    def start_reduction(self, zero_stage: int, bucket_size_bytes: int) -> None:
-        """Create the backward-overlapped reducer (ZeRO 0-2) and the shard gather (ZeRO 1-2)."""
+    def start_reduction(self, zero_stage: int, bucket_size_bytes: int, reduce_dtype: torch.dtype | None) -> None:
+        """Create the backward-overlapped reducer (ZeRO 0-2) and the shard gather (ZeRO 1-2);
+        ``reduce_dtype``: what bf16/fp16 gradients travel in (None: their own dtype)."""
         if zero_stage < 3 and self.slots and group_size(self.replicas) > 1:
             # ZeRO 0 all-reduces buckets; ZeRO 1 and 2 reduce-scatter them into the owned shards.
             mode = ("all_reduce", "shard", "shard_free")[zero_stage]
             assert self.replicas is not None
-            self.reducer = GradientReducer(self.slots, self.replicas, bucket_size_bytes, mode)
+            self.reducer = GradientReducer(self.slots, self.replicas, bucket_size_bytes, mode, reduce_dtype)
         if zero_stage in (1, 2) and self.world > 1 and self.slots:
             assert self.shard_group is not None
             self.shard_gather = ShardGather(self.slots, self.shard_group, bucket_size_bytes)
 
-    def attach_zero3(self, modules: list[torch.nn.Module], reshard_after_forward: bool) -> ParameterGatherer:
+    def attach_zero3(
+        self, modules: list[torch.nn.Module], reshard_after_forward: bool, reduce_dtype: torch.dtype | None
+    ) -> ParameterGatherer:
         """ZeRO-3: gather and free this space's parameters (frozen ones included) per layer."""
         self.gatherer = ParameterGatherer(
             modules, self.slots, self.shard_group, reshard_after_forward=reshard_after_forward, takes_frozen=self.holds
         )
-        self.scatter = GradientScatter(self.gatherer.layers, self.shard_group, self.replicate_group, self.divisor)
+        self.scatter = GradientScatter(
+            self.gatherer.layers, self.shard_group, self.replicate_group, self.divisor, reduce_dtype
+        )
         return self.gatherer
 
     def discard(self) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from scaling.collectives import PendingCollective, all_reduce, reduce_scatter_async
 from scaling.optim._comm import group_size
+from scaling.optim._reducer import widened
 from scaling.optim._slots import ParamSlot
 
 if TYPE_CHECKING:
@@ -34,6 +35,8 @@ class GradientScatter:
         replicate_group: HSDP: the replicas of this rank's shard; None without HSDP.
         divisor: the average over the shard and replicate groups is divided by this too
             (the expert-parallel size for experts: their mean is over all of DP × CP).
+        reduce_dtype: bf16/fp16 gradients travel in this dtype (None: their own; see
+            ``GradientReducer``).
     """
 
     MAX_IN_FLIGHT = 2
@@ -44,8 +47,9 @@ class GradientScatter:
         group: ProcessGroup | None,
         replicate_group: ProcessGroup | None = None,
         divisor: int = 1,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
-        self.group, self.world = group, group_size(group)
+        self.group, self.world, self.reduce_dtype = group, group_size(group), reduce_dtype
         self.replicate_group = replicate_group
         self.average_over = self.world * group_size(replicate_group) * divisor
         seen: set[int] = set()
@@ -84,6 +88,7 @@ class GradientScatter:
             return
         grads = [s.padded_flat(s.param.grad).view(self.world, s.chunk) for s in slots]  # type: ignore[arg-type]
         send = torch.cat(grads, dim=1).reshape(-1) if len(grads) > 1 else grads[0].reshape(-1).clone()
+        send = widened(send, self.reduce_dtype)
         out = torch.empty(send.numel() // self.world, dtype=send.dtype, device=send.device)
         work = reduce_scatter_async(out, send, self.group)
         for slot in slots:
