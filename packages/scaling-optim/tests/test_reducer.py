@@ -243,3 +243,44 @@ def test_bf16_gradients_are_summed_in_fp32_over_data_parallel_ranks(zero, shard_
     for fp32_reduce in (True, False):
         for start, end, got in run_distributed(_reduced_bf16, 4, zero, fp32_reduce, shard_size, timeout_seconds=120):
             assert torch.equal(got, expected[start:end]) == fp32_reduce, (fp32_reduce, start, end)
+
+
+def _accumulated_bf16(zero, fp32, micro_batches):
+    topo = make_topology()
+    layer = torch.nn.Linear(8, 16, bias=False).to(torch.bfloat16)
+    meta = ParameterMeta("w", (16, 8), layer_index=0).attach(layer.weight).parameter_meta
+    opt = Optimizer(
+        config=OptimizerConfig(zero_stage=zero, grad_reduce_in_fp32=fp32),
+        parameter_groups=[OptimizerParamGroup([(meta.key, layer.weight, meta)], OptimizerParamGroupConfig(name="w"))],
+        topology=topo,
+    )
+    g = torch.Generator().manual_seed(10 * topo.data_parallel_rank)
+    opt.zero_grad()
+    opt.set_gradient_accumulation_steps(micro_batches)
+    between = []
+    for _ in range(micro_batches):
+        target = _bf16_gradients(g).t()
+        opt.backward((layer(torch.eye(8, dtype=torch.bfloat16)) * target).sum())  # gradient: target^T, exactly
+        between.append(layer.weight.grad is None)
+    opt.finish_gradient_reduction()
+    (slot,) = opt.slots
+    return slot.start, slot.end, slot.owned_grad().float(), between
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("zero, dp", [(0, 1), (0, 2), (1, 2)])
+def test_bf16_gradients_of_a_steps_micro_batches_are_summed_in_fp32(zero, dp):
+    """Megatron-LM sums bf16 micro-batch gradients in fp32 (main_grad); autograd's ``.grad`` would
+    round the sum to bf16 in every pass. With ZeRO 0/1 the fp32 sum goes back into ``.grad``
+    rounded once, in the last pass (``.grad`` is None before it), then the DP mean (in fp32)
+    rounds once more."""
+    n = 4
+    sums = []
+    for rank in range(dp):
+        g = torch.Generator().manual_seed(10 * rank)
+        sums.append(sum(_bf16_gradients(g).double() for _ in range(n)).to(torch.bfloat16))
+    expected = (sum(s.double() for s in sums) / dp).to(torch.bfloat16).float().reshape(-1)
+    for fp32 in (True, False):
+        for start, end, got, between in run_distributed(_accumulated_bf16, dp, zero, fp32, n, timeout_seconds=120):
+            assert torch.equal(got, expected[start:end]) == fp32, (fp32, start, end)
+            assert between == [fp32] * (n - 1) + [False]

@@ -144,9 +144,10 @@ class OptimizerConfig(BaseConfig):
     grad_reduce_in_fp32: bool = Field(
         True,
         description="bf16/fp16 parameters: gradients travel over data parallelism (ZeRO 0-3, HSDP) in fp32, so "
-        "the sum over ranks is not rounded to 8 or 11 bits at each step of the collective (Megatron-LM's "
-        "grad_reduce_in_fp32, on for bf16; torchtitan's reduce_dtype=float32); twice the bytes of a bf16 "
-        "reduction. False: in the parameters' dtype. fp32 parameters reduce in fp32 either way.",
+        "the sum over ranks is not rounded to 8 or 11 bits at each step of the collective, and with master "
+        "weights a step's micro-batches are summed in fp32 too (Megatron-LM's grad_reduce_in_fp32 / "
+        "accumulate_allreduce_grads_in_fp32, on for bf16; torchtitan's reduce_dtype=float32); twice the bytes "
+        "of a 16-bit reduction. False: both in the parameters' dtype. fp32 parameters use fp32 either way.",
     )
     loss_scaler: LossScalerConfig = Field(
         default_factory=LossScalerConfig,

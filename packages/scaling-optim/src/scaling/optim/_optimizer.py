@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from scaling.optim._accumulate import GradientAccumulator
 from scaling.optim._comm import all_reduce_
 from scaling.optim._compat import foreach_copy_, foreach_mul_
 from scaling.optim._config import OptimizerConfig
@@ -130,6 +131,10 @@ class Optimizer:
         # ZeRO-3 with cpu_offload: the host update of the last step, running in a thread.
         self._host_update = LayeredHostUpdate(topology.device)
         self._dp_reduced = False
+        # ZeRO 0/1 16-bit gradients summed in fp32 over micro-batches; its hooks run before the reducer's.
+        self._accumulator = (
+            GradientAccumulator(self.slots) if config.zero_stage < 2 and config.grad_reduce_in_fp32 else None
+        )
         for space in self.spaces:
             space.start_reduction(config.zero_stage, config.allreduce_bucket_size, self._reduce_dtype)
         # Hooks last: a constructor that raises leaves no hook behind on the parameters.
@@ -189,6 +194,8 @@ class Optimizer:
         """Drop the gradients (``param.grad = None``) and any ZeRO-2 gradient shards."""
         for space in self.spaces:
             space.discard()
+        if self._accumulator is not None:
+            self._accumulator.discard()
         self._dp_reduced = False
         for slot in self.slots:
             slot.param.grad = None
@@ -213,13 +220,18 @@ class Optimizer:
         pass, instead of once per pass (as Megatron-LM does; DeepSpeed's
         ``gradient_accumulation_steps``). ZeRO 2 and 3 keep reducing in every pass, so that a
         full gradient never outlives its backward (their point). The result is the same
-        either way, up to the rounding of summing before or after the average. The trainer's
-        step sets it to the number of micro-batches; the default is 1.
+        either way, up to the rounding of summing before or after the average. With ZeRO 0 and
+        1, 16-bit parameters, master weights and ``grad_reduce_in_fp32`` the passes' gradients
+        are summed in fp32 and rounded into ``.grad`` once, in the last pass (``.grad`` is None
+        between passes; ZeRO 2 and 3 sum into fp32 gradient shards). The trainer's step sets it
+        to the number of micro-batches; the default is 1.
 
         Raises:
             ValueError: ``steps`` is not a positive int.
         """
         check_backward_passes(steps, "gradient accumulation steps")
+        if self._accumulator is not None:
+            self._accumulator.accumulate(steps)
         for space in self.spaces:
             if space.reducer is not None and space.reducer.mode != "shard_free":
                 space.reducer.accumulate(steps)
@@ -266,6 +278,8 @@ class Optimizer:
         per step.
         """
         if not self._dp_reduced:  # DP averages, mostly overlapped with backward already
+            if self._accumulator is not None:
+                self._accumulator.flush()
             for space in self.spaces:
                 space.finish_reduction()
         self._dp_reduced = True
