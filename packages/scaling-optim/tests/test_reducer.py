@@ -219,12 +219,16 @@ def _reduced_bf16(zero, fp32_reduce, shard_size):
         zero3_modules=[layer] if zero == 3 else None,
     )
     target = _bf16_gradients(torch.Generator().manual_seed(topo.data_parallel_rank)).t()
+    recorder = get_recorder()
+    recorder.reset_counters()
     opt.zero_grad()
     # y = I W^T = W^T, so the gradient of sum(y * target) is target^T, exactly, on every rank.
     opt.backward((layer(torch.eye(8, dtype=torch.bfloat16)) * target).sum())
     opt.finish_gradient_reduction()
     (slot,) = opt.slots
-    return slot.start, slot.end, slot.owned_grad().float()
+    dp = recorder.group_name(topo.data_parallel_group)
+    sent = sum(n for (_, group), n in recorder.bytes_by_op_and_group().items() if group == dp)
+    return slot.start, slot.end, slot.owned_grad().float(), sent
 
 
 @pytest.mark.distributed
@@ -237,12 +241,17 @@ def test_bf16_gradients_are_summed_in_fp32_over_data_parallel_ranks(zero, shard_
     """Megatron-LM and torchtitan reduce bf16 gradients in fp32; so does the optimizer by default.
     The DP mean then is the exact mean of the ranks' bf16 gradients, rounded once to bf16 where it
     lands in ``.grad`` (ZeRO 0 and 1) and not at all in the fp32 gradient shards (ZeRO 2, 3, HSDP).
-    Reduced in bf16 (``grad_reduce_in_fp32=False``) the sum is rounded at every step and differs."""
+    Reduced in bf16 (``grad_reduce_in_fp32=False``) the sum is rounded at every step and differs;
+    fp32 sends twice its bytes."""
     exact = sum(_bf16_gradients(torch.Generator().manual_seed(r)).double() for r in range(4)) / 4
     expected = (exact.to(torch.bfloat16) if zero < 2 else exact).float().reshape(-1)
     for fp32_reduce in (True, False):
-        for start, end, got in run_distributed(_reduced_bf16, 4, zero, fp32_reduce, shard_size, timeout_seconds=120):
+        for start, end, got, sent in run_distributed(
+            _reduced_bf16, 4, zero, fp32_reduce, shard_size, timeout_seconds=120
+        ):
             assert torch.equal(got, expected[start:end]) == fp32_reduce, (fp32_reduce, start, end)
+            if shard_size is None:  # the whole (16, 8) gradient went out once: 4 or 2 bytes an element
+                assert sent == 128 * (4 if fp32_reduce else 2), sent
 
 
 def _accumulated_bf16(zero, fp32, micro_batches):
