@@ -360,3 +360,35 @@ def _sync_from_parameters():
 @pytest.mark.distributed
 def test_sync_from_parameters_refreshes_masters_and_zero3_shards():
     assert run_distributed(_sync_from_parameters, 2, timeout_seconds=60) == [(True, True)] * 2
+
+
+def _tp_summed_norm(zero):
+    topo = make_topology(model_parallel_size=2)
+    w = torch.nn.Parameter(torch.zeros(16, 8, dtype=torch.bfloat16))
+    meta = ParameterMeta("norm.weight", (16, 8), reduce_over_tp=True).attach(w).parameter_meta
+    opt = Optimizer(
+        config=OptimizerConfig(zero_stage=zero),
+        parameter_groups=[OptimizerParamGroup([(meta.key, w, meta)], OptimizerParamGroupConfig(name="w"))],
+        topology=topo,
+    )
+    opt.zero_grad()
+    w.grad = _bf16_partial(topo.model_parallel_rank)
+    return opt.step().global_grad_norm
+
+
+def _bf16_partial(rank):
+    g = torch.Generator().manual_seed(rank)
+    return (torch.randn(16, 8, generator=g) * 2.0 ** torch.randint(-4, 5, (16, 8), generator=g)).to(torch.bfloat16)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_sequence_parallel_weights_bf16_gradient_is_summed_over_tp_in_fp32(zero):
+    """A TP-replicated weight in a sequence-parallel region has a partial gradient on each TP
+    rank; with master weights their sum is taken in fp32, not rounded to bf16 (the norm shows it)."""
+    exact = _bf16_partial(0).double() + _bf16_partial(1).double()
+    rounded = torch.linalg.vector_norm(exact.to(torch.bfloat16).double()).item()
+    exact_norm = torch.linalg.vector_norm(exact).item()
+    assert abs(rounded / exact_norm - 1) > 1e-5  # a bf16 sum would show
+    for norm in run_distributed(_tp_summed_norm, 2, zero, timeout_seconds=60):
+        assert norm == pytest.approx(exact_norm, rel=1e-6)

@@ -300,14 +300,12 @@ class Optimizer:
             for slot in self.slots:
                 if slot.param.grad is None:
                     slot.param.grad = torch.zeros_like(slot.param)
-            tp_grads = [s.param.grad for s in self.slots if s.meta.reduce_over_tp and s.param.grad is not None]
-            all_reduce_(tp_grads, topo.model_parallel_group, bucket, average=False)
-            return owned_grads(self.slots)
         for space in self.spaces:  # ZeRO-3: tied weights (and parameters whose hook did not run)
             if space.scatter is not None:
                 space.scatter.reduce_now([s for s in space.slots if s.param.grad is not None])
         grads = owned_grads(self.slots)
-        # Summing over TP commutes with the DP reduce-scatter, so it runs on the shards.
+        # Summing over TP commutes with the DP reduction, so it runs on what this rank owns (the
+        # shards under ZeRO), in the update's dtype (fp32 with master weights: not rounded to 16 bits).
         tp_grads = [g for s, g in zip(self.slots, grads) if s.meta.reduce_over_tp]
         all_reduce_(tp_grads, topo.model_parallel_group, bucket, average=False)
         return grads
