@@ -18,11 +18,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from scaling.optim._reducer import check_backward_passes
+from scaling.optim._reducer import SIXTEEN_BIT, check_backward_passes
 from scaling.optim._slots import ParamSlot
 from scaling.optim._weak import weak_hook
-
-_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 class GradientAccumulator:
@@ -34,7 +32,7 @@ class GradientAccumulator:
     """
 
     def __init__(self, slots: Sequence[ParamSlot]) -> None:
-        self.slots = [s for s in slots if s.param.dtype in _SIXTEEN_BIT and s.compute_dtype == torch.float32]
+        self.slots = [s for s in slots if s.param.dtype in SIXTEEN_BIT and s.compute_dtype == torch.float32]
         self.passes = 1
         self._seen = [0] * len(self.slots)
         self._sums: list[torch.Tensor | None] = [None] * len(self.slots)
@@ -42,12 +40,13 @@ class GradientAccumulator:
 
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(acc: GradientAccumulator, param: torch.Tensor) -> None:
-            if acc.passes == 1 or param.grad is None:
+            grad = param.grad
+            if acc.passes == 1 or grad is None:
                 return
             acc._seen[index] += 1
             total = acc._sums[index]
             if acc._seen[index] < acc.passes:
-                acc._sums[index] = param.grad.float() if total is None else total.add_(param.grad)
+                acc._sums[index] = grad.float() if total is None else total.add_(grad)
                 param.grad = None
             else:  # the step's last pass: the sum goes back, rounded once, for the reduction
                 acc._put_back(index)

@@ -73,9 +73,12 @@ DEFAULT_BUCKET_SIZE_BYTES = 25_000_000  # OptimizerConfig.allreduce_bucket_size'
 FIRST_BUCKET_BYTES = 1024 * 1024
 
 
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
 def widened(flat: torch.Tensor, reduce_dtype: torch.dtype | None) -> torch.Tensor:
     """``flat`` in ``reduce_dtype`` when it is a 16-bit float (bf16, fp16) and one is given; else itself."""
-    if reduce_dtype is None or flat.dtype not in (torch.bfloat16, torch.float16):
+    if reduce_dtype is None or flat.dtype not in SIXTEEN_BIT:
         return flat
     return flat.to(reduce_dtype)
 
