@@ -208,22 +208,32 @@ def _bf16_gradients(g: torch.Generator) -> torch.Tensor:
     return (torch.randn(16, 8, generator=g) * scale).to(torch.bfloat16)
 
 
-def _reduced_bf16(zero, fp32_reduce, shard_size):
-    topo = make_topology(data_parallel_shard_size=shard_size)
+def _bf16_layer(zero, fp32, topo):
+    """A bf16 (16, 8) linear without bias and its optimizer."""
     layer = torch.nn.Linear(8, 16, bias=False).to(torch.bfloat16)
     meta = ParameterMeta("w", (16, 8), layer_index=0).attach(layer.weight).parameter_meta
     opt = Optimizer(
-        config=OptimizerConfig(zero_stage=zero, grad_reduce_in_fp32=fp32_reduce),
+        config=OptimizerConfig(zero_stage=zero, grad_reduce_in_fp32=fp32),
         parameter_groups=[OptimizerParamGroup([(meta.key, layer.weight, meta)], OptimizerParamGroupConfig(name="w"))],
         topology=topo,
         zero3_modules=[layer] if zero == 3 else None,
     )
-    target = _bf16_gradients(torch.Generator().manual_seed(topo.data_parallel_rank)).t()
+    return layer, opt
+
+
+def _backward(layer, opt, grad):
+    """A backward pass that leaves exactly ``grad`` (16, 8): y = I W^T = W^T, and the gradient
+    of sum(y * grad^T) with respect to W is grad."""
+    opt.backward((layer(torch.eye(8, dtype=torch.bfloat16)) * grad.t()).sum())
+
+
+def _reduced_bf16(zero, fp32_reduce, shard_size):
+    topo = make_topology(data_parallel_shard_size=shard_size)
+    layer, opt = _bf16_layer(zero, fp32_reduce, topo)
     recorder = get_recorder()
     recorder.reset_counters()
     opt.zero_grad()
-    # y = I W^T = W^T, so the gradient of sum(y * target) is target^T, exactly, on every rank.
-    opt.backward((layer(torch.eye(8, dtype=torch.bfloat16)) * target).sum())
+    _backward(layer, opt, _bf16_gradients(torch.Generator().manual_seed(topo.data_parallel_rank)))
     opt.finish_gradient_reduction()
     (slot,) = opt.slots
     dp = recorder.group_name(topo.data_parallel_group)
@@ -256,20 +266,13 @@ def test_bf16_gradients_are_summed_in_fp32_over_data_parallel_ranks(zero, shard_
 
 def _accumulated_bf16(zero, fp32, micro_batches):
     topo = make_topology()
-    layer = torch.nn.Linear(8, 16, bias=False).to(torch.bfloat16)
-    meta = ParameterMeta("w", (16, 8), layer_index=0).attach(layer.weight).parameter_meta
-    opt = Optimizer(
-        config=OptimizerConfig(zero_stage=zero, grad_reduce_in_fp32=fp32),
-        parameter_groups=[OptimizerParamGroup([(meta.key, layer.weight, meta)], OptimizerParamGroupConfig(name="w"))],
-        topology=topo,
-    )
+    layer, opt = _bf16_layer(zero, fp32, topo)
     g = torch.Generator().manual_seed(10 * topo.data_parallel_rank)
     opt.zero_grad()
     opt.set_gradient_accumulation_steps(micro_batches)
     between = []
     for _ in range(micro_batches):
-        target = _bf16_gradients(g).t()
-        opt.backward((layer(torch.eye(8, dtype=torch.bfloat16)) * target).sum())  # gradient: target^T, exactly
+        _backward(layer, opt, _bf16_gradients(g))
         between.append(layer.weight.grad is None)
     opt.finish_gradient_reduction()
     (slot,) = opt.slots
