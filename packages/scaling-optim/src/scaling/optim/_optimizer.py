@@ -19,11 +19,11 @@ from scaling.optim._loss_scaler import LossScaler
 from scaling.optim._offload import LayeredHostUpdate
 from scaling.optim._param_group import OptimizerParamGroup
 from scaling.optim._reducer import check_backward_passes
-from scaling.optim._slots import ParamSlot, owned_grads
-from scaling.optim._spaces import ShardSpace, shard_spaces
+from scaling.optim._slots import owned_grads
+from scaling.optim._spaces import ShardSpace, place_parameters, shard_spaces
 from scaling.optim._state import load_optimizer_state, optimizer_state
 from scaling.optim._step_output import OptimizerStepOutput
-from scaling.optim._update import UpdateItem, apply_updates, state_names
+from scaling.optim._update import UpdateItem, apply_updates
 from scaling.optim._weak import weak_hook
 from scaling.optim._zero3 import (
     ParameterGatherer,
@@ -93,31 +93,7 @@ class Optimizer:
         # Where gradients are averaged and ZeRO shards: over DP × CP (or HSDP shard groups)
         # for dense parameters, over the ranks holding them for experts (_spaces.py).
         self.spaces: list[ShardSpace] = shard_spaces(topology, config.zero_stage)
-        self.slots: list[ParamSlot] = []
-        self._space_of: list[ShardSpace] = []
-        owner: dict[int, str] = {}
-        for gi, group in enumerate(self.parameter_groups):
-            for name, param, meta in group.trainable():
-                if id(param) in owner:
-                    raise ValueError(
-                        f"parameter {name!r} is in groups {owner[id(param)]!r} and {group.name!r}; put it in one"
-                    )
-                owner[id(param)] = group.name
-                space = next(sp for sp in self.spaces if sp.holds(meta))
-                slot = ParamSlot(
-                    name,
-                    param,
-                    meta,
-                    gi,
-                    space.world,
-                    space.rank,
-                    config.master_weights,
-                    state_names(config),
-                    offload=config.cpu_offload,
-                )
-                space.add(len(self.slots), slot)
-                self._space_of.append(space)
-                self.slots.append(slot)
+        self.slots, self._space_of = place_parameters(self.spaces, self.parameter_groups, config)
         mark_norm_owners(self.slots, topology)
         self._loss_non_finite = torch.zeros((), device=topology.device)
         if config.zero_stage == 3:
@@ -131,6 +107,7 @@ class Optimizer:
         # ZeRO-3 with cpu_offload: the host update of the last step, running in a thread.
         self._host_update = LayeredHostUpdate(topology.device)
         self._dp_reduced = False
+        self._reduce_dtype = torch.float32 if config.grad_reduce_in_fp32 else None
         # ZeRO 0/1 16-bit gradients summed in fp32 over micro-batches; its hooks run before the reducer's.
         self._accumulator = (
             GradientAccumulator(self.slots) if config.zero_stage < 2 and config.grad_reduce_in_fp32 else None
@@ -180,10 +157,6 @@ class Optimizer:
                 if space.shard_gather is not None:
                     self._hooks += space.shard_gather.wait_hooks(model)
         self._model_attached = True
-
-    @property
-    def _reduce_dtype(self) -> torch.dtype | None:
-        return torch.float32 if self.config.grad_reduce_in_fp32 else None
 
     def _gatherers(self) -> list[ParameterGatherer]:
         """ZeRO-3: each space's gatherer (dense, then experts); empty otherwise."""

@@ -15,10 +15,12 @@ apply to experts: they are split ``ep`` ways already).
 
 A :class:`ShardSpace` is one of these; the optimizer keeps one per kind and gives each
 its own reducer (ZeRO 0-2), shard gather (ZeRO 1-2) or ZeRO-3 gatherer and scatter.
+:func:`place_parameters` puts each trainable parameter's slot in its space.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -26,9 +28,12 @@ import torch
 
 from scaling.nn import ParameterMeta
 from scaling.optim._comm import group_size
+from scaling.optim._config import OptimizerConfig
+from scaling.optim._param_group import OptimizerParamGroup
 from scaling.optim._reducer import GradientReducer
 from scaling.optim._shard_gather import ShardGather
 from scaling.optim._slots import ParamSlot
+from scaling.optim._update import state_names
 from scaling.optim._zero3 import ParameterGatherer
 from scaling.optim._zero3_scatter import GradientScatter
 from scaling.topology import Topology
@@ -158,3 +163,40 @@ def shard_spaces(topology: Topology, zero_stage: int) -> list[ShardSpace]:
     )
     dense.experts_apart = True
     return [dense, expert]
+
+
+def place_parameters(
+    spaces: Sequence[ShardSpace], parameter_groups: Sequence[OptimizerParamGroup], config: OptimizerConfig
+) -> tuple[list[ParamSlot], list[ShardSpace]]:
+    """A slot for each trainable parameter of ``parameter_groups``, in group order, added to the
+    space that holds it; returns the slots and each slot's space.
+
+    Raises:
+        ValueError: a parameter in two groups.
+    """
+    slots: list[ParamSlot] = []
+    space_of: list[ShardSpace] = []
+    owner: dict[int, str] = {}
+    for gi, group in enumerate(parameter_groups):
+        for name, param, meta in group.trainable():
+            if id(param) in owner:
+                raise ValueError(
+                    f"parameter {name!r} is in groups {owner[id(param)]!r} and {group.name!r}; put it in one"
+                )
+            owner[id(param)] = group.name
+            space = next(sp for sp in spaces if sp.holds(meta))
+            slot = ParamSlot(
+                name,
+                param,
+                meta,
+                gi,
+                space.world,
+                space.rank,
+                config.master_weights,
+                state_names(config),
+                offload=config.cpu_offload,
+            )
+            space.add(len(slots), slot)
+            space_of.append(space)
+            slots.append(slot)
+    return slots, space_of
