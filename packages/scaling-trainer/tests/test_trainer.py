@@ -147,6 +147,29 @@ def test_fine_tune_from_weights_only(tmp_path):
     assert out[0]["losses"][0] != fresh[0]["losses"][0]
 
 
+@pytest.mark.distributed
+def test_the_same_command_again_resumes_then_finds_the_run_finished(tmp_path):
+    """trainer.resume=auto (the default): a run into a save_dir holding committed checkpoints
+    continues the latest bitwise; run once more it trains nothing and returns; resume=fresh deletes
+    them and starts at step 0; load_dir elsewhere is refused before training."""
+    ckpt = str(tmp_path / "ckpt")
+    continuous = run_distributed(train_worker, 2, 1, 1, {"train_iterations": 6}, timeout_seconds=180)
+    run_distributed(train_worker, 2, 1, 1, {"train_iterations": 3, "save_dir": ckpt}, timeout_seconds=180)
+    again = {"train_iterations": 6, "save_dir": ckpt}
+    second = run_distributed(train_worker, 2, 1, 1, again, timeout_seconds=180)
+    assert [r["losses"] for r in second] == [r["losses"][3:] for r in continuous]
+    assert [r["hash"] for r in second] == [r["hash"] for r in continuous]
+    finished = run_distributed(train_worker, 2, 1, 1, again, timeout_seconds=180)
+    assert [(r["losses"], r["step"], r["hash"]) for r in finished] == [([], 6, r["hash"]) for r in continuous]
+    assert committed_steps(ckpt) == [3, 6]
+    fresh = run_distributed(train_worker, 2, 1, 1, {**again, "resume": "fresh"}, timeout_seconds=180)
+    assert [r["losses"] for r in fresh] == [r["losses"] for r in continuous]
+    assert committed_steps(ckpt) == [6]
+    elsewhere = {**again, "load_dir": str(tmp_path / "other")}
+    with pytest.raises(Exception, match=r"already holds committed checkpoints \(steps 6..6\).*trainer.resume=fresh"):
+        run_distributed(train_worker, 2, 1, 1, elsewhere, timeout_seconds=180)
+
+
 def _deterministic_context_worker(deterministic):
     from scaling.topology import Topology, TopologyConfig, use_deterministic_algorithms
     from scaling.trainer import BaseContext, TrainerConfig, TrainingAppConfig

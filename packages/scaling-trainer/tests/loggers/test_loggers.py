@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import time
 import uuid
@@ -55,6 +56,8 @@ def test_console_jsonl_tensorboard(tmp_path):
         logger.log({"step": step, **metrics}, step)
     logger.close()
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    run = lines[0].pop("run")
+    assert re.fullmatch(r"\d{8}T\d{6}Z", run) and lines[1].pop("run") == run
     assert lines == [
         {"step": 1, "loss": 2.5, "learning_rate": 1e-3, "grad_norm": 0.75},
         {"step": 2, "loss": 2.25, "learning_rate": 2e-3},
@@ -63,6 +66,31 @@ def test_console_jsonl_tensorboard(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 2.5), (2, 2.25)]
     assert acc.Scalars("grad_norm")[0].value == pytest.approx(0.75)
     assert console_line(1, {"grad_norm": 0.75, "loss": 2.5}) == "step 1 | loss 2.5 | grad_norm 0.75"
+
+
+def test_a_resumed_run_replaces_the_rows_after_its_step(tmp_path):
+    """A run that died after logging steps 1-3 and resumes from its step-2 checkpoint: the file
+    keeps steps 1-2 of the first attempt, then the new attempt's 3-4, one row a step; TensorBoard
+    hides the first attempt's step 3."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = MetricsLogger(LoggerConfig(log_dir=tmp_path, use_tensorboard=True))
+    for step in (1, 2, 3):
+        first.log({"loss": float(step)}, step)
+    first.close()
+    second = MetricsLogger(LoggerConfig(log_dir=tmp_path, use_tensorboard=True))
+    for sink in second.sinks:  # the second attempt's id, told apart from the first's within one second
+        if hasattr(sink, "run"):
+            sink.run = "later"
+    second.resumed_at(2)
+    for step in (3, 4):
+        second.log({"loss": 10.0 * step}, step)
+    second.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+    assert rows[0]["run"] == rows[1]["run"] != "later" and rows[2]["run"] == rows[3]["run"] == "later"
+    acc = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
 
 
 def test_only_rank_zero_writes(tmp_path):

@@ -71,9 +71,11 @@ def main(payload: JsonDict | None = None) -> list[Metrics]:
     trainer = build_trainer(config, topology)
     history = trainer.run_training(return_metrics=True) or []
     if config.data.plot and topology.global_rank == 0 and config.logger.log_dir is not None:
-        from scaling.mlp.plot import plot_history
+        from scaling.mlp.plot import plot_history, read_metrics
 
-        plot_history(history, Path(config.logger.log_dir) / "training.png")
+        # The whole run's rows, a resumed run's earlier attempts included (metrics.jsonl), where kept.
+        rows = Path(config.logger.log_dir) / "metrics.jsonl"
+        plot_history(read_metrics(rows) if rows.is_file() else history, Path(config.logger.log_dir) / "training.png")
     topology.destroy()
     return history
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -44,7 +45,20 @@ class TrainerConfig(BaseConfig):
         ),
     )
     load_dir: Path | None = Field(
-        None, description="Resume from the latest committed checkpoint in this folder; None = start fresh."
+        None,
+        description=(
+            "Load the latest committed checkpoint in this folder; None = resume from save_dir when it holds one "
+            "(see resume), else start from step 0."
+        ),
+    )
+    resume: Literal["auto", "fresh"] = Field(
+        "auto",
+        description=(
+            "What a run does with committed checkpoints already in save_dir: 'auto' resumes from the latest "
+            "(when load_dir is unset; a run that already reached train_iterations says so and stops), as "
+            "torchtitan and Megatron-LM do; 'fresh' deletes them and their 'latest' pointer before training and "
+            "starts from load_dir, or from step 0."
+        ),
     )
     load_optimizer_states: bool = Field(
         True, description="Load optimizer state (moments, master weights, loss scale) with the model."

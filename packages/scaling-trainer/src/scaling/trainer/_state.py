@@ -112,6 +112,45 @@ class TrainerCheckpointer:
             self._pending.wait()
             self._pending = None
 
+    def start(self) -> None:
+        """Load what the run starts from, by ``trainer.load_dir`` and ``trainer.resume``.
+
+        With ``resume="auto"`` and no ``load_dir``, committed checkpoints in ``save_dir`` are
+        resumed from (a second run of the same command continues the first). ``load_dir``
+        elsewhere while ``save_dir`` already holds committed checkpoints is refused before
+        training: the new run's saves would collide with them or be pruned in their favour.
+        ``resume="fresh"`` deletes them (rank 0, then a barrier) and says what it deleted.
+
+        Raises:
+            CheckpointError: ``save_dir`` holds another run's checkpoints and ``load_dir``
+                names another folder (``resume="auto"``).
+        """
+        t = self.trainer
+        cfg = t.config
+        save_dir, load_dir = cfg.save_dir, cfg.load_dir
+        steps = ckpt.committed_steps(save_dir) if save_dir is not None else []
+        if steps and cfg.resume == "fresh":
+            assert save_dir is not None
+            t.metrics_logger.console(
+                f"trainer.resume=fresh: deleting the {len(steps)} committed checkpoint(s) in {save_dir} "
+                f"(steps {steps[0]}..{steps[-1]}) before training"
+            )
+            if t.context.topology.global_rank == 0:
+                ckpt.delete_checkpoints(save_dir)
+            if dist.is_initialized():
+                dist.barrier()
+        elif steps and load_dir is None:
+            load_dir = save_dir
+        elif steps and load_dir is not None and not _same_folder(load_dir, save_dir):
+            raise ckpt.CheckpointError(
+                f"trainer.save_dir={save_dir} already holds committed checkpoints (steps {steps[0]}..{steps[-1]}) "
+                f"while trainer.load_dir={load_dir} is another folder: this run's saves would collide with them. "
+                "Save into a new folder, resume from it (trainer.load_dir=null), or delete them first with "
+                "trainer.resume=fresh"
+            )
+        if load_dir is not None:
+            self.load(load_dir)
+
     def load(self, load_dir: Path) -> None:
         """Restore the latest committed checkpoint in ``load_dir`` (layout may differ)."""
         t = self.trainer
@@ -144,3 +183,9 @@ class TrainerCheckpointer:
                 t.context.load_rng_state(loaded.rank_state)
         self.last_loaded_step = loaded.step
         t.metrics_logger.console(f"loaded checkpoint step {loaded.step} from {loaded.path}")
+        t.metrics_logger.resumed_at(t.context.iterations)
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    """Whether two paths name one folder (either may not exist yet)."""
+    return a.resolve() == b.resolve()

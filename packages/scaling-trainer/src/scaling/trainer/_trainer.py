@@ -141,8 +141,7 @@ class BaseTrainer(Generic[ContextT]):
         self.checkpointer = TrainerCheckpointer(self)
         self.history: list[Metrics] = []
         self._running_max_loss: float | None = None
-        if config.load_dir is not None:
-            self.checkpointer.load(config.load_dir)
+        self.checkpointer.start()
 
     # ---------------------------------------------------------------- steps
     def train_step(self) -> Metrics:
@@ -279,6 +278,14 @@ class BaseTrainer(Generic[ContextT]):
         """
         cfg = self.config
         topology = self.context.topology
+        if self.context.iterations >= cfg.train_iterations:
+            self.metrics_logger.console(
+                f"nothing to train: the run already reached step {self.context.iterations} of "
+                f"trainer.train_iterations={cfg.train_iterations} (raise it to train on, or trainer.resume=fresh "
+                "to start over)"
+            )
+            self.metrics_logger.close()
+            return self.history if return_metrics else None
         profiler = StepProfiler(self.profiler_config, topology.global_rank, self.parallel_module, topology.device)
         progress = progress_bar(cfg, topology.global_rank, self.context.iterations)
         self._print_flops_formula()

@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from scaling.trainer.checkpoint._errors import CheckpointError
-from scaling.trainer.checkpoint._marker import committed_steps
+from scaling.trainer.checkpoint._marker import committed_steps, delete_checkpoints
 
 if TYPE_CHECKING:
     from scaling.trainer.checkpoint._load import LoadedCheckpoint, load_checkpoint
@@ -46,6 +46,7 @@ __all__ = [
     "PendingSave",
     "StagingBuffers",
     "committed_steps",
+    "delete_checkpoints",
     "load_checkpoint",
     "load_model_state_dict",
     "model_state_dict",

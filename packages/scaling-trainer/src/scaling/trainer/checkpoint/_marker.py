@@ -136,15 +136,52 @@ def unlisted_files(step_dir: Path, marker: JsonDict) -> list[str]:
 
 
 def step_folders(save_dir: Path) -> dict[int, Path]:
-    """``{step: folder}`` of every ``step_*`` folder, committed or not."""
+    """``{step: folder}`` of every ``step_*`` folder, committed or not.
+
+    A ``step_*`` entry that is a symbolic link is no checkpoint folder: it is never listed, so
+    pruning, clean-up and loading never follow it out of ``save_dir`` (saving to its step is
+    refused: :func:`check_step_dir`).
+    """
     if not save_dir.is_dir():
         return {}
     out = {}
     for p in save_dir.iterdir():
         m = _STEP_RE.match(p.name)
-        if m and p.is_dir():
+        if m and p.is_dir() and not p.is_symlink():
             out[int(m.group(1))] = p
     return out
+
+
+def check_step_dir(step_dir: Path) -> None:
+    """Refuse a step folder that is a symbolic link (or any other non-folder entry).
+
+    Raises:
+        CheckpointError: naming the path and the fix.
+    """
+    if step_dir.is_symlink():
+        raise CheckpointError(
+            f"{step_dir} is a symbolic link (to {os.readlink(step_dir)}): checkpoints are never written, "
+            "loaded or deleted through links inside save_dir; remove the link or save elsewhere"
+        )
+    if step_dir.exists() and not step_dir.is_dir():
+        raise CheckpointError(f"{step_dir} exists and is not a folder; remove it or save elsewhere")
+
+
+def delete_checkpoints(save_dir: Path) -> list[int]:
+    """Delete every step folder (committed or not) and ``latest`` in ``save_dir``; returns the steps.
+
+    Markers go first, then ``latest``, so an interrupted deletion leaves nothing loadable half
+    deleted. Links are left alone (:func:`step_folders`).
+    """
+    folders = step_folders(save_dir)
+    for path in folders.values():
+        (path / MARKER).unlink(missing_ok=True)
+    latest = save_dir / LATEST
+    if latest.is_file() and not latest.is_symlink():
+        latest.unlink()
+    for path in folders.values():
+        shutil.rmtree(path, ignore_errors=True)
+    return sorted(folders)
 
 
 def committed_steps(save_dir: str | Path) -> list[int]:
@@ -169,6 +206,7 @@ def read_latest(save_dir: Path) -> int:
     if not m:
         raise CheckpointError(f"{path}: garbled content {text[:60]!r}, expected 'step_<N>'; pass step=... explicitly")
     step = int(m.group(1))
+    check_step_dir(save_dir / step_dir_name(step))
     if not (save_dir / step_dir_name(step) / MARKER).is_file():
         raise CheckpointError(f"{path}: points to {text!r}, which is not a committed checkpoint")
     return step
@@ -184,10 +222,14 @@ def remove_uncommitted(save_dir: Path, keep: int | None = None) -> list[int]:
     return sorted(removed)
 
 
-def prune(save_dir: Path, keep_last: int) -> list[int]:
-    """Delete all but the newest ``keep_last`` committed checkpoints; returns removed steps."""
+def prune(save_dir: Path, keep_last: int, current: int) -> list[int]:
+    """Delete all but the newest ``keep_last`` committed checkpoints; returns removed steps.
+
+    ``current``, the step just committed (the one ``latest`` names), is never deleted, even
+    where the folder holds higher steps of an earlier run.
+    """
     steps = committed_steps(save_dir)
-    doomed = steps[:-keep_last] if keep_last > 0 else []
+    doomed = [s for s in (steps[:-keep_last] if keep_last > 0 else []) if s != current]
     for step in doomed:
         path = save_dir / step_dir_name(step)
         # The marker goes first, so a half-deleted folder is never taken for a good one.

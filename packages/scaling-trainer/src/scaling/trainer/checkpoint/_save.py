@@ -224,7 +224,7 @@ def _commit(
         mk.write_marker(step_dir, step, {n: files[n] for n in names}, info)
         mk.write_latest(save_dir, step)
         if keep_last is not None:
-            mk.prune(save_dir, keep_last)
+            mk.prune(save_dir, keep_last, step)
     _barrier(pg, world)
 
 
@@ -293,6 +293,7 @@ def save_checkpoint(
 
     save_dir = Path(save_dir)
     step_dir = save_dir / mk.step_dir_name(step)
+    mk.check_step_dir(step_dir)
     if (step_dir / mk.MARKER).exists():
         raise ValueError(f"{step_dir} is already a committed checkpoint; save under a new step or delete it first")
     if rank == 0:

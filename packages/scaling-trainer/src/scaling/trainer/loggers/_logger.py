@@ -98,6 +98,14 @@ class MetricsLogger:
         for sink in self.sinks:
             sink.log(step, values)
 
+    def resumed_at(self, step: int) -> None:
+        """The run resumed from ``step``: sinks that can drop what was logged after it do
+        (``metrics.jsonl``'s rows, TensorBoard's events), since those steps run again."""
+        for sink in self.sinks:
+            resume = getattr(sink, "resume", None)
+            if resume is not None:
+                resume(step)
+
     def console(self, message: str) -> None:
         """Print a one-off message on the writing rank (e.g. the MFU formula, a signal)."""
         if self.is_writer:

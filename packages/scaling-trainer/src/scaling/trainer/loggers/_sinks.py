@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -55,24 +57,59 @@ class ConsoleSink:
 
 
 class JsonlSink:
+    """Appends one JSON object per log call, each with ``run``: the attempt that wrote it.
+
+    ``run`` is the UTC time the logger was made (``20261128T101500Z``): a resumed run appends
+    under a new one, and :meth:`resume` first drops the rows after the step it resumed from,
+    which the new attempt trains again (TensorBoard's ``purge_step``), so the file holds one
+    training row per step.
+    """
+
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.run = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         self.file = open(path, "a")  # noqa: SIM115 - lives as long as the logger
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         clean = {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}
-        self.file.write(json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
+        self.file.write(json.dumps({"step": step, "run": self.run, **clean}, sort_keys=True) + "\n")
         self.file.flush()
+
+    def resume(self, step: int) -> None:
+        """Drop the rows of steps after ``step`` (rewritten atomically), then append as before."""
+        self.file.close()
+        kept = [line for line in self.path.read_text().splitlines(keepends=True) if _row_step(line) <= step]
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.path)
+        self.file = open(self.path, "a")  # noqa: SIM115 - lives as long as the logger
 
     def close(self) -> None:
         self.file.close()
+
+
+def _row_step(line: str) -> float:
+    """The step of one JSONL row (a row that does not parse counts as after every step)."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 class TensorBoardSink:
     def __init__(self, log_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        self.log_dir = log_dir
         self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def resume(self, step: int) -> None:
+        """Hide the events of steps after ``step`` from TensorBoard (its ``purge_step``)."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer.close()
+        self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=step + 1)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for k, v in metrics.items():
