@@ -141,7 +141,7 @@ class TrainerCheckpointer:
                 dist.barrier()
         elif steps and load_dir is None:
             load_dir = save_dir
-        elif steps and load_dir is not None and not _same_folder(load_dir, save_dir):
+        elif steps and load_dir is not None and save_dir is not None and not _same_folder(load_dir, save_dir):
             raise ckpt.CheckpointError(
                 f"trainer.save_dir={save_dir} already holds committed checkpoints (steps {steps[0]}..{steps[-1]}) "
                 f"while trainer.load_dir={load_dir} is another folder: this run's saves would collide with them. "
