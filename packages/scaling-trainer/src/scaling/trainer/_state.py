@@ -129,25 +129,26 @@ class TrainerCheckpointer:
         cfg = t.config
         save_dir, load_dir = cfg.save_dir, cfg.load_dir
         steps = ckpt.committed_steps(save_dir) if save_dir is not None else []
-        if steps and cfg.resume == "fresh":
+        if steps:
             assert save_dir is not None
-            t.metrics_logger.console(
-                f"trainer.resume=fresh: deleting the {len(steps)} committed checkpoint(s) in {save_dir} "
-                f"(steps {steps[0]}..{steps[-1]}) before training"
-            )
-            if t.context.topology.global_rank == 0:
-                ckpt.delete_checkpoints(save_dir)
-            if dist.is_initialized():
-                dist.barrier()
-        elif steps and load_dir is None:
-            load_dir = save_dir
-        elif steps and load_dir is not None and save_dir is not None and not _same_folder(load_dir, save_dir):
-            raise ckpt.CheckpointError(
-                f"trainer.save_dir={save_dir} already holds committed checkpoints (steps {steps[0]}..{steps[-1]}) "
-                f"while trainer.load_dir={load_dir} is another folder: this run's saves would collide with them. "
-                "Save into a new folder, resume from it (trainer.load_dir=null), or delete them first with "
-                "trainer.resume=fresh"
-            )
+            if cfg.resume == "fresh":
+                t.metrics_logger.console(
+                    f"trainer.resume=fresh: deleting the {len(steps)} committed checkpoint(s) in {save_dir} "
+                    f"(steps {steps[0]}..{steps[-1]}) before training"
+                )
+                if t.context.topology.global_rank == 0:
+                    ckpt.delete_checkpoints(save_dir)
+                if dist.is_initialized():
+                    dist.barrier()
+            elif load_dir is None:
+                load_dir = save_dir
+            elif load_dir.resolve() != save_dir.resolve():
+                raise ckpt.CheckpointError(
+                    f"trainer.save_dir={save_dir} already holds committed checkpoints (steps {steps[0]}..{steps[-1]}) "
+                    f"while trainer.load_dir={load_dir} is another folder: this run's saves would collide with them. "
+                    "Save into a new folder, resume from it (trainer.load_dir=null), or delete them first with "
+                    "trainer.resume=fresh"
+                )
         if load_dir is not None:
             self.load(load_dir)
 
@@ -184,8 +185,3 @@ class TrainerCheckpointer:
         self.last_loaded_step = loaded.step
         t.metrics_logger.console(f"loaded checkpoint step {loaded.step} from {loaded.path}")
         t.metrics_logger.resumed_at(t.context.iterations)
-
-
-def _same_folder(a: Path, b: Path) -> bool:
-    """Whether two paths name one folder (either may not exist yet)."""
-    return a.resolve() == b.resolve()
