@@ -113,10 +113,18 @@ def test_every_field_needs_a_description():
 def test_secret_names_are_masked_in_dumps_and_errors_but_not_their_look_alikes():
     from scaling.config._secrets import is_secret_name
 
-    assert [is_secret_name(n) for n in ("HF_TOKEN", "client_secret", "wandb_api_key", "db.password", "apikey")] == [
-        True
-    ] * 5
-    assert not any(is_secret_name(n) for n in ("tokenizer_path", "max_tokens", "tokens_per_second", "keys"))
+    secret = ("HF_TOKEN", "client_secret", "wandb_api_key", "db.password", "apikey", "AWS_SECRET_ACCESS_KEY")
+    secret += (
+        "DJANGO_SECRET_KEY",
+        "GITHUB_PAT",
+        "AWS_ACCESS_KEY_ID",
+        "GOOGLE_APPLICATION_CREDENTIALS",
+        "private_key",
+        "api-key",
+    )
+    assert [is_secret_name(n) for n in secret] == [True] * len(secret)
+    plain = ("tokenizer_path", "max_tokens", "tokens_per_second", "keys", "text_key", "path", "patterns", "cache_key")
+    assert not any(is_secret_name(n) for n in plain)
 
     class Service(BaseConfig):
         _require_descriptions = False
@@ -129,6 +137,65 @@ def test_secret_names_are_masked_in_dumps_and_errors_but_not_their_look_alikes()
     with pytest.raises(ValidationError) as info:
         Service(api_key="s3cr3t-value", port="x")
     assert "s3cr3t" not in str(info.value) and "port\n  Input should be a valid integer" in str(info.value)
+
+
+# Random keys (AWS's documented example, generated base62/64 tokens) and providers' token shapes.
+SECRET_LOOKING = [
+    "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+    "ghp_16C7e42F292c6912E7710c838347Ae178B4a",
+    "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",
+    "django-insecure-7f#k2".replace("#", "x") + "q9ZtB4mW8rLp3vYc",
+    "Zx8Kq2Lm9Np4Rt7Vw1Yb3Cd6Fg",
+]
+# What configs and environments hold in plain sight: paths, model and run names, hashes, numbers, lists.
+PLAIN_LOOKING = [
+    "/usr/lib/x86_64-linux-gnu/libnccl.so.2.21.5",
+    "runs/cache/inductor_0123abc",
+    "meta-llama/Llama-3.1-8B-Instruct",
+    "Qwen3-30B-A3B-Instruct-2507",
+    "llama3-8b-sft-2026-11-28-run42",
+    "6328562dd9ab7f41e2a1ad5f1a8ca6b39ce5ddf6",
+    "0f7217f3-1133-4b91-a076-cb1e837ea6ea",
+    "experiment_2026_11_28_baseline_v2",
+    "TORCH_LOGS=+dynamo,recompiles",
+    "3.0e-4",
+]
+
+
+@pytest.mark.parametrize("value", SECRET_LOOKING)
+def test_secret_looking_values_are_recognised_whatever_their_name(value):
+    from scaling.config import looks_like_secret, secret_assignments
+
+    assert looks_like_secret(value)
+    assert secret_assignments(f"--env=SOME_SETTING={value}") == [("SOME_SETTING", value)]
+
+
+@pytest.mark.parametrize("value", PLAIN_LOOKING)
+def test_plain_values_are_not_taken_for_secrets(value):
+    from scaling.config import looks_like_secret, secret_assignments
+
+    assert not looks_like_secret(value)
+    assert secret_assignments(f"--opt={value}") == []
+
+
+def test_secret_assignments_inside_strings_are_found_and_masked_in_errors():
+    from scaling.config import secret_assignments
+
+    assert secret_assignments("--export=ALL,HF_TOKEN=abc1") == [("HF_TOKEN", "abc1")]
+    assert secret_assignments("--env=WANDB_API_KEY=k-123 --hf-token=zz99") == [
+        ("WANDB_API_KEY", "k-123"),
+        ("hf-token", "zz99"),
+    ]
+    assert secret_assignments("--shm-size=1g --export=ALL,HF_TOKEN") == []
+
+    class Launch(BaseConfig):
+        _require_descriptions = False
+        args: list[str] = []
+        port: int = 1
+
+    with pytest.raises(ValidationError) as info:
+        Launch(args=["--env=HF_TOKEN=abc1", f"--other={SECRET_LOOKING[0]}"], port="x")
+    assert "abc1" not in str(info.value) and SECRET_LOOKING[0] not in str(info.value)
 
 
 def test_booleans_and_infinities_are_refused_in_number_fields():

@@ -10,6 +10,9 @@ def test_public_api():
         "Overrides",
         "StateDict",
         "apply_overrides",
+        "is_secret_name",
         "load_mapping",
+        "looks_like_secret",
         "parse_override",
+        "secret_assignments",
     ]

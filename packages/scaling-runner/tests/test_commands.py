@@ -243,3 +243,65 @@ def test_cli_dry_run_masks_secrets(tmp_path, worker_script):
         capture_output=True, text=True, env=env,
     )  # fmt: skip
     assert bad.returncode == 2 and "host name 'a;touch' (in 'a;touch X') is not allowed" in bad.stderr
+
+
+# Secrets the old name list missed, and a random-looking value under a plain name.
+UNLISTED = {
+    "AWS_SECRET_ACCESS_KEY": "aws-" + SECRET,
+    "DJANGO_SECRET_KEY": "django-" + SECRET,
+    "GITHUB_PAT": "pat-" + SECRET,
+    "MY_SETTING": "Zx8Kq2Lm9Np4Rt7Vw1Yb3Cd6Fg",
+}
+
+
+@pytest.mark.parametrize("runner_type", ["pdsh", "pdsh_docker"])
+def test_secrets_under_any_name_or_random_values_never_reach_a_command_line(secrets_env, monkeypatch, runner_type):
+    for name, value in UNLISTED.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PLAIN_SETTING", "plain-value")
+    cfg = docker_cfg(runner_type=runner_type, env_forward=[*UNLISTED, "PLAIN_SETTING"], env={})
+    launches = plan(cfg, PAYLOAD)
+    for launch in launches:
+        shown = [" ".join(launch.argv), launch.describe(), json.dumps(launch.env)]
+        assert not [name for name, value in UNLISTED.items() if any(value in text for text in shown)], shown
+        assert "PLAIN_SETTING=plain-value" in launch.describe()  # plain values still travel as before
+        if runner_type == "pdsh":  # over ssh: each secret is sent by name through the ssh channel
+            assert launch.env["PDSH_SSH_ARGS_APPEND"].split() == [
+                word for name in sorted(UNLISTED) for word in ("-o", f"SendEnv={name}")
+            ]
+        else:  # docker takes each secret's value from its own environment: `-e NAME`
+            argv = list(launch.argv)
+            assert all(f"-e {name} " in " ".join(argv) for name in UNLISTED)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"docker_config": {"image": "i", "extra_args": ["--env=WANDB_API_KEY=k-123"]}}, "docker_config.extra_args[0]"),
+        ({"docker_config": {"image": "i", "extra_args": ["-e", "HF_TOKEN=k-123"]}}, "docker_config.extra_args[1]"),
+        ({"docker_config": {"image": "i", "extra_args": [f"--env=X={UNLISTED['MY_SETTING']}"]}}, "extra_args[0]"),
+        ({"runner_type": "slurm", "slurm_config": {"extra_args": ["--export=ALL,HF_TOKEN=k-123"]}}, "extra_args[0]"),
+        ({"script_args": ["--lr", "0.1", "--hf-token=k-123"]}, "script_args[2]"),
+        ({"env": {"MY_SETTING": UNLISTED["MY_SETTING"]}}, "looks like a secret by its value"),
+    ],
+)
+def test_secret_assignments_in_arguments_are_refused_without_showing_them(overrides, field):
+    base = {"runner_type": "pdsh_docker", "script": "/app/train.py", "run_id": "rid"}
+    with pytest.raises(ValueError) as info:
+        RunnerConfig(**{**base, **overrides})
+    text = str(info.value)
+    assert field in text and "env_forward" in text
+    assert "k-123" not in text and UNLISTED["MY_SETTING"] not in text
+
+
+def test_cli_refuses_a_secret_in_extra_args_before_writing_anything(tmp_path, worker_script):
+    config = tmp_path / "c.yml"
+    config.write_text(
+        f"runner:\n  runner_type: slurm\n  script: {worker_script}\n  payload_dir: {tmp_path / 'runs'}\n"
+        f"  slurm_config:\n    extra_args: ['--export=ALL,HF_TOKEN={SECRET}']\nsteps: 3\n"
+    )
+    out = subprocess.run([SCALING_RUN, str(config), "--dry-run"], capture_output=True, text=True)
+    assert out.returncode == 2, out.stderr
+    assert "slurm_config.extra_args[0] assigns 'HF_TOKEN'" in out.stderr
+    assert_no_secret(out.stdout, out.stderr)
+    assert not (tmp_path / "runs").exists()

@@ -26,13 +26,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Secrets under names of every kind: the runner's by-name rule, names it did not list before
+# (AWS, Django, a GitHub PAT), and a random-looking value under a plain name.
+SECRETS = {
+    "HF_TOKEN": "pdsh-secret",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret-value",
+    "DJANGO_SECRET_KEY": "django-secret-value",
+    "GITHUB_PAT": "github-pat-value",
+    "MY_SETTING": "Zx8Kq2Lm9Np4Rt7Vw1Yb3Cd6Fg",
+}
+
+
 @pytest.mark.slow
 def test_two_nodes_two_processes_each(worker_script, tmp_path, monkeypatch, capfd):
-    monkeypatch.setenv("HF_TOKEN", "pdsh-secret")
-    payload = {"out_dir": str(tmp_path), "steps": 5, "lr": 0.3, "echo_env": ["HF_TOKEN"]}
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PLAIN_SETTING", "plain-value")
+    forwarded = [*SECRETS, "PLAIN_SETTING"]
+    payload = {"out_dir": str(tmp_path), "steps": 5, "lr": 0.3, "echo_env": forwarded}
     cfg = RunnerConfig(
         runner_type="pdsh", pdsh_rcmd="exec", script=worker_script, hosts=["node1 slots=2", "node2 slots=2"],
-        master_addr="127.0.0.1", master_port=_free_port(), env_forward=["HF_TOKEN"],
+        master_addr="127.0.0.1", master_port=_free_port(), env_forward=forwarded,
     )  # fmt: skip
     assert runner_main(cfg, payload) == 0
     out = capfd.readouterr().out
@@ -40,7 +54,13 @@ def test_two_nodes_two_processes_each(worker_script, tmp_path, monkeypatch, capf
     assert {r["world_size"] for r in records} == {4}
     assert all(r["allreduce"] == 6.0 for r in records)
     assert len({(r["w"], r["b"]) for r in records}) == 1  # every rank holds the same trained model
-    assert all(r["env"]["HF_TOKEN"] == "pdsh-secret" for r in records)
+    for r in records:
+        assert r["env"] == {**SECRETS, "PLAIN_SETTING": "plain-value"}  # every variable arrived
+        # What `ps` shows of the rank, torchrun's agent, the node's shell and pdsh: no secret value.
+        assert any(c.startswith("pdsh ") for c in r["cmdlines"]), r["cmdlines"]
+        assert any("PLAIN_SETTING=plain-value" in c for c in r["cmdlines"])  # plain ones may travel in argv
+        for cmdline in r["cmdlines"]:
+            assert not [name for name, value in SECRETS.items() if value in cmdline], cmdline
     # Two torchrun agents, one per node, each the parent of that node's ranks: c10d assigns
     # node ranks, and each node holds a contiguous block of ranks with local ranks 0, 1.
     by_agent: dict[int, set[tuple[int, int, int]]] = {}

@@ -32,3 +32,17 @@ def test_config_import_does_not_import_torch():
     code = "import sys, scaling.runner; scaling.runner.RunnerConfig(runner_type='pdsh', script='x.py', hosts=['a']); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_worker_reading_its_payload_imports_neither_pydantic_nor_the_config_layer(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "p.json").write_text('{"lr": 0.1}')
+    code = (
+        "import sys; from scaling.runner import load_payload; assert load_payload() == {'lr': 0.1}; "
+        "print(sorted(m for m in ('pydantic', 'scaling.config') if m in sys.modules))"
+    )
+    env = {"SCALING_PAYLOAD_PATH": str(tmp_path / "p.json"), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "[]"

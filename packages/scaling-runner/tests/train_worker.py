@@ -56,6 +56,17 @@ def train(x: torch.Tensor, y: torch.Tensor, steps: int, lr: float, group: bool) 
     return float(w.detach()), float(b.detach())
 
 
+def ancestors_cmdlines() -> list[str]:
+    lines, pid = [], os.getpid()
+    while pid > 1:
+        try:
+            lines.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return lines
+
+
 def main() -> None:
     torch.set_num_threads(1)
     payload = load_payload()
@@ -76,10 +87,9 @@ def main() -> None:
         "w": w,
         "b": b,
         "env": {name: os.environ.get(name) for name in payload.get("echo_env", [])},
-        # Command lines of this worker and of its torchrun agent: secrets must not be in them.
-        "cmdlines": [
-            Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace") for pid in ("self", os.getppid())
-        ],
+        # Command lines of this worker and of every process above it (torchrun's agent, the
+        # shell pdsh started, pdsh, the runner), as `ps` shows them: secrets must not be in them.
+        "cmdlines": ancestors_cmdlines(),
     }
     # One line per rank on stdout: under pdsh it carries the node's name as prefix.
     print(

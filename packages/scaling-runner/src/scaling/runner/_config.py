@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from scaling.config import BaseConfig
-from scaling.runner._env import check_env_name, check_env_pattern, is_secret
+from scaling.runner._env import check_args, check_env_name, check_env_pattern, is_secret
 from scaling.runner._hosts import HostSpec, check_host_name, parse_hosts, read_hostsfile
 
 RunnerType = Literal["local", "pdsh", "pdsh_docker", "slurm"]
@@ -66,6 +66,11 @@ class DockerConfig(BaseConfig):
                     )
         return mounts
 
+    @field_validator("extra_args")
+    @classmethod
+    def _no_secret_in_args(cls, value: list[str]) -> list[str]:
+        return check_args(value, "docker_config.extra_args")
+
 
 class SlurmConfig(BaseConfig):
     """The allocation ``runner_type='slurm'`` asks ``sbatch`` for (ignored inside an allocation's srun)."""
@@ -95,7 +100,7 @@ class SlurmConfig(BaseConfig):
         for arg in value:
             if "\n" in arg or "\r" in arg or not arg.startswith("-"):
                 raise ValueError(f"extra_args item {arg!r} must be one '--option=value' on one line")
-        return value
+        return check_args(value, "slurm_config.extra_args")
 
 
 class RunnerConfig(BaseConfig):
@@ -181,14 +186,20 @@ class RunnerConfig(BaseConfig):
     def _check_env(cls, env: dict[str, str]) -> dict[str, str]:
         for name, value in env.items():
             check_env_name(name, "env")
-            if is_secret(name):
+            if is_secret(name, value):
+                what = "by its name" if is_secret(name) else "by its value (a key or token)"
                 raise ValueError(
-                    f"env: {name!r} looks like a secret and would be written into the config and payload; "
+                    f"env: {name!r} looks like a secret {what} and would be written into the config, the payload and command lines; "
                     f"export it in the launching environment instead and list it in env_forward"
                 )
             if "\x00" in value:
                 raise ValueError(f"env: value of {name!r} contains a NUL byte")
         return env
+
+    @field_validator("script_args")
+    @classmethod
+    def _no_secret_in_script_args(cls, value: list[str]) -> list[str]:
+        return check_args(value, "script_args", by_value=False)  # a script's own values may look random
 
     @field_validator("env_forward")
     @classmethod

@@ -1,8 +1,12 @@
 """Which environment variables travel to the workers, and which of them are secrets.
 
-Secrets travel only as environment variables of the processes the runner starts (or by
-name: ``docker run -e NAME``, ``ssh -o SendEnv=NAME``); their values never appear in an
-argument list, a generated script, a dry-run print or the payload file.
+A variable is a secret by its name (scaling.config's rule: a word ``token``, ``secret``,
+``password``, ``pat``, ``credentials``... or ``api_key``/``access_key``/``private_key``;
+for variables also any name matching :data:`SECRET_PATTERNS`, e.g. ``*_KEY``) or by its
+value (a provider's token shape or a random-looking key, whatever the name). Secrets
+travel only as environment variables of the processes the runner starts (or by name:
+``docker run -e NAME``, ``ssh -o SendEnv=NAME``); their values never appear in an argument
+list, a generated script, a dry-run print or the payload file.
 """
 
 from __future__ import annotations
@@ -11,18 +15,24 @@ import fnmatch
 import re
 from collections.abc import Mapping
 
-# A bare name counts too: a payload key ``api_key`` is as secret as ``wandb_api_key``.
-SECRET_PATTERNS: tuple[str, ...] = (
-    "WANDB_API_KEY", "API_KEY", "*_API_KEY", "TOKEN", "*_TOKEN", "PASSWORD", "*_PASSWORD", "SECRET", "*_SECRET",
-)  # fmt: skip
+from scaling.config import is_secret_name, looks_like_secret, secret_assignments
+
+# Environment-variable names that hold secrets beyond scaling.config's word rule (which also
+# judges payload keys, where 'text_key' or 'cache_key' are plain).
+SECRET_PATTERNS: tuple[str, ...] = ("*_KEY", "*_KEY_ID", "*_AUTH", "*_AUTH_*")
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MASK = "***"
 
 
-def is_secret(name: str) -> bool:
-    """True when the variable ``name`` holds a secret (matches :data:`SECRET_PATTERNS`)."""
+def is_secret(name: str, value: str | None = None) -> bool:
+    """True when the variable ``name`` (holding ``value``, when given) is a secret: by its name,
+    or by a value that looks like a key or token (see the module docstring)."""
     upper = name.upper()
-    return any(fnmatch.fnmatchcase(upper, pattern) for pattern in SECRET_PATTERNS)
+    return (
+        is_secret_name(name)
+        or any(fnmatch.fnmatchcase(upper, pattern) for pattern in SECRET_PATTERNS)
+        or (value is not None and looks_like_secret(value))
+    )
 
 
 def check_env_name(name: str, field: str) -> str:
@@ -46,14 +56,29 @@ def select_forwarded(environ: Mapping[str, str], patterns: list[str]) -> dict[st
 
 def split_secrets(env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     """Split ``env`` into ``(plain, secret)`` dicts."""
-    plain = {k: v for k, v in env.items() if not is_secret(k)}
-    secret = {k: v for k, v in env.items() if is_secret(k)}
+    plain = {k: v for k, v in env.items() if not is_secret(k, v)}
+    secret = {k: v for k, v in env.items() if is_secret(k, v)}
     return plain, secret
 
 
 def mask_env(env: Mapping[str, str]) -> dict[str, str]:
     """A copy of ``env`` with every secret value replaced by ``***`` (for printing)."""
-    return {k: (MASK if is_secret(k) else v) for k, v in env.items()}
+    return {k: (MASK if is_secret(k, v) else v) for k, v in env.items()}
+
+
+def check_args(args: list[str], field: str, by_value: bool = True) -> list[str]:
+    """Refuse command-line items that assign a secret (``--env=HF_TOKEN=...``): a command line is
+    visible to every user of the machine (``ps``). The error names the item and the variable, never the value.
+    ``by_value=False`` judges assignments by their names only (a script's own arguments)."""
+    for i, arg in enumerate(args):
+        for name, _ in secret_assignments(arg):
+            if by_value or is_secret_name(name):
+                raise ValueError(
+                    f"{field}[{i}] assigns {name!r} a secret value on a command line, where `ps` shows it to "
+                    f"every user of the node; export {name if _NAME_RE.fullmatch(name) else 'it'} in the launching "
+                    f"environment and list it in runner.env_forward (it then travels by name only)"
+                )
+    return args
 
 
 def find_secret_keys(payload: object, prefix: str = "") -> list[str]:
@@ -62,7 +87,7 @@ def find_secret_keys(payload: object, prefix: str = "") -> list[str]:
     if isinstance(payload, Mapping):
         for key, value in payload.items():
             dotted = f"{prefix}.{key}" if prefix else str(key)
-            if is_secret(str(key)) and value not in (None, "", "**********"):
+            if is_secret_name(str(key)) and value not in (None, "", "**********"):
                 found.append(dotted)
             else:
                 found.extend(find_secret_keys(value, dotted))

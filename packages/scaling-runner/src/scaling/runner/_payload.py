@@ -17,8 +17,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from scaling.runner._env import find_secret_keys
-
 if TYPE_CHECKING:
     from scaling.config import JsonDict, JsonMapping
 
@@ -30,6 +28,8 @@ MAX_INLINE_BYTES = 96 * 1024
 
 def dump_payload(payload: JsonMapping) -> str:
     """Serialise ``payload`` to JSON after checking that it carries no secret values."""
+    from scaling.runner._env import find_secret_keys  # here: workers (load_payload) never import pydantic
+
     if not isinstance(payload, Mapping):
         raise TypeError(f"payload must be a dict (e.g. config.as_dict()), got {type(payload).__name__}")
     leaked = find_secret_keys(payload)
