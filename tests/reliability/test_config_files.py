@@ -111,3 +111,19 @@ def test_a_bare_api_key_is_not_written_to_the_payload(tmp_path):
 def test_numbers_are_numbers_and_finite(tmp_path, capsys, override, message):
     err = _mlp_error(tmp_path, capsys, str(DEFAULT_MLP_CONFIG), override)
     assert re.search(message, err), err
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("trainer.train_iterations=18446744073709551616", "train_iterations=18446744073709551616 does not fit"),
+        ("topology.global_batch_size=99999999999999999999", "global_batch_size=99999999999999999999 does not fit"),
+        ("trainer.seed=-1", "trainer.seed\n  Input should be greater than or equal to 0"),
+        ("trainer.seed=18446744073709551616", "seed=18446744073709551616 does not fit"),
+        ("learning_rate_scheduler.learning_rate=1e308", "learning_rate=1e+308 is above 10"),
+        ("topology.timeout_seconds=1e300", "timeout_seconds\n  Input should be less than or equal to 604800"),
+    ],
+)
+def test_out_of_range_values_are_refused_before_launch(tmp_path, capsys, override, named):
+    err = _mlp_error(tmp_path, capsys, str(DEFAULT_MLP_CONFIG), override)
+    assert named in err, err

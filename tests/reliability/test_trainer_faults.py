@@ -58,3 +58,23 @@ def test_inf_grad_on_stage_without_loss_fails_every_rank_naming_the_step(tmp_pat
         ), (rank, error)
         assert (out / f"error_rank{rank}.txt").read_text() == error
         assert [r["step"] for r in steps(out, rank)] == list(range(1, BAD_STEP))
+
+
+def test_a_nan_loss_stops_every_rank_by_default_and_saves_nothing_after_the_last_good_step(tmp_path):
+    # No optimizer section: the default policy. pp2, the loss on stage 1 (rank 1); a checkpoint every step.
+    save = tmp_path / "ckpt"
+    cfg = config(
+        tmp_path, steps=8, tp=1, pp=2, dp=1, timeout_s=10.0, trainer={"save_dir": str(save), "save_interval": 1}
+    )
+    errors = pooled(cfg, tmp_path / "out", [{"kind": "nan_loss", "rank": 1, "step": BAD_STEP}])
+    for rank, error in enumerate(errors):
+        assert error is not None and error.startswith(
+            f"FloatingPointError: non-finite loss or gradient at step {BAD_STEP} "
+        ), (
+            rank,
+            error,
+        )
+        assert [r["step"] for r in steps(tmp_path / "out", rank)] == list(range(1, BAD_STEP))
+    # The last good step is the newest checkpoint; nothing of the bad step was written.
+    assert sorted(p.name for p in save.glob("step_*")) == [f"step_{s:08d}" for s in range(1, BAD_STEP)]
+    assert (save / "latest").read_text().strip() == f"step_{BAD_STEP - 1:08d}"

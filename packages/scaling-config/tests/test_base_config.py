@@ -198,6 +198,18 @@ def test_secret_assignments_inside_strings_are_found_and_masked_in_errors():
     assert "abc1" not in str(info.value) and SECRET_LOOKING[0] not in str(info.value)
 
 
+def test_integers_beyond_int64_are_refused_naming_the_field():
+    class Counts(BaseConfig):
+        _require_descriptions = False
+        steps: int = 1
+        offset: int | None = None
+
+    assert Counts(steps=2**63 - 1, offset=-(2**63)).steps == 2**63 - 1
+    for kwargs in ({"steps": 2**63}, {"offset": -(2**63) - 1}, {"steps": "18446744073709551616"}):
+        with pytest.raises(ValidationError, match=r"(steps|offset)=-?\d+ does not fit a 64-bit integer"):
+            Counts(**kwargs)
+
+
 def test_booleans_and_infinities_are_refused_in_number_fields():
     class Numbers(BaseConfig):
         _require_descriptions = False

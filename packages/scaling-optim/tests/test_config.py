@@ -102,6 +102,8 @@ def test_scheduler_state_round_trip():
             r"= 10 is not shorter than learning_rate_decay_iters=10",
         ),
         (dict(learning_rate_decay_style="exp"), r"learning_rate_decay_style"),
+        (dict(learning_rate=1e308), r"learning_rate=1e\+308 is above 10: .*lower it"),
+        (dict(learning_rate_minimum=11), r"learning_rate_minimum=11.0 is above 10"),
     ],
 )
 def test_schedule_errors(kwargs, match):

@@ -1,6 +1,8 @@
 """BaseTrainer end to end on real gloo ranks: bitwise resume, SIGTERM, config errors."""
 
 import gc
+import os
+import time
 
 import pytest
 import torch
@@ -168,6 +170,24 @@ def test_the_same_command_again_resumes_then_finds_the_run_finished(tmp_path):
     elsewhere = {**again, "load_dir": str(tmp_path / "other")}
     with pytest.raises(Exception, match=r"already holds committed checkpoints \(steps 6..6\).*trainer.resume=fresh"):
         run_distributed(train_worker, 2, 1, 1, elsewhere, timeout_seconds=180)
+
+
+def _late_rank_1_worker(trainer):
+    if os.environ["RANK"] == "1":
+        time.sleep(3)  # rank 0 has deleted the checkpoints (resume=fresh) by the time rank 1 looks
+    return train_worker(1, 1, trainer)
+
+
+@pytest.mark.distributed
+def test_resume_fresh_with_a_late_rank_agrees_on_what_was_there(tmp_path):
+    """Every rank acts on rank 0's one reading of save_dir: a rank reading for itself after rank 0's
+    deletion saw no checkpoint, skipped the barrier after the deletion and left rank 0 waiting in it."""
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(train_worker, 2, 1, 1, {"train_iterations": 2, "save_dir": ckpt}, timeout_seconds=180)
+    fresh = {"train_iterations": 2, "save_dir": ckpt, "resume": "fresh"}
+    again = run_distributed(_late_rank_1_worker, 2, fresh, timeout_seconds=60)
+    assert [len(r["losses"]) for r in again] == [2, 2]
+    assert committed_steps(ckpt) == [2]
 
 
 def _deterministic_context_worker(deterministic):

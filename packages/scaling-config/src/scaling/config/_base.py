@@ -16,6 +16,7 @@ from scaling.config._overrides import Overrides, apply_overrides
 from scaling.config._secrets import MASK, SECRET_TYPES, is_secret_name, masked_error
 from scaling.config._types import JsonDict, JsonMapping
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 C = TypeVar("C", bound="BaseConfig")
 
 
@@ -80,6 +81,18 @@ class BaseConfig(BaseModel):
                 raise ValueError(
                     f"{info.field_name} got the boolean {value}; give a number (YAML reads yes/no/true/false as booleans)"
                 )
+        return value
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _int_fits_int64(cls, value: object, info: ValidationInfo) -> object:
+        # Python's ints are unbounded; torch, numpy and the C APIs behind them are not (a step
+        # count of 2**64 trains until killed, a seed of 2**64 fails inside the ranks).
+        if type(value) is int and not INT64_MIN <= value <= INT64_MAX:
+            raise ValueError(
+                f"{info.field_name}={value} does not fit a 64-bit integer "
+                f"({INT64_MIN} to {INT64_MAX}); give a smaller number"
+            )
         return value
 
     # ----------------------------------------------------------------- loading

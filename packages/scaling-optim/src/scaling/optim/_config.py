@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from scaling.config import BaseConfig
+
+MAX_LEARNING_RATE = 10.0  # above it a learning rate is a typo (1e308), refused by the config
 
 OptimizerMethod = Literal["adamw", "adam", "sgd"]
 LearningRateDecayStyle = Literal["constant", "linear", "cosine", "inverse_sqrt"]
@@ -26,8 +28,8 @@ class LearningRateSchedulerConfig(BaseConfig):
       staying there (``inverse_sqrt`` decays as ``1/sqrt(k)`` and never goes below the minimum).
     """
 
-    learning_rate: float = Field(0.0001, ge=0.0, description="Peak learning rate after warmup; >= 0.")
-    learning_rate_minimum: float = Field(0.0, ge=0.0, description="Floor the decay ends at; >= 0 and <= learning_rate.")
+    learning_rate: float = Field(0.0001, description="Peak learning rate after warmup; 0 to 10.")
+    learning_rate_minimum: float = Field(0.0, description="Floor the decay ends at; 0 to learning_rate.")
     learning_rate_decay_style: LearningRateDecayStyle = Field(
         "constant", description="Decay after warmup: 'constant', 'linear', 'cosine' or 'inverse_sqrt'."
     )
@@ -42,12 +44,20 @@ class LearningRateSchedulerConfig(BaseConfig):
         0, ge=0, description="Updates at LR 0 before warmup starts (e.g. to warm up optimizer moments); 0 = none."
     )
 
-    @field_validator("learning_rate", "learning_rate_minimum", mode="before")
+    @field_validator("learning_rate", "learning_rate_minimum")
     @classmethod
-    def _non_negative(cls, value: object, info: object) -> object:
-        if isinstance(value, (int, float)) and value < 0:
-            name = getattr(info, "field_name", "learning_rate")
+    def _in_range(cls, value: float, info: ValidationInfo) -> float:
+        # After parsing: '1e308' typed on a command line is a string to YAML, a float here.
+        name = info.field_name or "learning_rate"
+        if value < 0:
             raise ValueError(f"{name}={value} is negative; a learning rate must be >= 0")
+        if value > MAX_LEARNING_RATE:
+            # Finite but absurd (1e308 is a typo, not a setting): the first update would make the
+            # weights non-finite and every later step would skip or fail.
+            raise ValueError(
+                f"{name}={value} is above {MAX_LEARNING_RATE:g}: no optimizer here trains at that rate (AdamW's "
+                "are about 1e-5 to 1e-2, SGD's rarely above 1); lower it"
+            )
         return value
 
     @model_validator(mode="after")
@@ -154,9 +164,11 @@ class OptimizerConfig(BaseConfig):
         description="Dynamic loss scaling (fp16).",
     )
     non_finite_policy: NonFinitePolicy = Field(
-        "skip",
-        description="On a non-finite loss or gradient (outside loss-scaler overflow): 'skip' the update on every "
-        "rank, or 'fail' (raise FloatingPointError on every rank).",
+        "fail",
+        description="On a non-finite loss or gradient (outside loss-scaler overflow): 'fail' raises "
+        "FloatingPointError naming the step on every rank before the update (the run ends non-zero and saves "
+        "nothing after its last good step; Megatron-LM's check_for_nan_in_loss_and_grad), or 'skip' the update "
+        "on every rank and train on.",
     )
     overlap_param_gather: bool = Field(
         False,

@@ -100,7 +100,11 @@ class TopologyConfig(BaseConfig):
         "auto", description="torch.distributed backend: 'auto' = nccl on cuda, gloo on cpu."
     )
     timeout_seconds: float = Field(
-        600.0, gt=0, description="Timeout of every collective and of the rendezvous, in seconds (> 0)."
+        600.0,
+        gt=0,
+        le=604800,
+        description="Timeout of every collective and of the rendezvous, in seconds (> 0, at most a week: "
+        "604800; torch's timers overflow far beyond).",
     )
     flight_recorder_entries: int = Field(
         2000,

@@ -14,7 +14,7 @@ class TrainerConfig(BaseConfig):
     """The training loop's own settings (topology, optimizer and data live elsewhere)."""
 
     train_iterations: int = Field(100, ge=1, description="Optimizer steps to train for, >= 1.")
-    seed: int = Field(42, description="Seed of model initialisation, data order and dropout.")
+    seed: int = Field(42, ge=0, description="Seed of model initialisation, data order and dropout; >= 0.")
     deterministic: bool = Field(
         False,
         description=(

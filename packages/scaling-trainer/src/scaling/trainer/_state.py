@@ -128,7 +128,7 @@ class TrainerCheckpointer:
         t = self.trainer
         cfg = t.config
         save_dir, load_dir = cfg.save_dir, cfg.load_dir
-        steps = ckpt.committed_steps(save_dir) if save_dir is not None else []
+        steps = self._committed_steps_seen_by_rank_0(save_dir)
         if steps:
             assert save_dir is not None
             if cfg.resume == "fresh":
@@ -151,6 +151,19 @@ class TrainerCheckpointer:
                 )
         if load_dir is not None:
             self.load(load_dir)
+
+    def _committed_steps_seen_by_rank_0(self, save_dir: Path | None) -> list[int]:
+        """The committed steps of ``save_dir``, read once by global rank 0 and sent to every rank: each
+        rank acts on one view (a slower rank reading for itself could find rank 0's resume=fresh
+        deletion done, skip the barrier after it and leave rank 0 waiting there)."""
+        if save_dir is None:
+            return []
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return ckpt.committed_steps(save_dir)
+        box: list[list[int] | None] = [ckpt.committed_steps(save_dir) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        assert box[0] is not None
+        return box[0]
 
     def load(self, load_dir: Path) -> None:
         """Restore the latest committed checkpoint in ``load_dir`` (layout may differ)."""
