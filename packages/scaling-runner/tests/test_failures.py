@@ -9,7 +9,17 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
 
-from scaling.runner._failures import REPORT_PREFIX, FailureParser, RankFailure, first_failure, worst_exit_code
+from scaling.runner._failures import (
+    REPORT_PREFIX,
+    FailureParser,
+    RankFailure,
+    RunReport,
+    first_failure,
+    grouped,
+    rank_list,
+    worst_exit_code,
+)
+from scaling.runner._main import _report
 from scaling.runner.torchrun import failure_records
 
 MESSAGE = "checkpoint ckpt/step_00000010 failed verification:\n  __1_0.distcp: sha256 differs from commit.json"
@@ -49,6 +59,45 @@ def test_torchelastic_failures_become_report_lines_and_back(tmp_path, monkeypatc
     assert other.describe() == "rank 2 (local_rank 0 on node-01, pid 4711) was killed by signal 9 (SIGKILL)"
     assert first_failure(list(parser.failures.values())) == root
     assert worst_exit_code(list(parser.failures.values()), [1]) == 1  # the root cause's, not the stopped rank's
+    # The root cause carries the worker's traceback, for the runner to print once.
+    assert root.traceback is not None and "raise CheckpointError(MESSAGE)" in root.traceback and other.traceback is None
+
+
+def test_ranks_that_failed_alike_are_one_line():
+    assert rank_list([7, 0, 1, 2, 3, 5, 9, 10]) == "0-3, 5, 7, 9, 10"
+    raised = [RankFailure(r, r % 4, f"node-0{r // 4}", 1, 100 + r, message="ValueError: bad") for r in range(8)]
+    stopped = [RankFailure(r, r % 4, "node-02", -15, 100 + r) for r in range(8, 12)]
+    alone = RankFailure(12, 0, "node-03", 1, 7, message="OSError: disk full")
+    assert grouped([*stopped, alone, *raised]) == [
+        "ranks 0-7 (on node-00, node-01) exited with code 1: ValueError: bad",
+        "ranks 8-11 (on node-02) were killed by signal 15 (SIGTERM)",
+        "rank 12 (local_rank 0 on node-03, pid 7) exited with code 1: OSError: disk full",
+    ]
+
+
+def test_the_runners_summary_of_identical_errors_is_a_few_lines(capsys):
+    # 64 ranks raise the same error; one is the root cause with its traceback, the others come
+    # after it (in consequence, as torchrun's agent reports them), and 8 are stopped by the agent.
+    tb = 'Traceback (most recent call last):\n  File "train.py", line 3, in <module>\nValueError: bad'
+    failures = [
+        RankFailure(r, r % 8, f"node-{r // 8}", 1, r, root_cause=r == 5, message="ValueError: bad",
+                    timestamp=1.0 + (r != 5), traceback=tb if r == 5 else None)
+        for r in range(64)
+    ] + [RankFailure(r, r % 8, f"node-{r // 8}", -15, r, timestamp=3.0) for r in range(64, 72)]  # fmt: skip
+    code = _report([1, 1], RunReport(failures, {}), None)
+    err = capsys.readouterr().err.splitlines()
+    assert code == 1
+    assert err == [
+        "scaling-run: traceback of rank 5 (on node-0):",
+        "  Traceback (most recent call last):",
+        '    File "train.py", line 3, in <module>',
+        "  ValueError: bad",
+        "scaling-run: first failure: rank 5 (local_rank 5 on node-0, pid 5) exited with code 1: ValueError: bad",
+        "scaling-run: the same error on ranks 0-4, 6-63",
+        "scaling-run: the run failed with exit code 1",
+        "scaling-run: then stopped or failed in consequence: ranks 64-71 (on node-8) were killed by signal 15 "
+        "(SIGTERM)",
+    ]
 
 
 def _failure_at(tmp_path, monkeypatch, name: str, mtime_ns: int, local_rank: int) -> ProcessFailure:
@@ -117,3 +166,18 @@ def test_a_cut_or_foreign_report_line_is_shown_not_read(line):
 
 def test_no_report_means_the_launch_codes_decide():
     assert worst_exit_code([], [0, 5, -15]) == 143
+
+
+def test_threads_per_rank_are_the_cores_over_the_local_ranks_unless_chosen(capsys):
+    from scaling.runner.torchrun import threads_per_rank
+
+    cores = len(os.sched_getaffinity(0))
+    env: dict[str, str] = {}
+    assert threads_per_rank("1", env) == cores and env == {"OMP_NUM_THREADS": str(cores)}
+    env = {}
+    assert threads_per_rank(str(4 * cores), env) == 1 and env == {"OMP_NUM_THREADS": "1"}  # never 0
+    assert "thread(s) on" in capsys.readouterr().err
+    chosen = {"OMP_NUM_THREADS": "3"}
+    assert threads_per_rank("2", chosen) is None and chosen == {"OMP_NUM_THREADS": "3"}
+    assert threads_per_rank("auto", {}) is None  # torchrun picks the count, and the threads with it
+    assert capsys.readouterr().err == ""

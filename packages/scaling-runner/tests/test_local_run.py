@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from scaling.runner import RunnerConfig, runner_main
+from scaling.runner._failures import rank_list
 
 SECRET = "local-secret-value-42"
 
@@ -64,6 +66,7 @@ def test_local_eight_processes_train(worker_script, tmp_path, monkeypatch):
 _RUN_SCRIPT = """
 import json, sys
 from scaling.runner import RunnerConfig, runner_main
+from scaling.runner._failures import rank_list
 cfg = RunnerConfig(script=sys.argv[1], nproc_per_node=2)
 runner_main(cfg, payload=json.loads(sys.argv[2]))
 """
@@ -98,3 +101,35 @@ def test_a_failed_rank_ends_the_run_script_non_zero(worker_script, tmp_path, fau
         assert runner.returncode == 1, err[-3000:]
         assert first + "exited with code 1: RuntimeError: rank 1 gave up: the checkpoint is corrupt\n" in err
     assert "SCALING_RANK_FAILURE" not in err  # the reports are read, not shown
+
+
+@pytest.mark.slow
+def test_an_error_every_rank_raises_is_printed_once_and_threads_are_set_per_rank(worker_script, tmp_path, capfd):
+    monkey_env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    payload = {"out_dir": str(tmp_path), "steps": 1, "lr": 0.3, "raise_rank": "all", "raise_message": "same"}
+    runner = subprocess.run(
+        [sys.executable, "-c", _RUN_SCRIPT.replace("nproc_per_node=2", "nproc_per_node=4"), worker_script,
+         json.dumps(payload)],
+        capture_output=True, text=True, env=monkey_env, timeout=300,
+    )  # fmt: skip
+    err = runner.stderr
+    assert runner.returncode == 1, err[-3000:]
+    cores = len(os.sched_getaffinity(0))
+    threads = max(1, cores // 4)
+    assert [r["omp_num_threads"] for r in read_ranks(tmp_path, 4)] == [str(threads)] * 4
+    summary = [line for line in err.splitlines() if line.startswith("scaling-run: ")]
+    assert summary[0] == f"scaling-run: {socket.gethostname()}: 4 rank(s) x {threads} thread(s) on {cores} core(s) " \
+        "(OMP_NUM_THREADS; set it to choose)"  # fmt: skip
+    assert summary[1].startswith("scaling-run: traceback of rank ")
+    assert re.fullmatch(
+        r"scaling-run: first failure: rank (\d) \(.*\) exited with code 1: RuntimeError: same", summary[2]
+    )
+    first = int(summary[2].split("rank ")[1].split(" ")[0])
+    others = rank_list([r for r in range(4) if r != first])
+    assert summary[3:] == [
+        f"scaling-run: the same error on ranks {others}",
+        "scaling-run: the run failed with exit code 1",
+    ]
+    assert err.count("Traceback (most recent call last)") == 1, err  # the runner's, once; no rank printed its own
+    assert "Setting OMP_NUM_THREADS" not in err and "SCALING_RANK_FAILURE" not in err
+    assert len(err.splitlines()) < 30, err

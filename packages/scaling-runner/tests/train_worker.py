@@ -22,7 +22,6 @@ import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -87,6 +86,7 @@ def main() -> None:
         "w": w,
         "b": b,
         "env": {name: os.environ.get(name) for name in payload.get("echo_env", [])},
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         # Command lines of this worker and of every process above it (torchrun's agent, the
         # shell pdsh started, pdsh, the runner), as `ps` shows them: secrets must not be in them.
         "cmdlines": ancestors_cmdlines(),
@@ -98,6 +98,8 @@ def main() -> None:
     out = Path(payload["out_dir"])
     (out / f"rank{rank}.json.tmp").write_text(json.dumps(record))
     os.replace(out / f"rank{rank}.json.tmp", out / f"rank{rank}.json")
+    if payload.get("raise_rank") == "all":
+        raise RuntimeError(payload["raise_message"])  # the same error on every rank
     if payload.get("raise_rank") == rank:
         raise RuntimeError(f"rank {rank} gave up: {payload['raise_message']}")
     if payload.get("hang"):
@@ -120,7 +122,7 @@ if __name__ == "__main__":
         # Exit 1 before the interpreter's teardown, where gloo's live threads can abort a rank
         # that failed while its peer was mid-collective (exit 134 instead of 1); scripts that
         # make their groups through scaling.topology get the same from its exit handler.
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())  # as Python would show it (the runner's hook may keep it quiet)
         sys.stderr.flush()
         os._exit(1)
     # Everything this rank writes is closed by now: skip the interpreter's teardown (see the top).

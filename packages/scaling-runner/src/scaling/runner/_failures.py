@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 REPORT_PREFIX = "SCALING_RANK_FAILURE "
 STOP_PREFIX = "SCALING_AGENT_STOPPED "
+# Set by the agent for its workers: their errors are reported to the runner (see _payload.py).
+REPORTED_ENV = "SCALING_RUN_REPORTS_ERRORS"
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class RankFailure:
             entry point is wrapped by ``torch.distributed.elastic``'s ``record``; else None.
         timestamp: when it failed (seconds since the epoch; to the nanosecond where the rank
             left an error file, see ``scaling.runner.torchrun.failure_time``).
+        traceback: the worker's Python traceback from its error file, when it wrote one.
     """
 
     rank: int
@@ -47,6 +50,7 @@ class RankFailure:
     root_cause: bool = False
     message: str | None = None
     timestamp: float = 0.0
+    traceback: str | None = None
 
     @property
     def shell_code(self) -> int:
@@ -55,10 +59,41 @@ class RankFailure:
 
     def describe(self) -> str:
         """E.g. ``rank 2 (local_rank 2 on node-01, pid 4711) was killed by signal 9 (SIGKILL)``."""
-        where = f"rank {self.rank} (local_rank {self.local_rank} on {self.host}, pid {self.pid})"
+        return f"rank {self.rank} (local_rank {self.local_rank} on {self.host}, pid {self.pid}) {self.outcome()}"
+
+    def outcome(self) -> str:
+        """What happened, without saying to whom: ``exited with code 1: CheckpointError: ...``."""
         if self.exitcode < 0:
-            return f"{where} was killed by signal {-self.exitcode} ({signal_name(-self.exitcode)})"
-        return f"{where} exited with code {self.exitcode}" + (f": {self.message}" if self.message else "")
+            return f"was killed by signal {-self.exitcode} ({signal_name(-self.exitcode)})"
+        return f"exited with code {self.exitcode}" + (f": {self.message}" if self.message else "")
+
+
+def rank_list(ranks: list[int]) -> str:
+    """``[0, 1, 2, 3, 6]`` as ``0-3, 6``."""
+    runs: list[list[int]] = []
+    for rank in sorted(ranks):
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
+
+
+def grouped(failures: list[RankFailure]) -> list[str]:
+    """One line per distinct outcome: a rank alone as :meth:`RankFailure.describe` says it, ranks that
+    failed alike as ``ranks 0-3, 6 (on node-01, node-02) were killed by signal 15 (SIGTERM)``."""
+    groups: dict[str, list[RankFailure]] = {}
+    for failure in sorted(failures, key=lambda f: f.rank):
+        groups.setdefault(failure.outcome(), []).append(failure)
+    lines = []
+    for outcome, members in groups.items():
+        if len(members) == 1:
+            lines.append(members[0].describe())
+            continue
+        hosts = ", ".join(dict.fromkeys(f.host for f in members))
+        verb = outcome.replace("was killed", "were killed", 1)
+        lines.append(f"ranks {rank_list([f.rank for f in members])} (on {hosts}) {verb}")
+    return lines
 
 
 def shell_code(exitcode: int) -> int:

@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING
 
 from scaling.runner._commands import DEFAULT_REMOTE_PORT, Launch, build_launches, free_port
 from scaling.runner._config import RunnerConfig
-from scaling.runner._failures import RunReport, first_failure, signal_name, worst_exit_code
+from scaling.runner._failures import (
+    RankFailure,
+    RunReport,
+    first_failure,
+    grouped,
+    rank_list,
+    signal_name,
+    worst_exit_code,
+)
 from scaling.runner._payload import (
     PAYLOAD_INLINE_ENV,
     PAYLOAD_PATH_ENV,
@@ -120,17 +128,39 @@ def _report(codes: list[int], report: RunReport, signum: int | None) -> int:
     elif code == 0:
         return 0
     else:
+        # Each distinct error once: the first failure's traceback (the ranks print none of their
+        # own when the runner reports them), then one line per outcome with the ranks it hit.
         first = first_failure(failures)
-        lines = [f"scaling-run: first failure: {first.describe()}"] if first is not None else []
+        lines = _tracebacks(failures, first)
+        if first is not None:
+            lines.append(f"scaling-run: first failure: {first.describe()}")
+            alike = [f.rank for f in failures if f is not first and f.outcome() == first.outcome()]
+            if alike:
+                lines.append(f"scaling-run: the same error on rank{'s' if len(alike) > 1 else ''} {rank_list(alike)}")
         lines.append(f"scaling-run: the run failed with exit code {code}")
-        lines += [f"scaling-run: {f.describe()}" for f in failures if f.root_cause and f is not first]
-        stopped = [f.describe() for f in failures if not f.root_cause]
+        rest = [f for f in failures if first is None or f.outcome() != first.outcome()]
+        lines += [f"scaling-run: {line}" for line in grouped([f for f in rest if f.root_cause])]
+        stopped = grouped([f for f in rest if not f.root_cause])
         if stopped:
             lines.append("scaling-run: then stopped or failed in consequence: " + "; ".join(stopped))
         if not failures:
             lines.append(f"scaling-run: no rank reported a failure; launch exit codes {codes}")
     print("\n".join(lines), file=sys.stderr, flush=True)
     return code
+
+
+def _tracebacks(failures: list[RankFailure], first: RankFailure | None) -> list[str]:
+    """The traceback of the first failure, and of the first rank of each other distinct error a rank
+    raised on its own (the ranks whose collectives broke in consequence add nothing)."""
+    shown: dict[str, RankFailure] = {}
+    for failure in [first, *failures] if first is not None else failures:
+        if failure.traceback and (failure is first or failure.root_cause):
+            shown.setdefault(failure.outcome(), failure)
+    lines = []
+    for failure in shown.values():
+        lines.append(f"scaling-run: traceback of rank {failure.rank} (on {failure.host}):")
+        lines += ["  " + line for line in failure.traceback.rstrip().splitlines()] if failure.traceback else []
+    return lines
 
 
 def _prepare(config: RunnerConfig, payload: JsonMapping | None) -> tuple[list[Launch], Path | None]:

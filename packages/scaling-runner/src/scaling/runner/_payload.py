@@ -13,9 +13,13 @@ from __future__ import annotations
 import base64
 import json
 import os
+import sys
+import types
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from scaling.runner._failures import REPORTED_ENV
 
 if TYPE_CHECKING:
     from scaling.config import JsonDict, JsonMapping
@@ -66,6 +70,25 @@ def inline_payload(text: str) -> str:
     return encoded
 
 
+def quiet_reported_errors() -> None:
+    """In a worker of ``scaling.runner.torchrun``: an uncaught exception that the worker's error file
+    records (its entry point wrapped by torchelastic's ``record``) prints no traceback here, since
+    the runner prints each distinct error once with the first failure's traceback. Any other
+    exception prints as usual. Installed once, by :func:`load_payload`; elsewhere it does nothing.
+    """
+    if os.environ.get(REPORTED_ENV) != "1" or getattr(sys.excepthook, "_scaling_quiet", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: types.TracebackType | None) -> None:
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if not (error_file and os.path.isfile(error_file) and os.path.getsize(error_file) > 0):
+            previous(kind, value, tb)
+
+    hook._scaling_quiet = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
 def load_payload(environ: Mapping[str, str] | None = None) -> JsonDict:
     """Read the payload handed to this process by :func:`runner_main` (worker side).
 
@@ -84,6 +107,8 @@ def load_payload(environ: Mapping[str, str] | None = None) -> JsonDict:
         config = MyConfig.from_dict(load_payload())
     """
     env = os.environ if environ is None else environ
+    if environ is None:
+        quiet_reported_errors()
     if PAYLOAD_PATH_ENV in env:
         return json.loads(Path(env[PAYLOAD_PATH_ENV]).read_text())
     if PAYLOAD_INLINE_ENV in env:

@@ -10,8 +10,11 @@ exit code, and the message and timestamp a worker wrapped by
     SCALING_RANK_FAILURE {"rank": 3, "local_rank": 1, "host": "node-01", "pid": 4711, ...}
 
 which the runner reads on the launching machine through whatever carried the output (pdsh
-prefixes ``node: ``, srun, docker, a SLURM job's output file). torchrun's printed table
-follows, for people. A SIGTERM or SIGINT to the agent (``scancel``, ``docker stop``, the
+prefixes ``node: ``, srun, docker, a SLURM job's output file) and prints each distinct error
+once, with the root cause's traceback (torchrun's table, which repeats every rank's, is not
+printed; a worker that wrote its error file prints no traceback of its own, see
+``scaling.runner.load_payload``). Before starting the workers the agent sets their threads
+(:func:`threads_per_rank`). A SIGTERM or SIGINT to the agent (``scancel``, ``docker stop``, the
 runner's forwarding) stops the workers as torchrun does, reports
 ``SCALING_AGENT_STOPPED {"host": ..., "signal": 15}`` and exits ``128 + signal`` instead of
 torchrun's 1, so the cause survives.
@@ -20,13 +23,14 @@ torchrun's 1, so the cause survives.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
 import sys
 from typing import TYPE_CHECKING
 
-from scaling.runner._failures import REPORT_PREFIX, STOP_PREFIX, shell_code
+from scaling.runner._failures import REPORT_PREFIX, REPORTED_ENV, STOP_PREFIX, shell_code
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -50,7 +54,9 @@ def failure_records(failures: dict[int, ProcessFailure], host: str) -> list[Json
     records = []
     for rank, failure in sorted(failures.items()):
         message = failure.message if failure.error_file != _NO_FILE else None
-        if isinstance(message, dict):  # the error file's {"message": "...", "extraInfo": {...}}
+        traceback = None
+        if isinstance(message, dict):  # the error file's {"message": "...", "extraInfo": {"py_callstack": ...}}
+            traceback = (message.get("extraInfo") or {}).get("py_callstack")
             message = message.get("message")
         records.append(
             {
@@ -62,6 +68,8 @@ def failure_records(failures: dict[int, ProcessFailure], host: str) -> list[Json
                 "timestamp": times[rank],
                 "root_cause": rank == first,
                 "message": " ".join(line.strip() for line in str(message).splitlines()) if message else None,
+                # The runner prints one traceback per distinct error; only a root cause's can be the first.
+                "traceback": str(traceback) if traceback and rank == first else None,
             }
         )
     return records
@@ -88,6 +96,31 @@ def failure_time(failure: ProcessFailure) -> float:
     return failure.timestamp + offset
 
 
+def threads_per_rank(nproc_per_node: str, environ: dict[str, str] | os._Environ[str]) -> int | None:
+    """Set ``OMP_NUM_THREADS`` (torch's intra-op threads) for the workers to the cores this agent may
+    use divided by its local ranks (at least 1), unless it is set already; say so in one line.
+
+    torchrun itself sets 1 for more than one local rank (with a banner) and nothing for one,
+    where every rank then takes all cores of a machine that may be busy. Returns the number set.
+    """
+    if "OMP_NUM_THREADS" in environ:
+        return None
+    try:
+        local = int(nproc_per_node)
+    except ValueError:  # 'auto', 'gpu', 'cpu': torchrun decides the count, and the threads with it
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cores // max(local, 1))
+    environ["OMP_NUM_THREADS"] = str(threads)
+    print(
+        f"scaling-run: {socket.gethostname()}: {local} rank(s) x {threads} thread(s) on {cores} core(s) "
+        "(OMP_NUM_THREADS; set it to choose)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return threads
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with ``argv``; return its exit code (0, 1 for failed workers, 128 + N for signal N)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -95,12 +128,19 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    threads_per_rank(args.nproc_per_node, os.environ)
+    # Its "failed (exitcode: 1) local_rank: ..." and "closing signal" lines, one per rank, say what
+    # the reports below say once.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    # The workers inherit it: one whose error the agent reports prints no traceback of its own.
+    os.environ[REPORTED_ENV] = "1"
     try:
         run(args)
     except ChildFailedError as exc:
+        # The runner reads these and prints each distinct error once (torchrun's table, which
+        # repeated every rank's, is not printed).
         for record in failure_records(exc.failures, socket.gethostname()):
-            print(REPORT_PREFIX + json.dumps(record, sort_keys=True), file=sys.stderr)
-        print(exc.format_msg(), file=sys.stderr, flush=True)
+            print(REPORT_PREFIX + json.dumps(record, sort_keys=True), file=sys.stderr, flush=True)
         return 1
     except SignalException as exc:
         stop = {"host": socket.gethostname(), "signal": int(exc.sigval)}
