@@ -109,3 +109,21 @@ def test_a_tampered_checkpoint_is_named_in_the_runners_summary(tmp_path, capfd):
     assert len(summary) == 1, summary
     assert "exited with code 1: " in summary[0] and "CheckpointError: checkpoint " in summary[0]
     assert f"{shard}: sha256 differs from commit.json" in summary[0]
+
+
+@pytest.mark.parametrize("module", ["scaling.mlp.__main__", "scaling.transformer.__main__"])
+def test_the_apps_say_their_first_line_before_importing_torch(module):
+    # The first line ("checking <config>") is printed right after the arguments are parsed: what the
+    # command line module imports by then must not include torch (seconds to import).
+    import subprocess
+    import sys
+
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+def test_an_override_in_the_place_of_the_config_is_an_override(capsys):
+    assert main(["topology.world_size=6"]) == 2  # the bundled config with this override
+    captured = capsys.readouterr()
+    assert captured.out.startswith(f"scaling.mlp: checking {DEFAULT_CONFIG} with topology.world_size=6\n")
+    assert "world_size=6 does not equal" in captured.err

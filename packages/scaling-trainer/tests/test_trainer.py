@@ -209,3 +209,22 @@ def test_the_context_chooses_deterministic_kernels_before_the_model_is_built():
     """`trainer.deterministic` takes effect at `context.initialize`, before any model or product exists."""
     assert run_distributed(_deterministic_context_worker, 1, True) == [True]
     assert run_distributed(_deterministic_context_worker, 1, False) == [False]
+
+
+def test_an_app_config_describes_its_launch_in_one_line():
+    from scaling.topology import TopologyConfig
+    from scaling.trainer import TrainingAppConfig
+    from scaling.trainer.loggers import LoggerConfig
+
+    topology = TopologyConfig(model_parallel_size=2, pipe_parallel_size=2, data_parallel_size=4, expert_parallel_size=2)
+    config = TrainingAppConfig(
+        topology=topology,
+        logger=LoggerConfig(log_dir="runs/x"),
+        trainer=TrainerConfig(train_iterations=300, save_dir="runs/x/ckpt"),
+    )
+    assert config.describe_launch() == (
+        "16 rank(s) (tp 2 x pp 2 x dp 4, experts over ep 2 of dp), 300 steps; metrics in runs/x, "
+        "checkpoints in runs/x/ckpt"
+    )
+    alone = TrainingAppConfig(topology=TopologyConfig(world_size=1), trainer=TrainerConfig(train_iterations=5))
+    assert alone.describe_launch() == "1 rank(s) (one process), 5 steps"

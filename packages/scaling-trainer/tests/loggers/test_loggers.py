@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import struct
@@ -65,7 +66,53 @@ def test_console_jsonl_tensorboard(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 2.5), (2, 2.25)]
     assert acc.Scalars("grad_norm")[0].value == pytest.approx(0.75)
-    assert console_line(1, {"grad_norm": 0.75, "loss": 2.5}) == "step 1 | loss 2.5 | grad_norm 0.75"
+    assert console_line(1, {"grad_norm": 0.75, "loss": 2.5}) == "step 1 | grad_norm 0.75 | loss 2.5"
+
+
+# What the trainer logs at a step (the keys of BaseTrainer.train_step's metrics).
+TRAINER_STEP = {
+    "training/loss": 2.2994, "training/accuracy": 0.0833, "training/global_grad_norm": 0.2128,
+    "training/lr_weight_decay_params": 6e-4, "training/loss_scale": 1.0, "training/loss_spike": 0.0,
+    "runtime/step_duration": 0.2201, "runtime/samples_per_second": 272.6, "runtime/tokens_per_second": 34893.1,
+    "runtime/peak_memory_mib": 290.8, "runtime/mfu": 0.4912, "runtime/tflops_per_device": 485.8,
+    "evaluation/loss": 2.292, "evaluation/accuracy": 0.1333,
+}  # fmt: skip
+
+
+def test_the_brief_console_line_says_where_the_run_is_in_120_characters():
+    training = {k: v for k, v in TRAINER_STEP.items() if not k.startswith("evaluation")}
+    line = console_line(20, training, total=300, eta_s=65.4, brief=True)
+    assert line == (
+        "step 20/300 | loss 2.299 | acc 0.0833 | lr 6.000e-04 | gnorm 0.2128 | tok/s 34893 | mfu 49.1% | eta 1m05s"
+    )  # tokens/s stands for the throughput; s/step did not fit
+    assert len("07:49:30 " + line) <= 120  # the logger's time stamp included
+    crowded = console_line(20, TRAINER_STEP, total=300, eta_s=4000, brief=True)
+    assert crowded.startswith("step 20/300 | loss 2.299 | acc 0.0833 | eval loss 2.292 | eval acc 0.1333 | lr ")
+    assert crowded.endswith(" | eta 1h06m") and len("07:49:30 " + crowded) <= 120
+    assert console_line(3, {"evaluation/loss": 2.292}, total=300, brief=True) == "step 3/300 | eval loss 2.292"
+    full = console_line(20, TRAINER_STEP, total=300, brief=False)
+    assert all(k in full for k in TRAINER_STEP)  # 'full': every metric
+
+
+def test_the_console_counts_down_once_started():
+    logger = MetricsLogger(LoggerConfig())
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.logger.addHandler(handler)
+    try:
+        logger.start(10, 20)
+        for step in (11, 12, 20):
+            logger.log({"training/loss": 1.0}, step)
+    finally:
+        logger.logger.removeHandler(handler)
+    messages = [r.getMessage() for r in records]
+    assert [m.split(" | eta")[0] for m in messages] == [
+        "step 11/20 | loss 1",
+        "step 12/20 | loss 1",
+        "step 20/20 | loss 1",
+    ]
+    assert [" | eta " in m for m in messages] == [True, True, False]
 
 
 def test_a_resumed_run_replaces_the_rows_after_its_step(tmp_path):

@@ -15,15 +15,19 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from scaling.transformer.config import TransformerConfig
 from scaling.transformer.corpus import DEFAULT_VOCAB_SIZE, default_paths
+
+if TYPE_CHECKING:  # imported when used: torch takes seconds to import, the first line does not wait
+    from scaling.transformer.config import TransformerConfig
 
 DEFAULT_CONFIG = Path(__file__).with_name("config.yml")
 
 
 def load_config(path: str | Path, overrides: list[str]) -> TransformerConfig:
     """Validate the config, the process count and the data before anything launches."""
+    from scaling.transformer.config import TransformerConfig
     from scaling.transformer.data import open_tokens
     from scaling.transformer.model import check_fp8
 
@@ -55,13 +59,22 @@ def _train(args: argparse.Namespace) -> int:
     from scaling.runner import runner_main
 
     if args.template:
+        from scaling.transformer.config import TransformerConfig
+
         print(TransformerConfig.template())
         return 0
+    if "=" in args.config and not Path(args.config).exists():  # `scaling-transformer train trainer.x=1`
+        args.overrides, args.config = [args.config, *args.overrides], str(DEFAULT_CONFIG)
+    print(
+        f"scaling-transformer: checking {args.config}" + (f" with {' '.join(args.overrides)}" if args.overrides else "")
+    )
+    sys.stdout.flush()
     try:
         config = load_config(args.config, args.overrides)
     except (ValueError, FileNotFoundError) as exc:
         print(f"scaling-transformer: invalid config: {exc}", file=sys.stderr)
         return 2
+    print(f"scaling-transformer: launching {config.describe_launch()}", flush=True)
     return runner_main(config.runner, payload=config.as_dict(), exit_on_failure=False)
 
 

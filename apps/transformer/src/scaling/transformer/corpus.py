@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from scaling.config import JsonDict
-from scaling.data import tokenize_files
 
 STDLIB_MODULES = (
     "argparse", "ast", "base64", "bisect", "calendar", "cmd", "codecs", "colorsys", "configparser",
@@ -105,6 +104,8 @@ def preprocess(
         with jsonl.open("w", encoding="utf-8") as f:
             for _, text in split_docs:
                 f.write(json.dumps({"text": text}) + "\n")
+        from scaling.data import tokenize_files  # here: scaling.data imports torch
+
         tokens = tokenize_files(
             [jsonl], paths["tokenizer"], paths[split], eod_token=EOD_TOKEN, progress=False, num_workers=1
         )

@@ -39,3 +39,22 @@ class TrainingAppConfig(BaseConfig):
     def _check_sharding(self) -> TrainingAppConfig:
         check_sharding(self.optimizer, self.topology)
         return self
+
+    def describe_launch(self) -> str:
+        """One line of what a launch of this config runs, e.g. ``8 ranks (tp 2 x pp 2 x dp 2),
+        300 steps; metrics in runs/mlp, checkpoints in runs/mlp/checkpoints`` (the apps print it first)."""
+        t = self.topology
+        sizes = [
+            ("tp", t.model_parallel_size),
+            ("pp", t.pipe_parallel_size),
+            ("cp", t.context_parallel_size),
+            ("dp", t.data_parallel_size),
+        ]
+        layout = " x ".join(f"{name} {size}" for name, size in sizes if size and size > 1) or "one process"
+        if t.expert_parallel_size > 1:  # experts split over groups of DP ranks: no ranks of its own
+            layout += f", experts over ep {t.expert_parallel_size} of dp"
+        where = [f"metrics in {self.logger.log_dir}"] if self.logger.log_dir is not None else []
+        if self.trainer.save_dir is not None:
+            where.append(f"checkpoints in {self.trainer.save_dir}")
+        steps = f"{self.trainer.train_iterations} steps"
+        return f"{t.world_size} rank(s) ({layout}), {steps}" + (f"; {', '.join(where)}" if where else "")

@@ -62,7 +62,7 @@ class MetricsLogger:
         self.sinks: list[Sink] = []
         if not self.is_writer:
             return
-        self.sinks.append(ConsoleSink(self.logger))
+        self.sinks.append(ConsoleSink(self.logger, brief=self.config.console == "brief"))
         cfg, log_dir = self.config, self.config.log_dir
         if log_dir is None:
             if cfg.use_tensorboard or cfg.use_wandb:
@@ -97,6 +97,12 @@ class MetricsLogger:
         values = {k: _to_float(k, v) for k, v in metrics.items() if k != "step" and not isinstance(v, (str, bool))}
         for sink in self.sinks:
             sink.log(step, values)
+
+    def start(self, step: int, total: int) -> None:
+        """Training runs from ``step`` to ``total`` now: the console says ``step N/total`` and an ETA."""
+        for sink in self.sinks:
+            if isinstance(sink, ConsoleSink):
+                sink.start(step, total)
 
     def resumed_at(self, step: int) -> None:
         """The run resumed from ``step``: sinks that can drop what was logged after it do

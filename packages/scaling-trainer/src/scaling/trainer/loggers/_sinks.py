@@ -13,17 +13,21 @@ from typing import TYPE_CHECKING, Literal, Protocol
 if TYPE_CHECKING:
     from scaling.config import JsonMapping
 
-# Keys shown first, in this order, on the console line; the rest follow sorted.
-_CONSOLE_ORDER = (
-    "loss",
-    "evaluation/loss",
-    "learning_rate",
-    "grad_norm",
-    "loss_scale",
-    "step_duration",
-    "samples_per_second",
-    "tokens_per_second",
+# The console's brief line: (label, metric key) in this order; the first lr_ key stands for the LR.
+_BRIEF = (
+    ("loss", "training/loss"),
+    ("acc", "training/accuracy"),
+    ("eval loss", "evaluation/loss"),
+    ("eval acc", "evaluation/accuracy"),
+    ("lr", "training/lr_*"),
+    ("gnorm", "training/global_grad_norm"),
+    ("tok/s", "runtime/tokens_per_second"),
+    ("samples/s", "runtime/samples_per_second"),
+    ("mfu", "runtime/mfu"),
+    ("s/step", "runtime/step_duration"),
 )
+CONSOLE_WIDTH = 120  # characters of a brief line, its time stamp included
+_STAMP = len("07:49:30 ")
 
 
 def _fmt(value: float) -> str:
@@ -32,9 +36,48 @@ def _fmt(value: float) -> str:
     return f"{value:.3e}"
 
 
-def console_line(step: int, metrics: dict[str, float]) -> str:
-    keys = [k for k in _CONSOLE_ORDER if k in metrics] + sorted(k for k in metrics if k not in _CONSOLE_ORDER)
-    return f"step {step} | " + " | ".join(f"{k} {_fmt(metrics[k])}" for k in keys)
+def duration(seconds: float) -> str:
+    """``95`` as ``1m35s``, ``4000`` as ``1h06m``."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def console_line(
+    step: int,
+    metrics: dict[str, float],
+    total: int | None = None,
+    eta_s: float | None = None,
+    brief: bool = False,
+) -> str:
+    """``step 20/300 | loss 2.299 | ... | eta 1m05s``.
+
+    ``brief``: the few figures a person follows (loss, accuracy, LR, gradient norm, throughput,
+    MFU, step time), cut to :data:`CONSOLE_WIDTH` with the ETA kept; else every metric, sorted.
+    """
+    head = f"step {step}/{total}" if total is not None else f"step {step}"
+    tail = [f"eta {duration(eta_s)}"] if eta_s is not None else []
+    if not brief:
+        return " | ".join([head, *(f"{k} {_fmt(metrics[k])}" for k in sorted(metrics)), *tail])
+    parts = []
+    for label, key in _BRIEF:
+        if key.endswith("*"):
+            key = next((k for k in sorted(metrics) if k.startswith(key[:-1])), "")
+        if key not in metrics or (label == "samples/s" and "runtime/tokens_per_second" in metrics):
+            continue
+        value = metrics[key]
+        if label == "mfu":
+            parts.append(f"mfu {value:.1%}")
+        elif label.endswith("/s") and value >= 100:
+            parts.append(f"{label} {value:.0f}")
+        else:
+            parts.append(f"{label} {_fmt(value)}")
+    while parts and len(" | ".join([head, *parts, *tail])) > CONSOLE_WIDTH - _STAMP:
+        parts.pop()
+    return " | ".join([head, *parts, *tail])
 
 
 class Sink(Protocol):
@@ -46,11 +89,24 @@ class Sink(Protocol):
 
 
 class ConsoleSink:
-    def __init__(self, logger: logging.Logger) -> None:
+    """One line per logged step on the console; after :meth:`start`, ``step N/total`` and an ETA."""
+
+    def __init__(self, logger: logging.Logger, brief: bool = True) -> None:
         self.logger = logger
+        self.brief = brief
+        self.total: int | None = None
+        self._origin: tuple[int, float] | None = None
+
+    def start(self, step: int, total: int) -> None:
+        """Training runs from ``step`` to ``total``: lines say ``step N/total`` and estimate the rest."""
+        self.total, self._origin = total, (step, time.monotonic())
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.logger.info(console_line(step, metrics))
+        eta = None
+        if self._origin is not None and self.total is not None and self._origin[0] < step < self.total:
+            first, at = self._origin
+            eta = (time.monotonic() - at) / (step - first) * (self.total - step)
+        self.logger.info(console_line(step, metrics, self.total, eta, self.brief))
 
     def close(self) -> None:
         pass
