@@ -155,3 +155,39 @@ def _tiny_mixtral(tmp_path):
 def test_mixtral_import_logits_and_export_roundtrip(tmp_path):
     moe = _roundtrip(tmp_path, _tiny_mixtral(tmp_path)).transformer_architecture.moe
     assert (moe.num_experts, moe.top_k, moe.every, moe.ffn_size) == (4, 2, 1, 48)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_export_folder_loads_with_auto_classes_and_a_pipeline(tiny_corpus, tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    cfg = tiny_config(tiny_corpus, steps=2, trainer={"save_dir": str(save), "save_interval": 2})
+    run_distributed(train_worker, 1, cfg, timeout_seconds=120)
+    assert main(["export-hf", str(save), str(tmp_path / "hf")]) == 0
+    assert "model.safetensors, tokenizer; base weights only" in capsys.readouterr().out
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    from tokenizers import Tokenizer
+
+    ours = Tokenizer.from_file(str(tiny_corpus / "tokenizer.json"))
+    assert tokenizer("def f(x):")["input_ids"] == ours.encode("def f(x):").ids
+    assert tokenizer.eos_token == "<|endoftext|>" and model.generation_config.eos_token_id == ours.token_to_id(
+        "<|endoftext|>"
+    )
+    pipe = transformers.pipeline("text-generation", model=str(tmp_path / "hf"))
+    [out] = pipe("def ", max_new_tokens=8, do_sample=False)
+    # The same greedy continuation as our own generate from the checkpoint.
+    from scaling.transformer.generate import generate_text
+
+    assert out["generated_text"] == generate_text(save, ["def "], max_new_tokens=8)[0]
+
+
+def test_export_names_a_missing_tokenizer(tmp_path, capsys):
+    _tiny_llama(tmp_path)
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    ckpt = str(tmp_path / "ours" / CHECKPOINT_SUBDIR)
+    assert main(["export-hf", ckpt, str(tmp_path / "back")]) == 0  # no tokenizer anywhere: said, not fatal
+    assert "pass --tokenizer to ship one" in capsys.readouterr().out
+    assert not (tmp_path / "back" / "tokenizer.json").exists()
+    with pytest.raises(FileNotFoundError, match="--tokenizer 'nope.json' does not exist"):
+        export_hf(ckpt, tmp_path / "again", tokenizer="nope.json")

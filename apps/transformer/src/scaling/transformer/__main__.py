@@ -120,8 +120,12 @@ def _import_hf(args: argparse.Namespace) -> int:
 def _export_hf(args: argparse.Namespace) -> int:
     from scaling.transformer.hf import export_hf
 
-    out = export_hf(args.checkpoint, args.output, config_path=args.config)
-    print(f"exported {args.checkpoint} -> {out} (config.json, model.safetensors; base weights only)")
+    out = export_hf(args.checkpoint, args.output, config_path=args.config, tokenizer=args.tokenizer)
+    if (out / "tokenizer.json").is_file():
+        print(f"exported {args.checkpoint} -> {out} (config.json, model.safetensors, tokenizer; base weights only)")
+    else:
+        print(f"exported {args.checkpoint} -> {out} (config.json, model.safetensors; base weights only)")
+        print("no tokenizer found (data.tokenizer_path, or the default corpus's); pass --tokenizer to ship one")
     if args.peft_dir is not None:
         from scaling.transformer.hf import export_peft
 
@@ -163,6 +167,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint")
     p.add_argument("output")
     p.add_argument("--config", default=None, help="config YAML (default: the one saved with the checkpoint)")
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer.json to ship (default: the config's, as generate picks it)"
+    )
     p.add_argument(
         "--peft-dir", default=None, help="also write the LoRA adapter (finetuning.method=lora) as a PEFT folder"
     )

@@ -32,6 +32,7 @@ from scaling.config import JsonDict
 from scaling.nn import named_parameters_with_meta, write_peft_adapter
 from scaling.trainer import checkpoint
 from scaling.transformer.config import MoEConfig, TransformerArchitectureConfig, TransformerConfig
+from scaling.transformer.corpus import EOD_TOKEN, default_paths
 from scaling.transformer.inference import TransformerLM, load_model
 
 CHECKPOINT_SUBDIR = "checkpoint"
@@ -231,12 +232,28 @@ def import_hf(hf_dir: str | Path, output_dir: str | Path) -> Path:
     return out
 
 
-def export_hf(checkpoint: str | Path, output_dir: str | Path, config_path: str | Path | None = None) -> Path:
+def export_hf(
+    checkpoint: str | Path,
+    output_dir: str | Path,
+    config_path: str | Path | None = None,
+    tokenizer: str | Path | None = None,
+) -> Path:
     """Write a checkpoint of any layout as a Llama (or, with MoE blocks, Mixtral) HF folder (``config.json``,
-    ``model.safetensors``).
+    ``model.safetensors``) with its tokenizer (``tokenizer.json``, ``tokenizer_config.json``,
+    ``generation_config.json``), so ``AutoTokenizer``, ``AutoModelForCausalLM`` and
+    ``pipeline("text-generation")`` load the folder as it is.
+
+    Args:
+        tokenizer: the ``tokenizer.json`` to ship; None: ``data.tokenizer_path`` of the checkpoint's
+            config, else the default corpus's (as ``generate`` picks it), left out when neither exists.
+
+    Returns:
+        The folder (``tokenizer.json`` is in it when a tokenizer was found).
 
     Raises:
-        ValueError: when the architecture is not Llama- or Mixtral-compatible (the fields are named).
+        ValueError: when the architecture is not Llama- or Mixtral-compatible (the fields are named),
+            or the tokenizer has more tokens than the model's vocabulary.
+        FileNotFoundError: ``tokenizer`` was given and does not exist.
     """
     from safetensors.torch import save_file
 
@@ -244,6 +261,10 @@ def export_hf(checkpoint: str | Path, output_dir: str | Path, config_path: str |
     model, config = load_model(checkpoint, config)
     arch = config.transformer_architecture
     _check_exportable(arch)
+    if tokenizer is not None and not Path(tokenizer).is_file():
+        raise FileNotFoundError(f"--tokenizer {str(tokenizer)!r} does not exist; give the path of a tokenizer.json")
+    found = Path(tokenizer or config.data.tokenizer_path or default_paths(config.data.default_corpus_dir)["tokenizer"])
+    shipped = found if found.is_file() else None
     params = dict(model.named_parameters())
     state = {theirs: params[ours].detach().contiguous() for ours, theirs in _mapping(arch).items()}
     for i in range(arch.num_layers):
@@ -282,9 +303,37 @@ def export_hf(checkpoint: str | Path, output_dir: str | Path, config_path: str |
         )
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if shipped is not None:
+        hf_config.update(_write_tokenizer(shipped, out, arch))
     (out / "config.json").write_text(json.dumps(hf_config, indent=2))
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def _write_tokenizer(path: Path, out: Path, arch: TransformerArchitectureConfig) -> JsonDict:
+    """Ship ``path`` as a fast tokenizer folder; returns the special token ids for ``config.json``."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(path))
+    if tokenizer.get_vocab_size() > arch.vocab_size:
+        raise ValueError(
+            f"tokenizer {path} has {tokenizer.get_vocab_size()} tokens, more than transformer_architecture."
+            f"vocab_size={arch.vocab_size}; give the tokenizer the model was trained with (--tokenizer)"
+        )
+    out.joinpath("tokenizer.json").write_bytes(path.read_bytes())
+    eod = tokenizer.token_to_id(EOD_TOKEN)
+    settings: JsonDict = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": arch.max_sequence_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    ids: JsonDict = {}
+    if eod is not None:  # GPT-2's convention: the document separator ends a generation and pads
+        settings.update(eos_token=EOD_TOKEN, pad_token=EOD_TOKEN)
+        ids = {"eos_token_id": eod, "pad_token_id": eod}
+    (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(ids, indent=2))
+    return ids
 
 
 # Our block-relative LoRA module -> the Llama modules (qkv is one fused module here, three in HF).

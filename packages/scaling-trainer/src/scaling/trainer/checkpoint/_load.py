@@ -22,7 +22,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from scaling.trainer.checkpoint import _marker as mk
 from scaling.trainer.checkpoint._errors import CheckpointError
 from scaling.trainer.checkpoint._safe_io import SafeFileSystemReader, SafeLoadPlanner, safe_load_metadata
-from scaling.trainer.checkpoint._save import EXTRA_FILE, SCALARS_FILE, _all_gather, _world, rank_file
+from scaling.trainer.checkpoint._save import (
+    EXTRA_FILE,
+    SCALARS_FILE,
+    _all_gather,
+    _world,
+    rank_file,
+    without_single_process_warning,
+)
 from scaling.trainer.checkpoint._tree import decode_pytree, fill_state, flatten_state
 
 _LOAD_TAKES_NO_DIST = "no_dist" in inspect.signature(dcp_loader.load).parameters
@@ -213,13 +220,14 @@ def _load_verified(
     # process by itself); later versions take it.
     single = {"no_dist": not (dist.is_available() and dist.is_initialized())} if _LOAD_TAKES_NO_DIST else {}
     try:
-        dcp_loader.load(
-            to_load,
-            storage_reader=SafeFileSystemReader(step_dir),
-            planner=SafeLoadPlanner(allow_partial_load=True),
-            process_group=pg,
-            **single,
-        )
+        with without_single_process_warning():
+            dcp_loader.load(
+                to_load,
+                storage_reader=SafeFileSystemReader(step_dir),
+                planner=SafeLoadPlanner(allow_partial_load=True),
+                process_group=pg,
+                **single,
+            )
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps rank failures in a BaseException
         raise CheckpointError(f"{step_dir}: reading the DCP shards failed (refused or corrupt): {e}") from e
     filled = {k: scalar_values[k] for k in t_scalars if k in wanted and k in scalar_values}

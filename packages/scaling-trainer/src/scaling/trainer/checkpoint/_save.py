@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar, cast
 
@@ -40,6 +42,15 @@ _SPLIT_BYTES = 16 << 20
 # tensors to the CPU, so a CPU tensor stays shared with the caller and an update made right
 # after the call would change what is written. There we copy before handing the tensors over.
 _ASYNC_SAVE_COPIES = hasattr(dcp_staging, "DefaultStager")
+
+
+@contextmanager
+def without_single_process_warning() -> Iterator[None]:
+    """DCP warns on every save or load without a process group, even when told so (``no_dist``):
+    import-hf, generate and export-hf work in one process on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
+        yield
 
 
 def rank_file(rank: int, suffix: str) -> str:
@@ -313,7 +324,8 @@ def save_checkpoint(
     info = {"layout": _layout(topology), "world_size": world}
     writer = HashingFileSystemWriter(step_dir, max_threads=_WRITE_THREADS, split_bytes=_SPLIT_BYTES)
     if not async_save:
-        dcp_saver.save(tensors, storage_writer=writer, process_group=process_group)
+        with without_single_process_warning():
+            dcp_saver.save(tensors, storage_writer=writer, process_group=process_group)
         _commit(save_dir, step_dir, step, info, process_group, keep_last, {**side, **writer.digests(step_dir)})
         return PendingSave(step_dir)
 
