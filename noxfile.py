@@ -2,6 +2,7 @@
 
     nox -s tests                      # whole suite, every package editable in one venv (README/CI)
     nox -s package_tests              # each package alone with its declared sibling closure
+    nox -s install_alone              # each package's README install command, fresh env, all modules imported
     nox -s "package_tests(package='scaling-nn')"
     nox -s torch_matrix               # only the leg of the local torch; `-- all` runs every leg
     nox -s lint typecheck layering build
@@ -138,6 +139,15 @@ def tests(session: nox.Session) -> None:
     session.install("--no-compile", *TEST_TOOLS, *_all_editable(dists))
     # --durations: the CI log ends with the slowest tests, where a trim of the suite starts.
     _pytest(session, *_test_paths(dists), *_parallel(), "--durations=25", *session.posargs)
+
+
+@nox.session
+@nox.parametrize("package", sorted(_dists()))
+def install_alone(session: nox.Session, package: str) -> None:
+    """A package's README install command in a fresh environment (``pip install -r
+    requirements/<name>.txt``: it, its declared siblings, the CPU torch), then every module imported."""
+    session.install("--no-compile", "-r", f"requirements/{package.removeprefix('scaling-')}.txt")
+    session.run("python", str(ROOT / "tools" / "import_all.py"), str(_dists()[package] / "src"))
 
 
 @nox.session

@@ -265,3 +265,11 @@ def test_bitfit_and_bottleneck_adapters():
     with pytest.raises(ValueError, match=r"target 'attn' matches no module"):
         apply_bottleneck_adapters(model, ["attn"], bottleneck_size=4)
     assert BottleneckAdapter(H, 4)(x).shape == x.shape
+
+
+def test_peft_files_without_the_extra_say_which_extra(tmp_path, monkeypatch):
+    from scaling.nn import write_peft_adapter
+
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)  # as if the [peft] extra were not installed
+    with pytest.raises(ModuleNotFoundError, match=r"scaling-nn's \[peft\] extra: pip install './packages/scaling-nn"):
+        write_peft_adapter(str(tmp_path), {}, rank=2, alpha=4.0, dropout=0.0, target_modules=["linear"])

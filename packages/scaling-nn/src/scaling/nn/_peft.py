@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,18 @@ if TYPE_CHECKING:
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
+
+
+# Any: safetensors.torch, an optional module (the [peft] extra).
+def _safetensors() -> Any:
+    try:
+        import safetensors.torch
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            "PEFT adapter files need the safetensors package, scaling-nn's [peft] extra: "
+            "pip install './packages/scaling-nn[peft]' from a checkout (or pip install safetensors)"
+        ) from None
+    return safetensors.torch
 
 
 def _full(param: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -55,8 +67,7 @@ def write_peft_adapter(
     The on-disk half of :func:`export_peft_adapter`, for callers that build the PEFT keys
     themselves (e.g. splitting a fused QKV adapter into ``q_proj``/``k_proj``/``v_proj``).
     """
-    from safetensors.torch import save_file
-
+    save_file = _safetensors().save_file
     os.makedirs(path, exist_ok=True)
     adapter_config = {
         "peft_type": "LORA",
@@ -126,8 +137,7 @@ def load_peft_adapter(
     Raises:
         ValueError: for a non-LoRA adapter, rsLoRA/DoRA, or missing / mis-shaped tensors.
     """
-    from safetensors.torch import load_file
-
+    load_file = _safetensors().load_file
     with open(os.path.join(path, CONFIG_NAME)) as f:
         raw = json.load(f)
     if raw.get("peft_type") != "LORA" or raw.get("use_rslora") or raw.get("use_dora"):
