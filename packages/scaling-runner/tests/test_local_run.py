@@ -133,3 +133,22 @@ def test_an_error_every_rank_raises_is_printed_once_and_threads_are_set_per_rank
     assert err.count("Traceback (most recent call last)") == 1, err  # the runner's, once; no rank printed its own
     assert "Setting OMP_NUM_THREADS" not in err and "SCALING_RANK_FAILURE" not in err
     assert len(err.splitlines()) < 30, err
+
+
+@pytest.mark.slow
+def test_the_readme_quick_start_runs_as_written(tmp_path):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    quick = readme[readme.index("## Quick start") :]
+    blocks = re.findall(r"```(?:python|yaml)\n(.*?)```", quick, re.S)[:3]
+    for name, body in zip(["run.py", "train.py", "config.yml"], blocks):
+        assert body.startswith(f"# {name}"), body[:40]
+        (tmp_path / name).write_text(body)
+    done = subprocess.run(
+        [sys.executable, "run.py", "config.yml", "runner.nproc_per_node=2", "steps=5"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("rank ")) == [
+        "rank 0 of 2: 5 steps",
+        "rank 1 of 2: 5 steps",
+    ]
