@@ -54,7 +54,7 @@ def test_sampling_controls(model):
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"temperature": -1.0}, "temperature=-1.0 must be >= 0"), ({"top_k": 0}, "top_k=0 must be >= 1"),
+    [({"temperature": -1.0}, "temperature=-1.0 must be a finite number >= 0"), ({"top_k": 0}, "top_k=0 must be >= 1"),
      ({"top_p": 1.5}, r"top_p=1.5 must be in \(0, 1\]")],
 )  # fmt: skip
 def test_bad_sampling_arguments(model, kwargs, match):

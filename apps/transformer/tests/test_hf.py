@@ -191,3 +191,26 @@ def test_export_names_a_missing_tokenizer(tmp_path, capsys):
     assert not (tmp_path / "back" / "tokenizer.json").exists()
     with pytest.raises(FileNotFoundError, match="--tokenizer 'nope.json' does not exist"):
         export_hf(ckpt, tmp_path / "again", tokenizer="nope.json")
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--max-new-tokens", "-1"], "max_new_tokens=-1 must be >= 0 (--max-new-tokens)"),
+        (["--temperature", "nan"], "temperature=nan must be a finite number >= 0"),
+        (["--top-p", "1.5"], "top_p=1.5 must be in (0, 1]"),
+        (["--prompt", b"def \xff".decode("utf-8", "surrogateescape")], "is not valid UTF-8"),
+        (["--tokenizer", "NOT_A_TOKENIZER"], "is not a tokenizers JSON file"),
+        (["--tokenizer", "missing.json"], "tokenizer 'missing.json' not found"),
+    ],
+    ids=["max-new-tokens", "temperature", "top-p", "utf-8", "not-a-tokenizer", "missing-tokenizer"],
+)
+def test_generate_refuses_bad_arguments_in_one_line(tmp_path, capsys, monkeypatch, args, said):
+    _tiny_llama(tmp_path)
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    (tmp_path / "NOT_A_TOKENIZER").write_text("this is not json")
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    code = main(["generate", "--checkpoint", str(tmp_path / "ours" / CHECKPOINT_SUBDIR), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and said in err and len(err.splitlines()) == 1, err

@@ -97,6 +97,18 @@ def test_build_errors(tokenizer_file, inputs, tmp_path, capsys):
         tokenize_files(inputs, tokenizer_file, tmp_path / "x", eod_token="<eos>", progress=False)
     assert main(["build", str(tmp_path / "missing.txt"), "--tokenizer", str(tokenizer_file), "--output", "x"]) == 2
     assert "missing.txt does not exist" in capsys.readouterr().err
+    bad.write_bytes(b'{"text": "ok"}\n{"text": "fine"}\n{"text": "caf\xe9"}\n')  # latin-1 on line 3
+    assert main(["build", str(bad), "--tokenizer", str(tokenizer_file), "--output", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl:3: not valid UTF-8" in err.splitlines()[-1] and "Traceback" not in err, err
+    (tmp_path / "whole.txt").write_bytes(b"one\ntwo\n\xff three\n")
+    with pytest.raises(ValueError, match=r"whole\.txt:3: not valid UTF-8"):
+        tokenize_files([tmp_path / "whole.txt"], tokenizer_file, tmp_path / "x", progress=False, txt_whole_file=True)
+    (tmp_path / "not_a_tokenizer.json").write_text("[1, 2]")
+    args = ["build", str(inputs[0]), "--tokenizer", str(tmp_path / "not_a_tokenizer.json"), "--output", "x"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "not_a_tokenizer.json' is not a tokenizers JSON file" in err.splitlines()[-1] and "Traceback" not in err
 
 
 def test_inspect(tokenizer_file, inputs, tmp_path, capsys):

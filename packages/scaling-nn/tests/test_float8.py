@@ -170,3 +170,10 @@ def test_an_input_whose_tokens_are_not_a_multiple_of_16_is_refused_with_the_fix(
     # would, but a setup that trains here must train on a GPU too.
     with pytest.raises(ValueError, match=r"an input of 12 tokens \(rows\); float8 products need a multiple of 16"):
         float8_linear(torch.randn(3, 4, 32), weight, None, Float8Config(enabled=True))
+
+
+def test_an_exclude_pattern_that_is_not_a_regex_is_named():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"exclude pattern '\[attention' is not a regular expression"):
+        Float8Config(enabled=True, exclude=["[attention"])

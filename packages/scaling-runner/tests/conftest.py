@@ -19,9 +19,14 @@ entry = {{"name": os.path.basename(sys.argv[0]), "argv": sys.argv[1:],
 if entry["name"] == "sbatch" and sys.argv[1:] and os.path.isfile(sys.argv[-1]):
     entry["script"] = open(sys.argv[-1]).read()
 if entry["name"] == "sbatch" and "--parsable" in sys.argv:
-    print("77")
-if entry["name"] == "scontrol" and sys.argv[1:4] == ["-o", "show", "job"]:
-    print("JobId=" + sys.argv[4] + " JobName=scaling JobState=COMPLETED Reason=None ExitCode=0:0")
+    print(os.environ.get("SHIM_SBATCH_OUT", "77"))
+args = sys.argv[1:]
+if entry["name"] == "scontrol" and args[:2] == ["-M", os.environ.get("SHIM_CLUSTER")]:
+    args = args[2:]  # the cluster the waiter was told to query
+if entry["name"] == "scontrol" and args[:3] == ["-o", "show", "job"]:
+    if os.environ.get("SHIM_JOB_UNKNOWN"):
+        sys.exit(1)
+    print("JobId=" + args[3] + " JobName=scaling JobState=COMPLETED Reason=None ExitCode=0:0")
 elif entry["name"] == "scontrol" and sys.argv[1:3] == ["show", "hostnames"]:
     print(os.environ.get("SHIM_FIRST_NODE", "node-a"))
 elif entry["name"] == "scontrol" and sys.argv[1:3] == ["show", "node"]:

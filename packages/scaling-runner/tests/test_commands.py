@@ -305,3 +305,36 @@ def test_cli_refuses_a_secret_in_extra_args_before_writing_anything(tmp_path, wo
     assert "slurm_config.extra_args[0] assigns 'HF_TOKEN'" in out.stderr
     assert_no_secret(out.stdout, out.stderr)
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_sbatch_waiter_queries_the_cluster_sbatch_named(shims, tmp_path, monkeypatch, capsys):
+    from scaling.runner import sbatch
+
+    read = shims("sbatch", "scontrol")
+    monkeypatch.setenv("SHIM_SBATCH_OUT", "77;cluster-b")  # what --parsable prints on a multi-cluster setup
+    monkeypatch.setenv("SHIM_CLUSTER", "cluster-b")
+    assert sbatch.main(["job.sbatch"]) == 0
+    assert [r["argv"] for r in read() if r["name"] == "scontrol"] == [["-M", "cluster-b", "-o", "show", "job", "77"]]
+    assert "Submitted batch job 77 on cluster cluster-b" in capsys.readouterr().out
+
+
+def test_the_sbatch_waiter_gives_up_on_a_job_it_never_sees(shims, monkeypatch, capsys):
+    from scaling.runner import sbatch
+
+    shims("sbatch", "scontrol")
+    monkeypatch.setenv("SHIM_JOB_UNKNOWN", "1")
+    monkeypatch.setattr(sbatch, "UNKNOWN_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(sbatch, "_POLL_S", 0.1)
+    assert sbatch.main(["job.sbatch"]) == 1
+    err = capsys.readouterr().err
+    assert "job 77 has been unknown to `scontrol show job` for 0 s; giving up" in err and "sacct -j 77" in err
+
+
+def test_a_missing_slurm_command_is_one_line(tmp_path, monkeypatch, capsys):
+    from scaling.runner import sbatch
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
+    assert sbatch.main(["job.sbatch"]) == 127
+    err = capsys.readouterr().err
+    assert err.startswith("scaling-run: sbatch not found on PATH: runner_type='slurm' needs SLURM's client")
+    assert len(err.splitlines()) == 1

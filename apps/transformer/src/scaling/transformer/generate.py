@@ -7,6 +7,7 @@ generates exactly what it would alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,8 +15,25 @@ import torch
 
 from scaling.nn import KVCache
 from scaling.transformer.config import TransformerConfig
-from scaling.transformer.corpus import EOD_TOKEN, default_paths
+from scaling.transformer.corpus import EOD_TOKEN, default_paths, load_tokenizer
 from scaling.transformer.inference import TransformerLM, load_model
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Refuse sampling arguments that cannot work, naming them (before any model is loaded).
+
+    Raises:
+        ValueError: a negative ``max_new_tokens`` or temperature, a non-finite temperature,
+            ``top_k < 1`` or ``top_p`` outside ``(0, 1]``.
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0 (--max-new-tokens)")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature={temperature} must be a finite number >= 0 (0 = greedy)")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k} must be >= 1 (or None for no limit)")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p} must be in (0, 1] (or None for no limit)")
 
 
 def sample_next(
@@ -34,12 +52,7 @@ def sample_next(
     Raises:
         ValueError: for a negative temperature, ``top_k < 1`` or ``top_p`` outside ``(0, 1]``.
     """
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k={top_k} must be >= 1 (or None for no limit)")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p={top_p} must be in (0, 1] (or None for no limit)")
+    check_sampling(0, temperature, top_k, top_p)
     logits_bv = logits_bv.float()
     if temperature == 0.0:
         return logits_bv.argmax(dim=-1)
@@ -75,10 +88,11 @@ def generate(
         The new tokens of each prompt (without the prompt; the EOS token is kept).
 
     Raises:
-        ValueError: an empty prompt, or prompt + new tokens longer than
-            ``max_sequence_length`` (the positions the model was configured for).
+        ValueError: sampling arguments :func:`check_sampling` refuses, an empty prompt, or prompt +
+            new tokens longer than ``max_sequence_length`` (the positions the model was configured for).
     """
     arch = model.arch
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
     lengths = [len(p) for p in prompts]
     if not prompts or min(lengths) == 0:
         raise ValueError("every prompt needs at least one token (encode '' with a BOS/EOD token first)")
@@ -129,14 +143,18 @@ def generate_text(
     seed: int = 0,
 ) -> list[str]:
     """Load a checkpoint (any layout), encode ``prompts``, generate, decode prompt + continuation."""
-    from tokenizers import Tokenizer
-
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    for prompt in prompts:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:  # invalid UTF-8 bytes on a command line arrive as lone surrogates
+            raise ValueError(f"--prompt {prompt!r} is not valid UTF-8; pass text in UTF-8") from None
     config = TransformerConfig.from_yaml(config_path) if config_path is not None else None
     model, config = load_model(checkpoint, config)
     path = tokenizer_path or config.data.tokenizer_path or default_paths(config.data.default_corpus_dir)["tokenizer"]
     if not Path(path).is_file():
         raise FileNotFoundError(f"tokenizer {str(path)!r} not found; pass --tokenizer or run preprocess")
-    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer = load_tokenizer(path)
     eod = tokenizer.token_to_id(EOD_TOKEN)
     encoded = [tokenizer.encode(p).ids or ([eod] if eod is not None else []) for p in prompts]
     new = generate(model, encoded, max_new_tokens, temperature, top_k, top_p, eos_token_id=eod, seed=seed)

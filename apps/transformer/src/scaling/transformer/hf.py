@@ -32,7 +32,7 @@ from scaling.config import JsonDict
 from scaling.nn import named_parameters_with_meta, write_peft_adapter
 from scaling.trainer import checkpoint
 from scaling.transformer.config import MoEConfig, TransformerArchitectureConfig, TransformerConfig
-from scaling.transformer.corpus import EOD_TOKEN, default_paths
+from scaling.transformer.corpus import EOD_TOKEN, default_paths, load_tokenizer
 from scaling.transformer.inference import TransformerLM, load_model
 
 CHECKPOINT_SUBDIR = "checkpoint"
@@ -312,9 +312,7 @@ def export_hf(
 
 def _write_tokenizer(path: Path, out: Path, arch: TransformerArchitectureConfig) -> JsonDict:
     """Ship ``path`` as a fast tokenizer folder; returns the special token ids for ``config.json``."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer = load_tokenizer(path)
     if tokenizer.get_vocab_size() > arch.vocab_size:
         raise ValueError(
             f"tokenizer {path} has {tokenizer.get_vocab_size()} tokens, more than transformer_architecture."

@@ -8,7 +8,7 @@ import os
 import types
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -45,15 +45,35 @@ def _require(module: str) -> types.ModuleType:
         ) from err
 
 
+def _decode(data: bytes, path: Path, first_line: int) -> str:
+    """``data`` (a line, or a whole file from ``first_line`` 1) as UTF-8; else a ValueError naming the line."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = first_line + data.count(b"\n", 0, err.start)
+        raise ValueError(f"{path}:{line}: not valid UTF-8 ({err.reason}); convert the file to UTF-8") from None
+
+
+def _load_tokenizer(path: str | os.PathLike[str]) -> Any:  # Any: tokenizers has no type information
+    try:
+        return _require("tokenizers").Tokenizer.from_file(str(path))
+    except (ValueError, FileNotFoundError, ImportError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises its own untyped exceptions
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"tokenizer {str(path)!r} is not a tokenizers JSON file ({reason})") from None
+
+
 def _read_documents(path: Path, text_key: str, whole_file: bool) -> Iterator[tuple[str, int]]:
     """Yield ``(text, bytes consumed)`` per document of one input file."""
     if path.suffix == ".txt" and whole_file:
-        text = path.read_text(encoding="utf-8")
-        yield text, len(text.encode("utf-8"))
+        data = path.read_bytes()
+        yield _decode(data, path, 1), len(data)
         return
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            size = len(line.encode("utf-8"))
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            line = _decode(raw, path, line_number)
+            size = len(raw)
             if not line.strip():
                 continue
             if path.suffix == ".txt":
@@ -89,7 +109,7 @@ def _chunks(paths: Sequence[Path], text_key: str, whole_file: bool, chunk_size: 
 
 def _init_worker(tokenizer_path: str) -> None:
     global _tokenizer
-    _tokenizer = _require("tokenizers").Tokenizer.from_file(tokenizer_path)
+    _tokenizer = _load_tokenizer(tokenizer_path)
 
 
 def _encode(chunk: tuple[list[str], int]) -> tuple[list[np.ndarray], int]:
@@ -146,7 +166,7 @@ def tokenize_files(
     if num_workers < 1:
         raise ValueError(f"num_workers={num_workers} must be >= 1")
     tqdm = _require("tqdm").tqdm
-    tokenizer = _require("tokenizers").Tokenizer.from_file(str(tokenizer_path))
+    tokenizer = _load_tokenizer(tokenizer_path)
     dt = smallest_dtype(tokenizer.get_vocab_size()) if dtype is None else token_dtype(dtype)
     eod: list[int] = []
     if eod_token is not None:

@@ -25,10 +25,11 @@ docs/architecture.md.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from scaling.config import BaseConfig
 
@@ -59,6 +60,18 @@ class Float8Config(BaseConfig):
         description="Layers whose local input or output size is below this stay in high precision: small "
         "products gain nothing from float8 and lose accuracy.",
     )
+
+    @field_validator("exclude")
+    @classmethod
+    def _patterns_compile(cls, patterns: list[str]) -> list[str]:
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(
+                    f"exclude pattern {pattern!r} is not a regular expression ({err}); e.g. 'attention'"
+                ) from None
+        return patterns
 
     all_gather: bool = Field(
         False,

@@ -33,12 +33,22 @@ _POLL_S = 1.0
 STOP_GRACE_S = 60.0
 
 
-def job_status(job_id: str) -> tuple[str, int] | None:
+#: How long a submitted job may stay unknown to ``scontrol`` before the waiter gives up (a job
+#: submitted to another cluster than the one queried, or purged before the first poll).
+UNKNOWN_TIMEOUT_S = 120.0
+
+
+def _on(cluster: str | None) -> list[str]:
+    """``-M CLUSTER`` for scontrol and scancel when sbatch named the cluster (``jobid;cluster``)."""
+    return ["-M", cluster] if cluster else []
+
+
+def job_status(job_id: str, cluster: str | None = None) -> tuple[str, int] | None:
     """``(state, exit code)`` of a job from ``scontrol show job``; None while it is unknown or unreadable.
 
     The state is ``COMPLETING`` until every step of an ended job has finished.
     """
-    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True)
+    out = subprocess.run(["scontrol", *_on(cluster), "-o", "show", "job", job_id], capture_output=True, text=True)
     state = re.search(r"\bJobState=(\S+)", out.stdout)
     code = re.search(r"\bExitCode=(\d+):(\d+)", out.stdout)
     if out.returncode != 0 or state is None or code is None:
@@ -48,14 +58,28 @@ def job_status(job_id: str) -> tuple[str, int] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Submit ``argv[0]`` (further items are sbatch options before it); return the job's exit code."""
-    args = sys.argv[1:] if argv is None else argv
+    """Submit ``argv[0]`` (further items are sbatch options before it); return the job's exit code
+    (127 with one line when a SLURM command is missing, 1 when the job stays unknown)."""
+    try:
+        return _submit_and_wait(sys.argv[1:] if argv is None else argv)
+    except FileNotFoundError as exc:  # subprocess could not find sbatch, scontrol or scancel
+        print(
+            f"scaling-run: {exc.filename} not found on PATH: runner_type='slurm' needs SLURM's client commands "
+            "(sbatch, srun, scontrol, scancel) on this machine",
+            file=sys.stderr,
+        )
+        return 127
+
+
+def _submit_and_wait(args: list[str]) -> int:
     submitted = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True)
     if submitted.returncode != 0:
         print(submitted.stderr.strip() or submitted.stdout.strip(), file=sys.stderr)
         return submitted.returncode
-    job_id = submitted.stdout.strip().split(";")[0]
-    print(f"Submitted batch job {job_id}", flush=True)
+    # --parsable prints "jobid" or, on a multi-cluster setup, "jobid;cluster".
+    job_id, _, named = submitted.stdout.strip().partition(";")
+    cluster = named.strip() or None
+    print(f"Submitted batch job {job_id}" + (f" on cluster {cluster}" if cluster else ""), flush=True)
     cancelled: list[int] = []  # the signal that stopped the job, once one did
     cancel_at: list[float] = []  # when to cancel the job outright
 
@@ -64,23 +88,35 @@ def main(argv: list[str] | None = None) -> int:
             cancel_at[:] = [0.0]  # a second signal: cancel now
             return
         cancelled.append(signum)
-        status = job_status(job_id)
+        status = job_status(job_id, cluster)
         running = status is not None and status[0] == "RUNNING"
         signalled = (
-            running and subprocess.run(["scancel", "--signal=TERM", job_id], capture_output=True).returncode == 0
+            running
+            and subprocess.run(["scancel", *_on(cluster), "--signal=TERM", job_id], capture_output=True).returncode == 0
         )
         cancel_at.append(time.monotonic() + STOP_GRACE_S if signalled else 0.0)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
+    known_at = time.monotonic()
     while True:
         if cancel_at and time.monotonic() >= cancel_at[0]:
             cancel_at[:] = [float("inf")]
-            subprocess.run(["scancel", job_id], capture_output=True)
-        status = job_status(job_id)
+            subprocess.run(["scancel", *_on(cluster), job_id], capture_output=True)
+        status = job_status(job_id, cluster)
         if status is not None and status[0] in _ENDED:
             # Stopped on request: the signal's code, whatever the job's steps returned.
             return 128 + cancelled[0] if cancelled else status[1]
+        if status is not None:
+            known_at = time.monotonic()
+        elif time.monotonic() - known_at > UNKNOWN_TIMEOUT_S:
+            where = f" -M {cluster}" if cluster else ""
+            print(
+                f"scaling-run: job {job_id} has been unknown to `scontrol{where} show job` for "
+                f"{UNKNOWN_TIMEOUT_S:.0f} s; giving up waiting (look it up with sacct{where} -j {job_id})",
+                file=sys.stderr,
+            )
+            return 1
         time.sleep(_POLL_S)
 
 
