@@ -22,6 +22,10 @@ recompile, so a trainer can say when a layer recompiled and why.
 from __future__ import annotations
 
 import functools
+import getpass
+import os
+import re
+import tempfile
 import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Literal, TypeVar, cast
@@ -87,10 +91,33 @@ def _keep_collectives_eager() -> None:
     torch.compiler.assume_constant_result(cuda_capability)
 
 
+@functools.cache
+def _inductor_cache_per_cpu_capability() -> None:
+    """Give inductor a cache folder of its own for each ``ATEN_CPU_CAPABILITY`` (once per process).
+
+    Inductor's on-disk cache does not tell kernels built under one capability from another's:
+    after a run under ``ATEN_CPU_CAPABILITY=avx2`` filled it, a run under ``avx512`` on the same
+    machine loaded them and died (SIGABRT), or trained on NaN losses (seen 2026-11-28, torch
+    2.13). With the variable set and ``TORCHINDUCTOR_CACHE_DIR`` not, the cache goes to
+    ``<tmp>/torchinductor_<user>_<capability>`` (torch's default folder with the capability
+    appended); without the variable nothing changes.
+    """
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if not capability:
+        return
+    # torch writes its default into the variable on first use (importing torch._dynamo does):
+    # that value is still "not chosen by the user".
+    user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())  # torch's default_cache_dir() sanitises so
+    default = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default) == default:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}_{re.sub(r'[^A-Za-z0-9_]', '_', capability)}"
+
+
 def compile_layer(module: torch.nn.Module, config: CompileConfig) -> None:
     """Replace ``module.forward`` by its compiled form (hooks stay eager); a no-op unless enabled."""
     if not config.enabled:
         return
+    _inductor_cache_per_cpu_capability()
     _keep_collectives_eager()
     # The class's forward function, bound to the module: Dynamo keys its cache by the code
     # object, so layers of one class share entries (and the recompile limit counts per class),
@@ -115,6 +142,7 @@ def compile_loss(loss_function: F, config: CompileConfig | None) -> F:
     """
     if config is None or not (config.enabled and config.loss):
         return loss_function
+    _inductor_cache_per_cpu_capability()
     _keep_collectives_eager()
     compiled = torch.compile(
         loss_function, backend=config.backend, mode=config.mode, fullgraph=config.fullgraph, dynamic=config.dynamic
