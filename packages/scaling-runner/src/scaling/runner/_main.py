@@ -150,16 +150,15 @@ def _report(codes: list[int], report: RunReport, signum: int | None) -> int:
 
 
 def _tracebacks(failures: list[RankFailure], first: RankFailure | None) -> list[str]:
-    """The traceback of the first failure, and of the first rank of each other distinct error a rank
-    raised on its own (the ranks whose collectives broke in consequence add nothing)."""
+    """One traceback per distinct error, the first failure's first (agents report a traceback for
+    their node's root cause only: ranks whose collectives broke in consequence add nothing)."""
     shown: dict[str, RankFailure] = {}
-    for failure in [first, *failures] if first is not None else failures:
-        if failure.traceback and (failure is first or failure.root_cause):
-            shown.setdefault(failure.outcome(), failure)
+    for failure in sorted((f for f in failures if f.traceback), key=lambda f: f is not first):
+        shown.setdefault(failure.outcome(), failure)
     lines = []
     for failure in shown.values():
         lines.append(f"scaling-run: traceback of rank {failure.rank} (on {failure.host}):")
-        lines += ["  " + line for line in failure.traceback.rstrip().splitlines()] if failure.traceback else []
+        lines += ["  " + line for line in (failure.traceback or "").rstrip().splitlines()]
     return lines
 
 
