@@ -129,7 +129,8 @@ def test_a_two_node_slurm_job_trains_like_the_local_runner(cluster, reference, t
     out = capfd.readouterr().out
     assert "Submitted batch job" in out
     (job,) = (tmp_path / "runs").glob("*/job.out")
-    assert f"step {STEPS} | " in job.read_text() and f"step {STEPS} | " in out  # the job's output, followed
+    last = f"step {STEPS}/{STEPS} | "
+    assert last in job.read_text() and last in out  # the job's output, followed
 
 
 def test_inside_an_allocation_the_runner_starts_its_ranks_with_srun(cluster, reference, tmp_path):
@@ -148,7 +149,7 @@ def test_inside_an_allocation_the_runner_starts_its_ranks_with_srun(cluster, ref
     assert job.returncode == 0, (job.stdout + job.stderr + out)[-3000:]
     _assert_same(_losses(tmp_path / "log"), reference, range(1, STEPS + 1))
     assert not list((tmp_path / "runs").glob("*/job.sbatch")), "the runner wrote a batch script inside the job"
-    assert "Submitted batch job" not in out and f"step {STEPS} | " in out
+    assert "Submitted batch job" not in out and f"step {STEPS}/{STEPS} | " in out
 
 
 def test_scancel_reaches_every_rank_which_saves_and_the_code_is_non_zero(cluster, tmp_path, monkeypatch, capfd):
