@@ -109,25 +109,26 @@ def test_the_loss_compiles_with_the_layers_unless_told_not_to():
     assert_parity(grad, expected_grad, rtol=0, atol=0, name="logits' gradient")
 
 
-def test_each_cpu_capability_gets_its_own_inductor_cache():
+def test_each_cpu_capability_gets_its_own_inductor_cache(monkeypatch):
     # Kernels an avx2 run left in inductor's cache crashed a later avx512 run on the same machine.
+    import getpass
     import os
-    import subprocess
-    import sys
+    import tempfile
 
-    code = (
-        "import os, torch; from scaling.nn import CompileConfig, compile_layer; "
-        "compile_layer(torch.nn.Linear(2, 2), CompileConfig(enabled=True, backend='eager')); "
-        "print(os.environ.get('TORCHINDUCTOR_CACHE_DIR'))"
-    )
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")}
-    seen = {}
-    for capability in ("avx2", "default", None):
-        run_env = env if capability is None else {**env, "ATEN_CPU_CAPABILITY": capability}
-        out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, check=True)
-        seen[capability] = out.stdout.strip()
-    assert seen["avx2"].endswith("_avx2") and seen["default"].endswith("_default")
-    assert seen[None] == seen["avx2"].removesuffix("_avx2")  # without the variable: torch's own default
-    chosen = {**env, "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": "/tmp/mine"}
-    out = subprocess.run([sys.executable, "-c", code], env=chosen, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "/tmp/mine"
+    from scaling.nn import _compile
+
+    choose = _compile._inductor_cache_per_cpu_capability.__wrapped__  # the once-per-process rule itself
+    default = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    for capability, before, after in [
+        ("avx2", None, f"{default}_avx2"),
+        ("default", default, f"{default}_default"),  # torch's own default, written on first use: not chosen
+        ("avx2", "/data/mine", "/data/mine"),  # chosen by the user: kept
+        (None, None, None),  # without the variable nothing changes
+    ]:
+        for name, value in (("ATEN_CPU_CAPABILITY", capability), ("TORCHINDUCTOR_CACHE_DIR", before)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        choose()
+        assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == after, (capability, before)
