@@ -99,6 +99,7 @@ def main() -> None:
     (out / f"rank{rank}.json.tmp").write_text(json.dumps(record))
     os.replace(out / f"rank{rank}.json.tmp", out / f"rank{rank}.json")
     if payload.get("raise_rank") == "all":
+        dist.barrier()  # every rank has written its record before the first one fails
         raise RuntimeError(payload["raise_message"])  # the same error on every rank
     if payload.get("raise_rank") == rank:
         raise RuntimeError(f"rank {rank} gave up: {payload['raise_message']}")
