@@ -89,6 +89,10 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
         ),
         (["transformer_architecture.moe.top_k=9"], r"top_k=9 must be between 1 and num_experts=8"),
         (
+            ["transformer_architecture.moe.every=3"],  # 2 blocks: (i + 1) % 3 == 0 for neither
+            r"transformer_architecture.moe.every=3 is more than num_layers=2: no block would be a mixture of experts",
+        ),
+        (
             [
                 "topology.model_parallel_size=2",
                 "runner.nproc_per_node=2",
@@ -123,6 +127,7 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
         "ep-without-moe",
         "ep-experts",
         "moe-top-k",
+        "moe-no-block",
         "fp8-shape",
         "fp8-tokens",
     ],

@@ -139,6 +139,13 @@ class TransformerArchitectureConfig(BaseConfig):
                 f"transformer_architecture.rotary_percentage={self.rotary_percentage} rotates fewer than 2 of the "
                 f"{self.hidden_size // heads} channels per head; raise it or set 0 to disable RoPE"
             )
+        if self.moe is not None and self.moe.every > self.num_layers:
+            # Block i is MoE when (i + 1) % every == 0: none of num_layers blocks would be, and the
+            # run would train a dense model while the config says MoE.
+            raise ValueError(
+                f"transformer_architecture.moe.every={self.moe.every} is more than num_layers={self.num_layers}: "
+                f"no block would be a mixture of experts; set moe.every <= {self.num_layers} or moe: null"
+            )
         return self
 
 
