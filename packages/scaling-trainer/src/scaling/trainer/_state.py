@@ -18,6 +18,7 @@ from scaling.data import DataLoader
 from scaling.trainer import checkpoint as ckpt
 from scaling.trainer._config import TrainerConfig
 from scaling.trainer._context import BaseContext
+from scaling.trainer.checkpoint._marker import step_dir_name
 from scaling.trainer.loggers import MetricsLogger
 
 if TYPE_CHECKING:
@@ -106,6 +107,11 @@ class TrainerCheckpointer:
         self.last_saved_step = t.context.iterations
         if not t.config.async_save:
             self.wait()
+
+    def last_saved_path(self) -> Path | None:
+        """The folder of the checkpoint this run saved last, or None."""
+        save_dir, step = self.trainer.config.save_dir, self.last_saved_step
+        return None if save_dir is None or step is None else save_dir / step_dir_name(step)
 
     def wait(self) -> None:
         if self._pending is not None:

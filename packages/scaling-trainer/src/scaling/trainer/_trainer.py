@@ -38,9 +38,7 @@ from scaling.trainer._results import MetricsAggregation
 from scaling.trainer._signals import SignalWatcher, exit_code_for
 from scaling.trainer._state import TrainerCheckpointer
 from scaling.trainer._step import SyncBatch, evaluation_step, train_step
-from scaling.trainer.checkpoint._marker import step_dir_name as ckpt_step_dir_name
 from scaling.trainer.loggers import LoggerConfig, MetricsLogger
-from scaling.trainer.loggers._sinks import duration
 
 if TYPE_CHECKING:
     from scaling.config import Metrics
@@ -290,7 +288,6 @@ class BaseTrainer(Generic[ContextT]):
             return self.history if return_metrics else None
         profiler = StepProfiler(self.profiler_config, topology.global_rank, self.parallel_module, topology.device)
         progress = progress_bar(cfg, topology.global_rank, self.context.iterations)
-        started = (self.context.iterations, time.monotonic())
         self.metrics_logger.start(self.context.iterations, cfg.train_iterations)
         self._print_flops_formula()
         # A failed collective, or the watchdog ending a stuck rank, leaves <dir>/rank_<R>.json;
@@ -349,31 +346,10 @@ class BaseTrainer(Generic[ContextT]):
                 progress.close()
             self.checkpointer.wait()
             if self.context.iterations >= cfg.train_iterations:
-                self.metrics_logger.console(self._summary(*started))
+                self.metrics_logger.finish(self.context.iterations, self.history, self.checkpointer.last_saved_path())
             self.metrics_logger.close()
         self.wait_for_parameters()
         return self.history if return_metrics else None
-
-    def _summary(self, first_step: int, started: float) -> str:
-        """The closing line: steps and time, the last figures, and where they were written."""
-        cfg = self.config
-        steps = self.context.iterations - first_step
-        parts = [f"done: step {self.context.iterations}/{cfg.train_iterations} ({steps} trained in "
-                 f"{duration(time.monotonic() - started)})"]  # fmt: skip
-        last = {k: v for m in self.history for k, v in m.items() if isinstance(v, float)}
-        for label, key in (
-            ("loss", "training/loss"),
-            ("eval loss", "evaluation/loss"),
-            ("eval acc", "evaluation/accuracy"),
-        ):
-            if key in last:
-                parts.append(f"{label} {last[key]:.4g}")
-        if cfg.save_dir is not None and self.checkpointer.last_saved_step is not None:
-            parts.append(f"checkpoint {cfg.save_dir / ckpt_step_dir_name(self.checkpointer.last_saved_step)}")
-        log_dir = self.metrics_logger.config.log_dir
-        if log_dir is not None and self.metrics_logger.config.use_jsonl:
-            parts.append(f"metrics {log_dir / 'metrics.jsonl'}")
-        return " | ".join(parts)
 
     def wait_for_parameters(self) -> None:
         """Wait for parameter updates still in flight (``overlap_param_gather``); a no-op otherwise.

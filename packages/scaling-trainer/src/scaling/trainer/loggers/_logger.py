@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 import numbers
+import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from scaling.trainer.loggers._config import LoggerConfig
-from scaling.trainer.loggers._sinks import ConsoleSink, JsonlSink, Sink, TensorBoardSink, WandbSink
+from scaling.trainer.loggers._sinks import ConsoleSink, JsonlSink, Sink, TensorBoardSink, WandbSink, duration
 
 if TYPE_CHECKING:
     from scaling.config import JsonMapping
@@ -60,6 +63,7 @@ class MetricsLogger:
             self.logger.addHandler(handler)
             self.logger.propagate = False
         self.sinks: list[Sink] = []
+        self._origin: tuple[int, int, float] | None = None  # (first step, last step, when), set by start()
         if not self.is_writer:
             return
         self.sinks.append(ConsoleSink(self.logger, brief=self.config.console == "brief"))
@@ -100,9 +104,33 @@ class MetricsLogger:
 
     def start(self, step: int, total: int) -> None:
         """Training runs from ``step`` to ``total`` now: the console says ``step N/total`` and an ETA."""
+        self._origin = (step, total, time.monotonic())
         for sink in self.sinks:
             if isinstance(sink, ConsoleSink):
                 sink.start(step, total)
+
+    def finish(self, step: int, history: Sequence[JsonMapping], checkpoint: Path | None = None) -> None:
+        """The closing console line after :meth:`start`: steps and time, the last figures of ``history``
+        (the logged metrics), and what was written, e.g. ``done: step 300/300 (300 trained in 1m25s) |
+        loss 0.05 | eval loss 0.09 | eval acc 0.98 | checkpoint runs/mlp/checkpoints/step_00000300 |
+        metrics runs/mlp/metrics.jsonl``."""
+        if self._origin is None:
+            return
+        first, total, at = self._origin
+        parts = [f"done: step {step}/{total} ({step - first} trained in {duration(time.monotonic() - at)})"]
+        last = {k: v for m in history for k, v in m.items() if isinstance(v, float)}
+        for label, key in (
+            ("loss", "training/loss"),
+            ("eval loss", "evaluation/loss"),
+            ("eval acc", "evaluation/accuracy"),
+        ):
+            if key in last:
+                parts.append(f"{label} {last[key]:.4g}")
+        if checkpoint is not None:
+            parts.append(f"checkpoint {checkpoint}")
+        if self.config.log_dir is not None and self.config.use_jsonl:
+            parts.append(f"metrics {self.config.log_dir / 'metrics.jsonl'}")
+        self.console(" | ".join(parts))
 
     def resumed_at(self, step: int) -> None:
         """The run resumed from ``step``: sinks that can drop what was logged after it do
