@@ -23,6 +23,7 @@ def test_public_api():
         "build_blend_index",
         "examples_proportional_weights",
         "explicit_weights",
+        "load_tokenizer",
         "segment_positions",
         "stack_windows",
         "tokenize_files",

@@ -59,20 +59,6 @@ def stdlib_documents(modules: tuple[str, ...] = STDLIB_MODULES) -> list[tuple[st
 
 
 # Any: a tokenizers.Tokenizer (the package is optional and has no type information).
-def load_tokenizer(path: str | Path) -> Any:
-    """A ``tokenizer.json``; a file that is not one is a ``ValueError`` naming it (not tokenizers' own error)."""
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # noqa: BLE001 - tokenizers raises its own untyped exceptions
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ValueError(
-            f"tokenizer {str(path)!r} is not a tokenizers JSON file ({reason}); pass --tokenizer"
-        ) from None
-
-
-# Any: a tokenizers.Tokenizer (the package is optional and has no type information).
 def train_tokenizer(texts: list[str], vocab_size: int, path: Path) -> Any:
     """A byte-level BPE (GPT-2 style) with ``<|endoftext|>`` as id 0, saved to ``path``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
+from scaling.data import load_tokenizer
 from scaling.nn import KVCache
 from scaling.transformer.config import TransformerConfig
-from scaling.transformer.corpus import EOD_TOKEN, default_paths, load_tokenizer
+from scaling.transformer.corpus import EOD_TOKEN, default_paths
 from scaling.transformer.inference import TransformerLM, load_model
 
 

@@ -29,10 +29,11 @@ from pathlib import Path
 import torch
 
 from scaling.config import JsonDict
+from scaling.data import load_tokenizer
 from scaling.nn import named_parameters_with_meta, write_peft_adapter
 from scaling.trainer import checkpoint
 from scaling.transformer.config import MoEConfig, TransformerArchitectureConfig, TransformerConfig
-from scaling.transformer.corpus import EOD_TOKEN, default_paths, load_tokenizer
+from scaling.transformer.corpus import EOD_TOKEN, default_paths
 from scaling.transformer.inference import TransformerLM, load_model
 
 CHECKPOINT_SUBDIR = "checkpoint"

@@ -2,7 +2,7 @@
 
 from scaling.data._base import BaseDataset, BaseDatasetBatch, BaseDatasetItem
 from scaling.data._blended import BlendedDataset, build_blend_index
-from scaling.data._build import tokenize_files
+from scaling.data._build import load_tokenizer, tokenize_files
 from scaling.data._loader import DataLoader
 from scaling.data._mmap import MMapTokenBuilder, TokenFileError
 from scaling.data._packing import LMPackingBatch, LMPackingDataset, LMPackingItem, segment_positions, stack_windows
@@ -30,6 +30,7 @@ __all__ = [
     "explicit_weights",
     "segment_positions",
     "stack_windows",
+    "load_tokenizer",
     "tokenize_files",
     "weights_by_size",
 ]

@@ -54,14 +54,21 @@ def _decode(data: bytes, path: Path, first_line: int) -> str:
         raise ValueError(f"{path}:{line}: not valid UTF-8 ({err.reason}); convert the file to UTF-8") from None
 
 
-def _load_tokenizer(path: str | os.PathLike[str]) -> Any:  # Any: tokenizers has no type information
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:  # Any: tokenizers has no type information
+    """A ``tokenizer.json`` (``tokenizers.Tokenizer.from_file``).
+
+    Raises:
+        ValueError: the file is not a tokenizers JSON file (naming it and tokenizers' reason).
+        ImportError: tokenizers is missing (the ``[build]`` extra).
+    """
+    tokenizer_class = _require("tokenizers").Tokenizer
     try:
-        return _require("tokenizers").Tokenizer.from_file(str(path))
-    except (ValueError, FileNotFoundError, ImportError):
-        raise
+        return tokenizer_class.from_file(str(path))
     except Exception as exc:  # noqa: BLE001 - tokenizers raises its own untyped exceptions
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ValueError(f"tokenizer {str(path)!r} is not a tokenizers JSON file ({reason})") from None
+        raise ValueError(
+            f"tokenizer {str(path)!r} is not a tokenizers JSON file ({reason}); give a tokenizer.json"
+        ) from None
 
 
 def _read_documents(path: Path, text_key: str, whole_file: bool) -> Iterator[tuple[str, int]]:
@@ -109,7 +116,7 @@ def _chunks(paths: Sequence[Path], text_key: str, whole_file: bool, chunk_size: 
 
 def _init_worker(tokenizer_path: str) -> None:
     global _tokenizer
-    _tokenizer = _load_tokenizer(tokenizer_path)
+    _tokenizer = load_tokenizer(tokenizer_path)
 
 
 def _encode(chunk: tuple[list[str], int]) -> tuple[list[np.ndarray], int]:
@@ -166,7 +173,7 @@ def tokenize_files(
     if num_workers < 1:
         raise ValueError(f"num_workers={num_workers} must be >= 1")
     tqdm = _require("tqdm").tqdm
-    tokenizer = _load_tokenizer(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path)
     dt = smallest_dtype(tokenizer.get_vocab_size()) if dtype is None else token_dtype(dtype)
     eod: list[int] = []
     if eod_token is not None:
