@@ -122,8 +122,13 @@ def test_numbers_are_numbers_and_finite(tmp_path, capsys, override, message):
         ("trainer.seed=18446744073709551616", "seed=18446744073709551616 does not fit"),
         ("learning_rate_scheduler.learning_rate=1e308", "learning_rate=1e+308 is above 10"),
         ("topology.timeout_seconds=1e300", "timeout_seconds\n  Input should be less than or equal to 604800"),
+        ("training.compile.backend=inductr", "backend='inductr' is not a torch.compile backend of torch"),
+        (
+            "training.compile.enabled=true training.compile.fullgraph=true",  # the default layout has tp=2
+            "training.compile.fullgraph=true with topology.model_parallel_size=2: the layers' collectives break",
+        ),
     ],
 )
 def test_out_of_range_values_are_refused_before_launch(tmp_path, capsys, override, named):
-    err = _mlp_error(tmp_path, capsys, str(DEFAULT_MLP_CONFIG), override)
+    err = _mlp_error(tmp_path, capsys, str(DEFAULT_MLP_CONFIG), *override.split())
     assert named in err, err

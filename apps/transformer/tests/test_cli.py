@@ -109,6 +109,25 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
             r"training.fp8.enabled=true: 24 tokens per micro-batch and rank \(topology.micro_batch_size=2 x "
             r"data.sequence_length=12 / topology.context_parallel_size=1\); float8 products need a multiple of 16",
         ),
+        (
+            ["transformer_architecture.vocab_size=1000000000000"],
+            r"vocab_size\n  Input should be less than or equal to 4294967296",
+        ),
+        (
+            ["transformer_architecture.hidden_size=131072", "transformer_architecture.num_layers=10000"],
+            r"transformer_architecture has 1.89e\+15 parameters \(vocab_size=300, hidden_size=131072, num_layers=10000\): "
+            r"6.88e\+03 TiB of fp32 weights per rank even spread over all 1 ranks, beyond the 4 TiB",
+        ),
+        (
+            [
+                "topology.model_parallel_size=2",
+                "runner.nproc_per_node=2",
+                "training.compile.enabled=true",
+                "training.compile.fullgraph=true",
+            ],
+            r"training.compile.fullgraph=true with topology.model_parallel_size=2: the layers' collectives break "
+            r"the graph, which fullgraph refuses at the first step; set training.compile.fullgraph=false",
+        ),
     ],
     ids=[
         "kv-heads",
@@ -130,6 +149,9 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
         "moe-no-block",
         "fp8-shape",
         "fp8-tokens",
+        "vocab-beyond-uint32",
+        "beyond-any-machine",
+        "fullgraph-tp",
     ],
 )
 def test_bad_config_is_refused(capsys, tiny_corpus, tmp_path, overrides, match):

@@ -214,3 +214,45 @@ def test_generate_refuses_bad_arguments_in_one_line(tmp_path, capsys, monkeypatc
     code = main(["generate", "--checkpoint", str(tmp_path / "ours" / CHECKPOINT_SUBDIR), *args])
     err = capsys.readouterr().err
     assert code == 2 and said in err and len(err.splitlines()) == 1, err
+
+
+def _hf_folder_and_import(tmp_path):
+    _tiny_llama(tmp_path)
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    (tmp_path / "a_file").write_text("")
+    bad_json = tmp_path / "bad_json"
+    bad_json.mkdir()
+    (bad_json / "config.json").write_text("{x")
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    (truncated / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    (truncated / "model.safetensors").write_bytes((tmp_path / "hf" / "model.safetensors").read_bytes()[:3000])
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["import-hf", "bad_json", "out"], "bad_json/config.json is not valid JSON (Expecting property name"),
+        (["import-hf", "truncated", "out"], "truncated/model.safetensors is not a readable safetensors file"),
+        (["import-hf", "hf", "a_file"], "output 'a_file' exists and is not a folder; give a folder to write into"),
+        (["export-hf", "ours/checkpoint", "a_file"], "output 'a_file' exists and is not a folder"),
+        (
+            ["export-hf", "ours", "back"],
+            "holds no committed checkpoint (step_*/commit.json); did you mean 'ours/checkpoint'?",
+        ),
+        (
+            ["export-hf", "ours/checkpoint", "back", "--peft-dir", "peft"],
+            "finetuning.method='none' in the checkpoint's config; a PEFT adapter needs",
+        ),
+    ],
+    ids=["bad-json", "truncated-safetensors", "import-into-file", "export-into-file", "import-root", "peft-no-lora"],
+)
+def test_import_and_export_refuse_bad_arguments_in_one_line(tmp_path, capsys, monkeypatch, args, said):
+    """Exit 2 and one line naming the argument; nothing written (the PEFT refusal comes before the export)."""
+    _hf_folder_and_import(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code == 2 and said in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "back").exists()

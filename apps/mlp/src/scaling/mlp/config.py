@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import Field, model_validator
 
 from scaling.config import BaseConfig
-from scaling.nn import CompileConfig
+from scaling.nn import CompileConfig, check_compile_layout
 from scaling.runner import LaunchedConfig
 from scaling.trainer import TrainingAppConfig
 
@@ -71,4 +71,6 @@ class MLPConfig(TrainingAppConfig, LaunchedConfig):
                 f"topology.pipe_parallel_size={pp} exceeds the model's {2 * arch.num_blocks} layers "
                 f"(architecture.num_blocks={arch.num_blocks}); use at most {2 * arch.num_blocks} stages"
             )
+        tp_collectives = [f"topology.model_parallel_size={tp}"] if tp != 1 else []
+        check_compile_layout(self.training.compile, "training.compile", collectives=tp_collectives)
         return self

@@ -120,6 +120,10 @@ def _import_hf(args: argparse.Namespace) -> int:
 def _export_hf(args: argparse.Namespace) -> int:
     from scaling.transformer.hf import export_hf
 
+    if args.peft_dir is not None:  # refused before the base model is written, not after
+        from scaling.transformer.hf import check_peft_exportable
+
+        check_peft_exportable(args.checkpoint, args.config)
     out = export_hf(args.checkpoint, args.output, config_path=args.config, tokenizer=args.tokenizer)
     if (out / "tokenizer.json").is_file():
         print(f"exported {args.checkpoint} -> {out} (config.json, model.safetensors, tokenizer; base weights only)")

@@ -10,7 +10,7 @@ import torch
 from pydantic import Field, model_validator
 
 from scaling.config import BaseConfig
-from scaling.nn import CompileConfig, Float8Config, check_context_parallel, check_moe
+from scaling.nn import CompileConfig, Float8Config, check_compile_layout, check_context_parallel, check_moe
 from scaling.runner import LaunchedConfig
 from scaling.trainer import TrainingAppConfig
 
@@ -44,7 +44,12 @@ class MoEConfig(BaseConfig):
 class TransformerArchitectureConfig(BaseConfig):
     """The shape of a GPT/Llama-style decoder."""
 
-    vocab_size: int = Field(1024, ge=1, description="Token ids the model accepts, [0, vocab_size); >= 1.")
+    vocab_size: int = Field(
+        1024,
+        ge=1,
+        le=2**32,
+        description="Token ids the model accepts, [0, vocab_size); 1 to 2**32 (token files hold at most uint32 ids).",
+    )
     hidden_size: int = Field(128, ge=1, description="Model width (embedding size); divisible by num_attention_heads.")
     num_layers: int = Field(4, ge=1, description="Transformer blocks; the model has num_layers + 2 pipeline layers.")
     num_attention_heads: int = Field(4, ge=1, description="Query heads; divides hidden_size.")
@@ -120,6 +125,21 @@ class TransformerArchitectureConfig(BaseConfig):
     @property
     def dtype(self) -> torch.dtype:
         return DTYPES[self.precision]
+
+    def num_parameters(self, active: bool = False) -> int:
+        """Parameters of the whole model (tied embedding counted once); ``active``: those one token uses
+        (with mixture-of-experts blocks: the router, its top-k and the shared experts)."""
+        h, v, f, layers = self.hidden_size, self.vocab_size, self.ffn_size, self.num_layers
+        d = h // self.num_attention_heads
+        attn = h * (self.num_attention_heads + 2 * self.kv_heads) * d + self.num_attention_heads * d * h
+        mlp = (3 if self.mlp_type == "swiglu" else 2) * h * f
+        embeddings = v * h * (1 if self.tied_embeddings else 2)
+        mlps = layers * mlp
+        if self.moe is not None:
+            moe, blocks = self.moe, layers // self.moe.every
+            experts = (moe.top_k if active else moe.num_experts) + moe.num_shared_experts
+            mlps += blocks * (moe.num_experts * h + experts * 3 * h * (moe.ffn_size or f) - mlp)
+        return embeddings + layers * (attn + 2 * h) + mlps + h
 
     @model_validator(mode="after")
     def _check_shape(self) -> TransformerArchitectureConfig:
@@ -308,9 +328,9 @@ class TransformerConfig(TrainingAppConfig, LaunchedConfig):
 
     @model_validator(mode="after")
     def _check_layout(self) -> TransformerConfig:
-        tp, pp = self.topology.model_parallel_size, self.topology.pipe_parallel_size
+        tp, pp, world = self.topology.model_parallel_size, self.topology.pipe_parallel_size, self.topology.world_size
         # TopologyConfig's own validator has already derived every size it left as None.
-        assert tp is not None and pp is not None
+        assert tp is not None and pp is not None and world is not None
         check_layout(self.transformer_architecture, tp, pp)
         arch = self.transformer_architecture
         if self.data.sequence_length > arch.max_sequence_length:
@@ -374,12 +394,43 @@ class TransformerConfig(TrainingAppConfig, LaunchedConfig):
                 f"finetuning.adapter_size={self.finetuning.adapter_size} is not divisible by "
                 f"topology.model_parallel_size={tp}; choose a multiple of {tp}"
             )
+        check_fits(arch, world)
+        layout = {
+            "model_parallel_size": tp,
+            "context_parallel_size": cp,
+            "expert_parallel_size": self.topology.expert_parallel_size,
+        }
+        collectives = [f"topology.{name}={size}" for name, size in layout.items() if size > 1]
+        check_compile_layout(self.training.compile, "training.compile", collectives=collectives)
         if arch.precision == "fp16" and not self.optimizer.loss_scaler.enable:
             raise ValueError(
                 "transformer_architecture.precision='fp16' needs optimizer.loss_scaler.enable=true "
                 "(fp16 gradients underflow without loss scaling); enable it or use precision='bf16'"
             )
         return self
+
+
+# More model-weight bytes per rank than this is beyond any machine a rank runs on (the largest
+# hosts have a few TiB; an accelerator's memory is a fraction of one), however the run shards.
+MAX_WEIGHT_BYTES_PER_RANK = 4 * 2**40
+
+
+def check_fits(arch: TransformerArchitectureConfig, world_size: int) -> None:
+    """Raise ValueError when the weights alone, spread evenly over every rank (the least any
+    layout can hold: ZeRO-3 over all of them), exceed :data:`MAX_WEIGHT_BYTES_PER_RANK`.
+
+    A shape typed with a few digits too many (a vocabulary of 10**12) is refused here with its
+    size, rather than by an out-of-memory error on every rank after launch.
+    """
+    parameters = arch.num_parameters()
+    per_rank = parameters * arch.dtype.itemsize / world_size
+    if per_rank > MAX_WEIGHT_BYTES_PER_RANK:
+        raise ValueError(
+            f"transformer_architecture has {parameters:.3g} parameters (vocab_size={arch.vocab_size}, "
+            f"hidden_size={arch.hidden_size}, num_layers={arch.num_layers}): {per_rank / 2**40:.3g} TiB of "
+            f"{arch.precision} weights per rank even spread over all {world_size} ranks, beyond the "
+            f"{MAX_WEIGHT_BYTES_PER_RANK // 2**40} TiB any machine holds; check these sizes"
+        )
 
 
 def check_layout(arch: TransformerArchitectureConfig, tp: int, pp: int) -> None:

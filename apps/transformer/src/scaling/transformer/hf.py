@@ -34,7 +34,7 @@ from scaling.nn import named_parameters_with_meta, write_peft_adapter
 from scaling.trainer import checkpoint
 from scaling.transformer.config import MoEConfig, TransformerArchitectureConfig, TransformerConfig
 from scaling.transformer.corpus import EOD_TOKEN, default_paths
-from scaling.transformer.inference import TransformerLM, load_model
+from scaling.transformer.inference import TransformerLM, latest_config, load_model
 
 CHECKPOINT_SUBDIR = "checkpoint"
 
@@ -189,6 +189,14 @@ def save_model(model: TransformerLM, config: TransformerConfig, checkpoint_dir: 
     return Path(checkpoint_dir)
 
 
+def _output_folder(path: str | Path) -> Path:
+    """``path`` as an output folder: refused when it exists and is not a folder (before any work)."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {str(out)!r} exists and is not a folder; give a folder to write into")
+    return out
+
+
 def import_hf(hf_dir: str | Path, output_dir: str | Path) -> Path:
     """Convert a Llama or Mixtral HF folder into ``output_dir/config.yml`` and ``output_dir/checkpoint``.
 
@@ -196,18 +204,26 @@ def import_hf(hf_dir: str | Path, output_dir: str | Path) -> Path:
         ValueError: for another architecture or unsupported settings (named).
         FileNotFoundError: when ``config.json`` or the safetensors files are missing.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    hf_dir, out = Path(hf_dir), Path(output_dir)
+    hf_dir, out = Path(hf_dir), _output_folder(output_dir)
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"{hf_dir}: no config.json; import-hf needs a save_pretrained folder")
-    arch = _arch_from_hf(json.loads((hf_dir / "config.json").read_text()), hf_dir)
+    try:
+        hf_config = json.loads((hf_dir / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{hf_dir / 'config.json'} is not valid JSON ({exc}); give a save_pretrained folder") from None
+    arch = _arch_from_hf(hf_config, hf_dir)
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{hf_dir}: no *.safetensors files (save with safe_serialization=True)")
     hf_state: dict[str, torch.Tensor] = {}
     for f in files:
-        hf_state.update(load_file(str(f)))
+        try:
+            hf_state.update(load_file(str(f)))
+        except SafetensorError as exc:
+            raise ValueError(f"{f} is not a readable safetensors file ({exc}); is it truncated?") from None
     config = TransformerConfig.from_dict(
         {
             "runner": {"runner_type": "local", "nproc_per_node": 1},
@@ -258,6 +274,7 @@ def export_hf(
     """
     from safetensors.torch import save_file
 
+    out = _output_folder(output_dir)
     config = TransformerConfig.from_yaml(config_path) if config_path is not None else None
     model, config = load_model(checkpoint, config)
     arch = config.transformer_architecture
@@ -302,7 +319,6 @@ def export_hf(
             router_aux_loss_coef=arch.moe.aux_loss_coefficient,
             sliding_window=None,
         )
-    out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if shipped is not None:
         hf_config.update(_write_tokenizer(shipped, out, arch))
@@ -345,6 +361,26 @@ _PEFT_NAMES = {
 }
 
 
+def check_peft_exportable(checkpoint: str | Path, config_path: str | Path | None = None) -> TransformerConfig:
+    """The run's config (``config_path``, else the one saved with ``checkpoint``) when its model
+    can be exported as a PEFT adapter (:func:`export_peft`); reads no weights.
+
+    Raises:
+        ValueError: when the config's ``finetuning.method`` is not LoRA or the model is not Llama-compatible.
+    """
+    if config_path is not None:
+        config = TransformerConfig.from_yaml(config_path)
+    else:
+        config = TransformerConfig.from_dict(latest_config(checkpoint))
+    _check_exportable(config.transformer_architecture)
+    if config.finetuning.method != "lora":
+        raise ValueError(
+            f"finetuning.method={config.finetuning.method!r} in the checkpoint's config; a PEFT adapter needs a "
+            "model trained with finetuning.method='lora'"
+        )
+    return config
+
+
 def export_peft(checkpoint: str | Path, output_dir: str | Path, config_path: str | Path | None = None) -> Path:
     """Write the LoRA adapters of a ``finetuning.method='lora'`` checkpoint as a PEFT adapter folder.
 
@@ -356,15 +392,9 @@ def export_peft(checkpoint: str | Path, output_dir: str | Path, config_path: str
         ValueError: when the checkpoint was not trained with LoRA or the model is not Llama-compatible.
     """
 
-    config = TransformerConfig.from_yaml(config_path) if config_path is not None else None
+    config = check_peft_exportable(checkpoint, config_path)
     model, config = load_model(checkpoint, config)
     arch, ft = config.transformer_architecture, config.finetuning
-    _check_exportable(arch)
-    if ft.method != "lora":
-        raise ValueError(
-            f"finetuning.method={ft.method!r} in the checkpoint's config; a PEFT adapter needs a model trained "
-            "with finetuning.method='lora'"
-        )
     tensors: dict[str, torch.Tensor] = {}
     targets: set[str] = set()
     for i, block in enumerate(model.blocks):

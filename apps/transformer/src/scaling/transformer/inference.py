@@ -127,7 +127,9 @@ def latest_config(checkpoint_dir: str | Path) -> JsonDict:
     root = Path(checkpoint_dir)
     steps = committed_steps(root) if root.is_dir() else []
     if not steps:
-        raise FileNotFoundError(f"checkpoint={str(root)!r} holds no committed checkpoint (step_*/commit.json)")
+        inner = root / "checkpoint"  # import-hf writes OUT/config.yml and OUT/checkpoint
+        hint = f"; did you mean {str(inner)!r}?" if inner.is_dir() and committed_steps(inner) else ""
+        raise FileNotFoundError(f"checkpoint={str(root)!r} holds no committed checkpoint (step_*/commit.json){hint}")
     extra = json.loads((root / f"step_{steps[-1]:08d}" / "extra.json").read_text())
     if "config" not in extra:
         raise FileNotFoundError(f"{root}: extra.json of step {steps[-1]} has no 'config'; pass --config")

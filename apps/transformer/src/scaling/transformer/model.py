@@ -318,25 +318,9 @@ class TransformerLoss:
         return loss / (total_weight / self.cp_size), {}
 
 
-def num_parameters(arch: TransformerArchitectureConfig, active: bool = False) -> int:
-    """Parameters of the whole model (tied embedding counted once); ``active``: those one token uses
-    (with mixture-of-experts blocks: the router, its top-k and the shared experts)."""
-    h, v, f, layers = arch.hidden_size, arch.vocab_size, arch.ffn_size, arch.num_layers
-    d = h // arch.num_attention_heads
-    attn = h * (arch.num_attention_heads + 2 * arch.kv_heads) * d + arch.num_attention_heads * d * h
-    mlp = (3 if arch.mlp_type == "swiglu" else 2) * h * f
-    embeddings = v * h * (1 if arch.tied_embeddings else 2)
-    mlps = layers * mlp
-    if arch.moe is not None:
-        moe, blocks = arch.moe, layers // arch.moe.every
-        experts = (moe.top_k if active else moe.num_experts) + moe.num_shared_experts
-        mlps += blocks * (moe.num_experts * h + experts * 3 * h * (moe.ffn_size or f) - mlp)
-    return embeddings + layers * (attn + 2 * h) + mlps + h
-
-
 def flops_per_token(arch: TransformerArchitectureConfig, sequence_length: int) -> float:
     """Training FLOPs per token: ``6 N + 12 L H S`` (N active parameters, L layers, H hidden, S sequence)."""
-    return 6.0 * num_parameters(arch, active=True) + 12.0 * arch.num_layers * arch.hidden_size * sequence_length
+    return 6.0 * arch.num_parameters(active=True) + 12.0 * arch.num_layers * arch.hidden_size * sequence_length
 
 
 def check_fp8(config: TransformerConfig) -> None:

@@ -3,7 +3,14 @@
 from scaling.nn._adapters import BottleneckAdapter, apply_bottleneck_adapters, mark_only_bias_trainable
 from scaling.nn._attention import ParallelSelfAttention, check_context_parallel, valid_model_parallel_sizes
 from scaling.nn._checkpoint import checkpoint_layer, checkpoint_sequential_layers, tracker_checkpoint_context
-from scaling.nn._compile import CompileConfig, CompileMonitor, compile_layer, compile_layers, compile_loss
+from scaling.nn._compile import (
+    CompileConfig,
+    CompileMonitor,
+    check_compile_layout,
+    compile_layer,
+    compile_layers,
+    compile_loss,
+)
 from scaling.nn._context_parallel import (
     TokenLayout,
     all_to_all_attention,
@@ -72,6 +79,7 @@ __all__ = [
     "apply_bottleneck_adapters",
     "apply_lora",
     "attach_parameter_metas",
+    "check_compile_layout",
     "check_context_parallel",
     "check_float8",
     "check_moe",

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Literal, TypeVar, cast
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from scaling.config import BaseConfig
 from scaling.nn._attention_kernels import cuda_capability
@@ -63,6 +63,45 @@ class CompileConfig(BaseConfig):
         "a cross-entropy's upcast, log-softmax and target gather fuse, so its fp32 copy of the logits is never "
         "written out.",
     )
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, backend: str) -> str:
+        # The common ones are known without importing Dynamo (seconds); any other is looked up in
+        # Dynamo's registry, which also finds backends installed by packages' entry points.
+        if backend in _COMMON_BACKENDS:
+            return backend
+        from torch._dynamo import list_backends, lookup_backend
+        from torch._dynamo.exc import InvalidBackend
+
+        try:
+            lookup_backend(backend)
+        except InvalidBackend:
+            choices = ", ".join(repr(name) for name in list_backends())
+            raise ValueError(
+                f"backend={backend!r} is not a torch.compile backend of torch {torch.__version__}; "
+                f"choose one of {choices} (or register yours with torch._dynamo.register_backend first)"
+            ) from None
+        return backend
+
+
+_COMMON_BACKENDS = frozenset({"inductor", "aot_eager", "eager", "cudagraphs"})
+
+
+def check_compile_layout(config: CompileConfig, field: str, *, collectives: list[str]) -> None:
+    """Raise ValueError when ``fullgraph`` is asked of layers that communicate.
+
+    ``collectives`` names the layout settings that put a collective inside a layer or the loss
+    (tensor, context or expert parallelism), e.g. ``["topology.model_parallel_size=2"]``: each
+    collective is a graph break, which ``fullgraph=True`` turns into an error at the first step.
+    ``field`` is where the config sits (``compile`` or ``training.compile``).
+    """
+    if config.enabled and config.fullgraph and collectives:
+        raise ValueError(
+            f"{field}.fullgraph=true with {', '.join(collectives)}: the layers' collectives break the graph, "
+            f"which fullgraph refuses at the first step; set {field}.fullgraph=false (the code between "
+            "collectives is still compiled)"
+        )
 
 
 # The modules of scaling.collectives that communicate or keep the collective record; the
