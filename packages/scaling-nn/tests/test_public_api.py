@@ -29,6 +29,7 @@ EXPECTED = [
     "apply_bottleneck_adapters",
     "apply_lora",
     "attach_parameter_metas",
+    "check_compile_layout",
     "check_context_parallel",
     "check_float8",
     "check_moe",
