@@ -58,7 +58,7 @@ def _run(seq: int, method: str, hidden: int, heads: int, layers: int, steps: int
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[_Block(hidden, heads, topo, method) for _ in range(layers)])
     x_full = torch.randn(1, seq, hidden, generator=torch.Generator().manual_seed(1))
-    x = split_sequence(x_full, 1, topo.context_parallel_rank, cp).requires_grad_(True)
+    x = split_sequence(x_full, 1, topo.axis("cp").rank, cp).requires_grad_(True)
 
     storages: dict[int, int] = {}
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}

@@ -67,11 +67,11 @@ def _ours(model: torch.nn.Sequential, zero: int, topo, overlap: bool = False, mi
 
 def measure(hidden: int, layers: int, batch: int, steps: int, block: int, micro: int = 1) -> dict[str, float]:
     topo = make_topology()
-    x = torch.randn(batch, hidden, generator=torch.Generator().manual_seed(topo.data_parallel_rank))
+    x = torch.randn(batch, hidden, generator=torch.Generator().manual_seed(topo.axis("dp").rank))
     xs = x.chunk(micro)
-    ddp = DistributedDataParallel(_mlp(hidden, layers), process_group=topo.data_parallel_group, bucket_cap_mb=25)
+    ddp = DistributedDataParallel(_mlp(hidden, layers), process_group=topo.axis("dp").group, bucket_cap_mb=25)
     ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, weight_decay=0.01)
-    ddp_fused = DistributedDataParallel(_mlp(hidden, layers), process_group=topo.data_parallel_group, bucket_cap_mb=25)
+    ddp_fused = DistributedDataParallel(_mlp(hidden, layers), process_group=topo.axis("dp").group, bucket_cap_mb=25)
     fused_opt = torch.optim.AdamW(ddp_fused.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     plain, zero1, zero1_overlap = _mlp(hidden, layers), _mlp(hidden, layers), _mlp(hidden, layers)
     plain_opt, zero1_opt = _ours(plain, 0, topo, micro=micro), _ours(zero1, 1, topo, micro=micro)
@@ -111,12 +111,12 @@ def measure(hidden: int, layers: int, batch: int, steps: int, block: int, micro:
     for i in range(steps + 2):
         spent: dict[str, float] = dict.fromkeys(runs, 0.0)
         for name in order:
-            torch.distributed.barrier(group=topo.data_parallel_group)
+            torch.distributed.barrier(group=topo.axis("dp").group)
             start = time.perf_counter()
             runs[name]()
             elapsed = torch.tensor([(time.perf_counter() - start) / block])
             # a step takes as long as its slowest rank
-            torch.distributed.all_reduce(elapsed, torch.distributed.ReduceOp.MAX, group=topo.data_parallel_group)
+            torch.distributed.all_reduce(elapsed, torch.distributed.ReduceOp.MAX, group=topo.axis("dp").group)
             spent[name] += elapsed.item()
             if i >= 2:  # the first rounds warm up allocators and gloo
                 times[name].append(elapsed.item())
@@ -149,10 +149,10 @@ _ALL_GATHER = getattr(torch.distributed, "all_gather_single", None) or torch.dis
 def collectives(numel: int, rounds: int) -> dict[str, float]:
     """Median ms of one model-sized gloo all-reduce, reduce-scatter and all-gather (raw torch calls)."""
     topo = make_topology()
-    group, world = topo.data_parallel_group, topo.data_parallel_size
+    group, world = topo.axis("dp").group, topo.axis("dp").size
     numel -= numel % world
     full, shard = torch.randn(numel), torch.empty(numel // world)
-    peer = 1 - topo.data_parallel_rank
+    peer = 1 - topo.axis("dp").rank
 
     def exchange() -> None:
         # what scaling.collectives posts for a two-rank reduce-scatter or all-gather

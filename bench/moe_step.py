@@ -90,7 +90,7 @@ def _run(
         top = block._route(x)[1]
         counts = torch.bincount(top.flatten(), minlength=experts)
         local = experts // ep
-        recv = all_to_all_tokens(counts, [local] * ep, [local] * ep, topo.expert_parallel_group)
+        recv = all_to_all_tokens(counts, [local] * ep, [local] * ep, topo.axis("ep").group)
         send_splits = counts.view(ep, local).sum(1).tolist()
         recv_splits = recv.view(ep, local).sum(1).tolist()
         rows = torch.randn(tokens * top_k, hidden)
@@ -98,8 +98,8 @@ def _run(
 
         def exchanges() -> None:
             for _ in range(2):
-                all_to_all_tokens(rows, recv_splits, send_splits, topo.expert_parallel_group)
-                all_to_all_tokens(back, send_splits, recv_splits, topo.expert_parallel_group)
+                all_to_all_tokens(rows, recv_splits, send_splits, topo.axis("ep").group)
+                all_to_all_tokens(back, send_splits, recv_splits, topo.axis("ep").group)
 
         comm_time = _time(exchanges, steps)
     return step_time, comm_time, peak

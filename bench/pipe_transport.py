@@ -39,8 +39,8 @@ class Activation:
 
 def worker(iterations: int, repeats: int) -> dict[str, list[tuple[float, float]]]:
     topo = make_topology(pipe_parallel_size=2)
-    rank, peer = topo.pipe_parallel_rank, 1 - topo.pipe_parallel_rank
-    transport = PipeTransport(topo.previous_pipe_rank, topo.next_pipe_rank, topo.device)
+    rank, peer = topo.axis("pp").rank, 1 - topo.axis("pp").rank
+    transport = PipeTransport(topo.axis("pp").previous, topo.axis("pp").next, topo.device)
     activation = torch.randn(8, 64, requires_grad=True)
     grad = torch.randn(8, 64)
     outgoing = activation.detach() if rank == 0 else grad

@@ -222,9 +222,9 @@ def worker(
 def _torch_1f1b(topo, batches: list[Batch], forward_s: float, backward_s: float):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    stage_index = topo.pipe_parallel_rank
+    stage_index = topo.axis("pp").rank
     layer = FixedCostLinear(forward_s, backward_s)
-    stage = PipelineStage(layer, stage_index, 2, topo.device, group=topo.pipe_parallel_group)
+    stage = PipelineStage(layer, stage_index, 2, topo.device, group=topo.axis("pp").group)
     schedule = Schedule1F1B(stage, len(batches), loss_fn=torch.nn.functional.mse_loss)
     x = torch.cat([b.x for b in batches])
     y = torch.cat([b.y for b in batches])

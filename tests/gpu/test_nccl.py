@@ -39,8 +39,8 @@ def _topology_worker():
     return (
         str(topo.device),
         topo.backend,
-        dist.get_backend(topo.data_parallel_group),
-        str(group_device(topo.model_parallel_group)),
+        dist.get_backend(topo.axis("dp").group),
+        str(group_device(topo.axis("tp").group)),
     )
 
 
@@ -52,7 +52,7 @@ def test_auto_topology_is_cuda_with_nccl():
 def _collectives_worker():
     topo = make_topology(device="cuda", backend="nccl")
     dev = topo.device
-    group = topo.data_parallel_group
+    group = topo.axis("dp").group
     x = torch.arange(6.0, device=dev)
     out = {
         "wrappers": [
@@ -125,10 +125,10 @@ STUCK = textwrap.dedent(
     topology.initialize_distributed(init_method="file://" + sys.argv[2])
     set_flight_recorder_folder(topology.backend, sys.argv[1])  # what run_training does with diagnostics_dir
     x = torch.ones(4, device=topology.device)
-    dist.all_reduce(x, group=topology.data_parallel_group)  # collective 1 completes
+    dist.all_reduce(x, group=topology.axis("dp").group)  # collective 1 completes
     torch.cuda.synchronize()
     torch.cuda._sleep(1 << 40)  # the GPU spins for minutes, so collective 2 cannot start
-    dist.all_reduce(x, group=topology.data_parallel_group)
+    dist.all_reduce(x, group=topology.axis("dp").group)
     time.sleep(200)  # waits without holding the GIL, which the dump's Python stacks need
     print("never reached", flush=True)
     """

@@ -137,7 +137,7 @@ def run(payload: dict[str, Any]) -> None:
     record = {
         "rank": rank,
         "pid": os.getpid(),
-        "pipe_rank": topology.pipe_parallel_rank,
+        "pipe_rank": topology.axis("pp").rank,
         "env_sha256": {
             k: hashlib.sha256(os.environ[k].encode()).hexdigest() if k in os.environ else None
             for k in payload.get("echo_env_hash", [])

@@ -61,11 +61,11 @@ def _check_equal(actual, expected):
 
 def _broadcast_batch(tp, src_tp_rank):
     topo = make_topology(model_parallel_size=tp)
-    src = topo.model_parallel_ranks[src_tp_rank]
-    expected = _make_batch(seed=100 + topo.data_parallel_rank)  # each DP replica sends its own batch
+    src = topo.axis("tp").ranks[src_tp_rank]
+    expected = _make_batch(seed=100 + topo.axis("dp").rank)  # each DP replica sends its own batch
     mine = expected if dist.get_rank() == src else None
     for _ in range(2):  # a second call must not depend on state left by the first
-        got = broadcast_pytree(mine, src, topo.model_parallel_group)
+        got = broadcast_pytree(mine, src, topo.axis("tp").group)
         _check_equal(got, expected)
         if dist.get_rank() == src:
             assert got is mine

@@ -63,9 +63,9 @@ def _assert_same(actual, expected, path="obj"):
 
 def _round_trip():
     topo = make_topology(pipe_parallel_size=2)
-    transport = PipeTransport(topo.previous_pipe_rank, topo.next_pipe_rank, topo.device)
+    transport = PipeTransport(topo.axis("pp").previous, topo.axis("pp").next, topo.device)
     for message in _messages():
-        if topo.is_first_pipe_stage:
+        if topo.axis("pp").is_first:
             transport.send_forward(message)
         else:
             _assert_same(transport.recv_forward(), message)
@@ -80,11 +80,11 @@ def test_round_trip_every_pytree_kind():
 
 def _shape_changes():
     topo = make_topology(pipe_parallel_size=2)
-    transport = PipeTransport(topo.previous_pipe_rank, topo.next_pipe_rank, topo.device)
+    transport = PipeTransport(topo.axis("pp").previous, topo.axis("pp").next, topo.device)
     shapes = [(2, 4), (2, 4), (2, 4), (3, 4), (3, 4), (2, 4)]
     for i, shape in enumerate(shapes):
         x = torch.full(shape, float(i))
-        if topo.is_first_pipe_stage:
+        if topo.axis("pp").is_first:
             transport.send_forward({"x": x})
         else:
             got = transport.recv_forward()["x"]
@@ -103,11 +103,11 @@ def _steady_state_transfers():
     from scaling.collectives import get_recorder
 
     topo = make_topology(pipe_parallel_size=2)
-    transport = PipeTransport(topo.previous_pipe_rank, topo.next_pipe_rank, topo.device)
+    transport = PipeTransport(topo.axis("pp").previous, topo.axis("pp").next, topo.device)
     counts = []
     for shape in [(2, 4), (2, 4), (2, 4), (3, 4)]:
         before = sum(get_recorder().p2p_snapshot()[1].values())
-        if topo.is_first_pipe_stage:
+        if topo.axis("pp").is_first:
             transport.send_forward({"x": torch.ones(shape), "y": torch.zeros(shape)})
         else:
             assert transport.recv_forward()["x"].shape == shape
@@ -126,17 +126,17 @@ def test_cached_metadata_means_one_transfer_per_message():
 def _sends_in_flight():
     """Stage 0 posts every send without waiting; stage 1 receives them later, in order."""
     topo = make_topology(pipe_parallel_size=2)
-    transport = PipeTransport(topo.previous_pipe_rank, topo.next_pipe_rank, topo.device)
+    transport = PipeTransport(topo.axis("pp").previous, topo.axis("pp").next, topo.device)
     shapes = [(2, 3), (2, 3), (4, 3), (4, 3)]  # a shape change (handshake) among sends in flight
-    if topo.is_first_pipe_stage:
+    if topo.axis("pp").is_first:
         for i, shape in enumerate(shapes):
             transport.send_forward(torch.full(shape, float(i)), wait=False)
         posted = transport.pending_sends  # sends not yet collected (some may have completed)
-        dist.barrier(group=topo.pipe_parallel_group)  # all four posted before stage 1 receives any
+        dist.barrier(group=topo.axis("pp").group)  # all four posted before stage 1 receives any
         got = transport.recv_backward()  # stage 1 answers only after receiving everything
         transport.wait_sends()
         return posted > 0, transport.pending_sends, float(got[0].sum())
-    dist.barrier(group=topo.pipe_parallel_group)
+    dist.barrier(group=topo.axis("pp").group)
     total = 0.0
     for i, shape in enumerate(shapes):
         x = transport.recv_forward()
@@ -183,7 +183,7 @@ def test_ring_of_two_exchanges_both_ways_in_order():
 def _two_stage_pipeline():
     """1F1B over two stages with the batched calls; grads match one process."""
     topo = make_topology(pipe_parallel_size=2)
-    transport = PipeTransport(topo.previous_pipe_rank, topo.next_pipe_rank, topo.device)
+    transport = PipeTransport(topo.axis("pp").previous, topo.axis("pp").next, topo.device)
     g = torch.Generator().manual_seed(3)
     w0, w1 = torch.randn(4, 5, generator=g), torch.randn(5, 3, generator=g)
     micro_batches = [torch.randn(2, 4, generator=g), torch.randn(3, 4, generator=g)]  # shapes differ
@@ -193,7 +193,7 @@ def _two_stage_pipeline():
     for x, y in zip(micro_batches, targets):
         (((x @ ref_w0).tanh() @ ref_w1 - y) ** 2).sum().backward()
 
-    if topo.is_first_pipe_stage:
+    if topo.axis("pp").is_first:
         w = w0.clone().requires_grad_()
         outs = [
             {"h": (x @ w).tanh(), "scale": torch.tensor(1.0), "step": i, "y": None} for i, x in enumerate(micro_batches)
@@ -299,7 +299,7 @@ def _static_shapes_exchange():
     from scaling.collectives import get_recorder
 
     topo = make_topology(pipe_parallel_size=2)
-    transport = PipeTransport(topo.previous_pipe_rank, topo.next_pipe_rank, topo.device, static_shapes=True)
+    transport = PipeTransport(topo.axis("pp").previous, topo.axis("pp").next, topo.device, static_shapes=True)
     sizes = []
     for i in range(4):
         # Two tensors, the first 12 bytes (padded to 16 in the frame), the second a grad leaf.
@@ -307,7 +307,7 @@ def _static_shapes_exchange():
         act.position_ids.requires_grad_(True)
         grads = [torch.full((2, 4), -float(i - 1))]  # the previous micro-batch's
         start = len(get_recorder().records())
-        if topo.is_first_pipe_stage:
+        if topo.axis("pp").is_first:
             got = transport.exchange(send_forward=act, recv_backward=i > 0, wait_sends=False)[1]
             if i > 0:
                 _assert_same(got, [torch.full((2, 4), -float(i - 1))])
@@ -317,7 +317,7 @@ def _static_shapes_exchange():
             assert got.position_ids.requires_grad and not got.hidden.requires_grad
         sizes.append(sorted((r.op, r.nbytes) for r in get_recorder().records()[start:]))
     transport.wait_sends()
-    if not topo.is_first_pipe_stage:
+    if not topo.axis("pp").is_first:
         transport.send_backward([torch.full((2, 4), -3.0)])
     else:
         _assert_same(transport.recv_backward(), [torch.full((2, 4), -3.0)])
@@ -337,8 +337,8 @@ def _static_shape_change():
     from scaling.collectives import get_recorder
 
     topo = make_topology(pipe_parallel_size=2)
-    transport = PipeTransport(topo.previous_pipe_rank, topo.next_pipe_rank, topo.device, static_shapes=True)
-    if topo.is_first_pipe_stage:
+    transport = PipeTransport(topo.axis("pp").previous, topo.axis("pp").next, topo.device, static_shapes=True)
+    if topo.axis("pp").is_first:
         transport.send_forward({"x": torch.ones(2, 4)})
         before = len(get_recorder().records())
         try:
@@ -368,9 +368,9 @@ def _static_single_tensors():
         torch.int64: [torch.randint(-9, 9, (7,), generator=g) for _ in range(3)],
     }
     for sent in messages.values():
-        transport = PipeTransport(topo.previous_pipe_rank, topo.next_pipe_rank, topo.device, static_shapes=True)
+        transport = PipeTransport(topo.axis("pp").previous, topo.axis("pp").next, topo.device, static_shapes=True)
         for x in sent:
-            if topo.is_first_pipe_stage:
+            if topo.axis("pp").is_first:
                 transport.send_forward((x,), wait=False)
             else:
                 _assert_same(transport.recv_forward(), (x,))

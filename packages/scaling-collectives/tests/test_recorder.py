@@ -39,12 +39,12 @@ def _record_and_count():
     topo = make_topology(model_parallel_size=2)
     recorder = get_recorder()
     recorder.reset_counters()
-    tp = topo.model_parallel_group
+    tp = topo.axis("tp").group
     x = torch.ones(4, 8)
     all_reduce(x, tp)
     all_gather(torch.ones(3), tp)
     reduce_scatter(torch.ones(4, 2, dtype=torch.float64), tp)
-    broadcast(torch.zeros(2, dtype=torch.int64), topo.model_parallel_ranks[0], tp)
+    broadcast(torch.zeros(2, dtype=torch.int64), topo.axis("tp").ranks[0], tp)
     barrier(tp)
     records = recorder.records(tp)[-5:]
     me = dist.get_rank()

@@ -115,8 +115,8 @@ def _case(name, n, r, group, dim):
 def _region_parity(name, tp, dim):
     torch.set_num_threads(1)
     topo = make_topology(model_parallel_size=tp)
-    group = topo.model_parallel_group
-    n, r = topo.model_parallel_size, topo.model_parallel_rank
+    group = topo.axis("tp").group
+    n, r = topo.axis("tp").size, topo.axis("tp").rank
     out, loss, inputs, ref_out, ref_loss, ref_inputs = _case(name, n, r, group, dim)
     loss.backward()
     ref_loss.backward()
@@ -152,7 +152,7 @@ def _gradcheck_composites(tp):
     """
     torch.set_num_threads(1)
     topo = make_topology(model_parallel_size=tp)
-    group, n, r = topo.model_parallel_group, topo.model_parallel_size, topo.model_parallel_rank
+    group, n, r = topo.axis("tp").group, topo.axis("tp").size, topo.axis("tp").rank
     g = torch.Generator().manual_seed(7)
     x = torch.randn(2, 4, 4, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(2, 4, 4, generator=g, dtype=torch.float64)
@@ -190,7 +190,7 @@ def test_float64_gradcheck():
 
 def _errors(tp):
     topo = make_topology(model_parallel_size=tp)
-    group = topo.model_parallel_group
+    group = topo.axis("tp").group
     x = torch.zeros(2, 3, 5)
     messages = []
     for call in (

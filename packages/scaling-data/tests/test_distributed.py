@@ -59,8 +59,8 @@ def _global_batches_over_dp(steps, gbs, mbs, seed):
     out = []
     for _ in range(steps):
         local = [i for b in loader.next_step() for i in b.sample_ids.tolist()]
-        gathered = [None] * topo.data_parallel_size
-        dist.all_gather_object(gathered, local, group=topo.data_parallel_group)
+        gathered = [None] * topo.axis("dp").size
+        dist.all_gather_object(gathered, local, group=topo.axis("dp").group)
         out.append([i for part in gathered for i in part])
     return out, loader.state_dict()
 
@@ -81,13 +81,13 @@ def _tp_sync(prefix, gbs, mbs):
     out = []
     for _ in range(2):
         for batch in loader.next_step():
-            if topo.model_parallel_rank == 0:
+            if topo.axis("tp").rank == 0:
                 assert batch is not None
             else:
                 assert batch is None  # only TP rank 0 reads
             synced = ds.sync_batch_to_model_parallel(topo, batch)
             out.append({k: (v.dtype, v.tolist()) for k, v in vars(synced).items()})
-    return topo.data_parallel_rank, out
+    return topo.axis("dp").rank, out
 
 
 def test_tp_ranks_receive_the_batch_of_tp_rank_0(tmp_path):

@@ -176,7 +176,7 @@ def _tp_parity(tp):
             grad = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(2))
             y.backward(grad)
             y_ref.backward(grad)
-            check_layer_parity(layer, ref, [y], [y_ref], [x], [x_ref], topo.model_parallel_group)
+            check_layer_parity(layer, ref, [y], [y_ref], [x], [x_ref], topo.axis("tp").group)
     return True
 
 

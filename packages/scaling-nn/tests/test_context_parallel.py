@@ -161,7 +161,7 @@ ATTENTION_CONFIGS = [
 
 def _layer_parity(tp, method, sequence_parallel):
     topo = make_topology(model_parallel_size=tp, context_parallel_size=dist.get_world_size() // tp)
-    cp, cp_rank, tp_rank = topo.context_parallel_size, topo.context_parallel_rank, topo.model_parallel_rank
+    cp, cp_rank, tp_rank = topo.axis("cp").size, topo.axis("cp").rank, topo.axis("tp").rank
 
     def local(full):  # this rank's zigzag slice, then its sequence-parallel part
         mine = split_sequence(full, 1, cp_rank, cp)
@@ -183,12 +183,12 @@ def _layer_parity(tp, method, sequence_parallel):
             y = layer(x, cu_seqlens=cu)
             y.backward(local(grad))
             for p in layer.parameters():  # each CP rank holds its tokens' share of the gradient
-                dist.all_reduce(p.grad, group=topo.context_parallel_group)
+                dist.all_reduce(p.grad, group=topo.axis("cp").group)
             if sequence_parallel:
-                reduce_sequence_parallel_gradients(layer, topo.model_parallel_group)
+                reduce_sequence_parallel_gradients(layer, topo.axis("tp").group)
             x_local = local(x_ref.detach())
             x_local.grad = local(x_ref.grad)
-            check_layer_parity(layer, ref, [y], [local(y_ref)], [x], [x_local], topo.model_parallel_group)
+            check_layer_parity(layer, ref, [y], [local(y_ref)], [x], [x_local], topo.axis("tp").group)
     return True
 
 

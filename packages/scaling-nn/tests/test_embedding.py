@@ -50,7 +50,7 @@ def _embedding_parity(tp, vocab):
     y, y_ref = layer(ids), ref(ids)
     y.backward(grad_out)
     y_ref.backward(grad_out)
-    check_layer_parity(layer, ref, [y], [y_ref], [], [], topo.model_parallel_group)
+    check_layer_parity(layer, ref, [y], [y_ref], [], [], topo.axis("tp").group)
     return tuple(layer.weight.shape)
 
 
@@ -64,7 +64,7 @@ def test_embedding_matches_torch_with_odd_vocab(tp):
 def _cross_entropy_parity(tp):
     """Logits from a column-parallel LM head over a padded odd vocab; loss and grads vs F.cross_entropy."""
     topo = make_topology(model_parallel_size=tp)
-    group = topo.model_parallel_group
+    group = topo.axis("tp").group
     padded = -(-VOCAB // tp) * tp
     g = torch.Generator().manual_seed(0)
     full_logits = torch.randn(2, 5, padded, generator=g) * 3
@@ -87,14 +87,14 @@ def _cross_entropy_parity(tp):
                     "torch mean",
                 )
             ref_loss.backward()
-            shard = full_logits.chunk(tp, dim=-1)[topo.model_parallel_rank].clone().requires_grad_(True)
+            shard = full_logits.chunk(tp, dim=-1)[topo.axis("tp").rank].clone().requires_grad_(True)
             loss = vocab_parallel_cross_entropy(
                 shard, targets, group, label_smoothing=smoothing, loss_weights=w, vocab_size=VOCAB
             )
             loss.backward()
             close(loss, ref_loss, f"loss smoothing={smoothing} weights={w is not None}")
             full_grad = torch.cat([ref_logits.grad, torch.zeros(2, 5, padded - VOCAB)], dim=-1)
-            close(shard.grad, full_grad.chunk(tp, dim=-1)[topo.model_parallel_rank], "logits grad")
+            close(shard.grad, full_grad.chunk(tp, dim=-1)[topo.axis("tp").rank], "logits grad")
             results.append(loss.item())
     return results
 
@@ -109,7 +109,7 @@ def test_vocab_parallel_cross_entropy_matches_torch(tp):
 def _lm_head_with_tied_embedding(tp):
     """Embedding -> LM head sharing its (padded) weight -> loss: same loss and grads as one process."""
     topo = make_topology(model_parallel_size=tp)
-    group = topo.model_parallel_group
+    group = topo.axis("tp").group
     torch.manual_seed(0)
     emb = VocabParallelEmbedding(VOCAB, DIM, topology=topo)
     torch.manual_seed(0)

@@ -41,7 +41,7 @@ def _linear_parity_all(tp):
 
 
 def _linear_parity(topo, tp, kind, flag, bias):
-    group = topo.model_parallel_group
+    group = topo.axis("tp").group
     torch.manual_seed(0)
     if kind == "column":
         layer = ColumnParallelLinear(IN, OUT, bias=bias, parallel_output=flag, topology=topo)
@@ -54,7 +54,7 @@ def _linear_parity(topo, tp, kind, flag, bias):
     grad_out = torch.randn(3, 5, OUT)
     y_ref = ref(x_ref)
     y_ref.backward(grad_out)
-    rank = topo.model_parallel_rank
+    rank = topo.axis("tp").rank
     x = x_ref.detach().clone()
     if kind == "row" and flag:  # input arrives split over TP
         x = x.chunk(tp, dim=-1)[rank].contiguous()

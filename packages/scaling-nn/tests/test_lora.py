@@ -140,8 +140,8 @@ def _tp_export(tp, path):
     load_peft_adapter(fresh, path)
     for n, p in fresh.named_parameters():
         close(
-            full_tensor(p, topo.model_parallel_group),
-            full_tensor(dict(ours.named_parameters())[n], topo.model_parallel_group),
+            full_tensor(p, topo.axis("tp").group),
+            full_tensor(dict(ours.named_parameters())[n], topo.axis("tp").group),
             n,
         )
     try:
@@ -150,7 +150,7 @@ def _tp_export(tp, path):
     except ValueError as e:
         dropout_error = str(e)
     # Last, after every collective: importing peft is slow, and no peer waits on it here.
-    if topo.model_parallel_rank == 0:
+    if topo.axis("tp").rank == 0:
         close(y, _peft_twin(path)(x), "peft output")
     return sorted(lora_state_dict(ours)), dropout_error
 
@@ -215,14 +215,14 @@ def _lora_tp_parity(tp):
         _randomize_lora(ref)
         x = torch.randn(2, 4, width, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
         sp = getattr(ours, "sequence_parallel", False)
-        y, y_ref = ours(x.chunk(tp, dim=1)[topo.model_parallel_rank] if sp else x), ref(x)
-        close(y, y_ref.chunk(tp, dim=1)[topo.model_parallel_rank] if sp else y_ref, "output")
+        y, y_ref = ours(x.chunk(tp, dim=1)[topo.axis("tp").rank] if sp else x), ref(x)
+        close(y, y_ref.chunk(tp, dim=1)[topo.axis("tp").rank] if sp else y_ref, "output")
         y.pow(2).sum().backward()
         y_ref.pow(2).sum().backward()
-        reduce_sequence_parallel_gradients(ours, topo.model_parallel_group)
+        reduce_sequence_parallel_gradients(ours, topo.axis("tp").group)
         ref_params = dict(ref.named_parameters())
         for n, p in ours.named_parameters():
-            close(full_tensor(p, topo.model_parallel_group, p.grad), ref_params[n].grad, f"grad {n}")
+            close(full_tensor(p, topo.axis("tp").group, p.grad), ref_params[n].grad, f"grad {n}")
     return True
 
 

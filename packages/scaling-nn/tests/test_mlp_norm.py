@@ -73,7 +73,7 @@ def _mlp_parity(tp):
         grad = torch.randn_like(y_ref)
         y.backward(grad)
         y_ref.backward(grad)
-        check_layer_parity(layer, ref, [y], [y_ref], [x], [x_ref], topo.model_parallel_group)
+        check_layer_parity(layer, ref, [y], [y_ref], [x], [x_ref], topo.axis("tp").group)
     return True
 
 

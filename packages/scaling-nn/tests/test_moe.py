@@ -176,7 +176,7 @@ def test_aux_loss_free_bias_moves_towards_balance():
 
 def _ep_parity(dp, tp, ep, sequence_parallel, dtype=torch.float32):
     topo = make_topology(model_parallel_size=tp, data_parallel_size=dp, expert_parallel_size=ep)
-    d, t = topo.data_parallel_rank, topo.model_parallel_rank
+    d, t = topo.axis("dp").rank, topo.axis("tp").rank
     # bf16: the experts as grouped matrix multiplies (forced on CPU, where the default loops).
     kwargs = dict(top_k=2, num_shared_experts=1, aux_loss_coefficient=0.1, dtype=dtype, grouped_gemm=True)
     rtol = 1e-6 if dtype == torch.float32 else 2e-2
@@ -209,20 +209,20 @@ def _ep_parity(dp, tp, ep, sequence_parallel, dtype=torch.float32):
     close(moe.last_aux_loss, aux[d], "aux loss", rtol)
     assert torch.equal(moe.last_load, loads[d])
     assert sorted(moe.experts) == [
-        str(e) for e in range(topo.expert_parallel_rank * E // ep, (topo.expert_parallel_rank + 1) * E // ep)
+        str(e) for e in range(topo.axis("ep").rank * E // ep, (topo.axis("ep").rank + 1) * E // ep)
     ]
-    expert_group = topo.expert_data_parallel_group
+    expert_group = topo.axis("edp").group
     ref_params = dict(ref.named_parameters())
     for name, p in moe.named_parameters():
         if not p.requires_grad:  # the aux-loss-free bias
             continue
         grad = p.grad.clone()
         if get_meta(p).reduce_over_tp:
-            dist.all_reduce(grad, group=topo.model_parallel_group)
-        group = expert_group if get_meta(p).is_expert else topo.data_parallel_group
+            dist.all_reduce(grad, group=topo.axis("tp").group)
+        group = expert_group if get_meta(p).is_expert else topo.axis("dp").group
         if group is not None:
             dist.all_reduce(grad, group=group)
-        close(full_tensor(p, topo.model_parallel_group, grad / dp), ref_params[name].grad, f"grad {name}", rtol)
+        close(full_tensor(p, topo.axis("tp").group, grad / dp), ref_params[name].grad, f"grad {name}", rtol)
     return True
 
 

@@ -41,7 +41,7 @@ class Block(torch.nn.Module):
 
 def _sp_parity(tp):
     topo = make_topology(model_parallel_size=tp)
-    group, rank = topo.model_parallel_group, topo.model_parallel_rank
+    group, rank = topo.axis("tp").group, topo.axis("tp").rank
     ids = torch.randint(0, VOCAB, (2, S), generator=torch.Generator().manual_seed(1))
     grad = torch.randn(2, S, H, generator=torch.Generator().manual_seed(2))
     for num_kv_heads in (4, 1):

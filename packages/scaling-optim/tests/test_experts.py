@@ -39,7 +39,7 @@ def _train(dp, ep, micro, zero=0, balancing="aux_loss", dtype=torch.float32):
     g = torch.Generator().manual_seed(1)
     norms = []
     # One micro-batch per DP rank; one process runs them all, each weighing 1 / micro-batches.
-    mine = range(topo.data_parallel_rank * micro // dp, (topo.data_parallel_rank + 1) * micro // dp)
+    mine = range(topo.axis("dp").rank * micro // dp, (topo.axis("dp").rank + 1) * micro // dp)
     moe.aux_loss_scale = 1.0 / len(mine)
     for _ in range(STEPS):
         x, target = (torch.randn(micro, 2, TOKENS, H, generator=g).to(dtype) for _ in range(2))

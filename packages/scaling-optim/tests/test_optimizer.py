@@ -54,7 +54,7 @@ def _sgd(zero, steps):
         parameter_groups=[group(w, b, wd=0.01)],
         topology=topo,
     )
-    dp, r = topo.data_parallel_size, topo.data_parallel_rank
+    dp, r = topo.axis("dp").size, topo.axis("dp").rank
     for step in range(steps):
         x, y = data(step)
         rows = x.shape[0] // dp
@@ -191,7 +191,7 @@ def test_fp16_overflow_skips_bitwise_shrinks_and_grows():
 def _norm_with_replicas_and_ties():
     """pp=2 × tp=2: a TP-split weight, a TP-replicated bias and a weight tied across stages."""
     topo = make_topology(model_parallel_size=2, pipe_parallel_size=2)
-    tp, pp = topo.model_parallel_rank, topo.pipe_parallel_rank
+    tp, pp = topo.axis("tp").rank, topo.axis("pp").rank
     split = torch.nn.Parameter(torch.zeros(2, 3))
     ParameterMeta("split", (4, 3), 0, 2, layer_index=pp).attach(split)
     replica = torch.nn.Parameter(torch.zeros(3))
@@ -266,7 +266,7 @@ def _overlapped_gather():
         entries = [sorted({gather.entry_of[i] for i in (2 * k, 2 * k + 1)}) for k in range(2)]
         seen, losses = [], []
         for step in range(3):
-            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + topo.data_parallel_rank))
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + topo.axis("dp").rank))
             opt.zero_grad()
             h = model[0](x)
             # after the first layer's forward its gathers are done and the second layer's are not
@@ -372,7 +372,7 @@ def _tp_summed_norm(zero):
         topology=topo,
     )
     opt.zero_grad()
-    w.grad = _bf16_partial(topo.model_parallel_rank)
+    w.grad = _bf16_partial(topo.axis("tp").rank)
     return opt.step().global_grad_norm
 
 

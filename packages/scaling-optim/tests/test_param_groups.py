@@ -68,9 +68,9 @@ def test_param_group_checks():
 
 def _per_stage_pattern():
     topo = make_topology(pipe_parallel_size=2)
-    names = ["layers.0.w"] if topo.pipe_parallel_rank == 0 else ["layers.1.head"]
+    names = ["layers.0.w"] if topo.axis("pp").rank == 0 else ["layers.1.head"]
     groups = [cfg("body", (r"layers\.0",)), cfg("head", (r"head",))]
-    ok = build_parameter_groups(named(*names), groups, process_group=topo.model_replica_group)
+    ok = build_parameter_groups(named(*names), groups, process_group=topo.axis("replica").group)
     try:
         build_parameter_groups(named(*names), groups)
     except ValueError as err:

@@ -145,7 +145,7 @@ def _train(
     offload=False,
 ):
     topo = make_topology(model_parallel_size=tp)
-    tp_rank, dp_rank, dp = topo.model_parallel_rank, topo.data_parallel_rank, topo.data_parallel_size
+    tp_rank, dp_rank, dp = topo.axis("tp").rank, topo.axis("dp").rank, topo.axis("dp").size
     params, members = {}, {"decay": [], "no_decay": []}
     for name, full in full_weights().items():
         shape, pdim, reduce_tp, group = SPECS[name]
@@ -171,7 +171,7 @@ def _train(
         overlap_param_gather=overlap,
         cpu_offload=offload,
     )
-    tp_group = topo.model_parallel_group if tp > 1 else None
+    tp_group = topo.axis("tp").group if tp > 1 else None
     layers = [Layer(params, 0, layer0, tp_group), Layer(params, 1, layer1, tp_group)]
     opt = Optimizer(
         config=config,

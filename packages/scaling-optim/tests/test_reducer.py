@@ -35,14 +35,14 @@ def _two_layers(zero, topo):
 def _one_step(zero):
     topo = make_topology()
     params, opt = _two_layers(zero, topo)
-    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1 + topo.data_parallel_rank))
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1 + topo.axis("dp").rank))
     recorder = get_recorder()
     recorder.reset_counters()
     opt.zero_grad()
     h = torch.tanh(x @ params["w1"].t() + params["b1"])
     opt.backward((h @ params["w2"].t() + params["b2"]).pow(2).mean())
     opt.step()
-    dp = recorder.group_name(topo.data_parallel_group)
+    dp = recorder.group_name(topo.axis("dp").group)
     calls = {op: n for (op, group), n in recorder.calls_by_op_and_group().items() if group == dp}
     nbytes = {op: n for (op, group), n in recorder.bytes_by_op_and_group().items() if group == dp}
     return calls, nbytes
@@ -83,7 +83,7 @@ def _tied_sum_after_finish(zero):
         ],
         topology=topo,
     )
-    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1 + topo.data_parallel_rank))
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1 + topo.axis("dp").rank))
     opt.zero_grad()
     opt.backward(((x * emb) @ w.t()).pow(2).mean())
     opt.finish_gradient_reduction()
@@ -106,7 +106,7 @@ def test_tied_gradient_changed_after_finish_is_used_by_every_stage():
 def _plain_parameters_parity(bucket_size_bytes):
     """GradientReducer.over_parameters: a torch-optimizer model's DP average, overlapped with backward."""
     topo = make_topology()  # all ranks data parallel
-    dp, r = topo.data_parallel_size, topo.data_parallel_rank
+    dp, r = topo.axis("dp").size, topo.axis("dp").rank
     g = torch.Generator().manual_seed(11)
     x, y = torch.randn(6 * dp, 4, generator=g, dtype=torch.float64), torch.randn(6 * dp, 2, generator=g)
 
@@ -122,7 +122,7 @@ def _plain_parameters_parity(bucket_size_bytes):
     # Two accumulated halves of the global batch, as two micro-batches.
     for half in (slice(0, 3 * dp), slice(3 * dp, 6 * dp)):
         (loss(reference, half) / 2).backward()
-    reducer = GradientReducer.over_parameters(list(local.parameters()), topo.data_parallel_group, bucket_size_bytes)
+    reducer = GradientReducer.over_parameters(list(local.parameters()), topo.axis("dp").group, bucket_size_bytes)
     for half in (slice(3 * r, 3 * r + 3), slice(3 * dp + 3 * r, 3 * dp + 3 * r + 3)):
         (loss(local, half) / 2).backward()
     reducer.finish()
@@ -159,7 +159,7 @@ def _accumulated_steps(zero):
         for step in range(2):
             opt.zero_grad()
             for micro in range(3):
-                seed = 100 * step + 10 * micro + topo.data_parallel_rank
+                seed = 100 * step + 10 * micro + topo.axis("dp").rank
                 x = torch.randn(4, 5, generator=torch.Generator().manual_seed(seed))
                 h = torch.tanh(x @ params["w1"].t() + params["b1"])
                 loss = (h @ params["w2"].t() + params["b2"]).pow(2).mean() / 3
@@ -169,7 +169,7 @@ def _accumulated_steps(zero):
                 else:
                     opt.backward(loss)
             opt.step()
-        dp = recorder.group_name(topo.data_parallel_group)
+        dp = recorder.group_name(topo.axis("dp").group)
         op = "all_reduce" if zero == 0 else "reduce_scatter"
         calls = recorder.calls_by_op_and_group().get((op, dp), 0)
         out[how] = ({n: p.detach().clone() for n, p in params.items()}, calls)
@@ -233,10 +233,10 @@ def _reduced_bf16(zero, fp32_reduce, shard_size):
     recorder = get_recorder()
     recorder.reset_counters()
     opt.zero_grad()
-    _backward(layer, opt, _bf16_gradients(torch.Generator().manual_seed(topo.data_parallel_rank)))
+    _backward(layer, opt, _bf16_gradients(torch.Generator().manual_seed(topo.axis("dp").rank)))
     opt.finish_gradient_reduction()
     (slot,) = opt.slots
-    dp = recorder.group_name(topo.data_parallel_group)
+    dp = recorder.group_name(topo.axis("dp").group)
     sent = sum(n for (_, group), n in recorder.bytes_by_op_and_group().items() if group == dp)
     return slot.start, slot.end, slot.owned_grad().float(), sent
 
@@ -267,7 +267,7 @@ def test_bf16_gradients_are_summed_in_fp32_over_data_parallel_ranks(zero, shard_
 def _accumulated_bf16(zero, fp32, micro_batches):
     topo = make_topology()
     layer, opt = _bf16_layer(zero, fp32, topo)
-    g = torch.Generator().manual_seed(10 * topo.data_parallel_rank)
+    g = torch.Generator().manual_seed(10 * topo.axis("dp").rank)
     opt.zero_grad()
     opt.set_gradient_accumulation_steps(micro_batches)
     between = []

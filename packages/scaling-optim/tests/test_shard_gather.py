@@ -31,7 +31,7 @@ def _expected(name):
 
 def _gather():
     topo = make_topology()
-    world, rank = topo.data_parallel_size, topo.data_parallel_rank
+    world, rank = topo.axis("dp").size, topo.axis("dp").rank
     slots = []
     for name, (shape, dtype) in SPECS.items():
         param = torch.nn.Parameter(torch.full(shape, -99.0, dtype=dtype))
@@ -40,7 +40,7 @@ def _gather():
         # what the update leaves: the new values of the owned elements only
         slot.work_param().copy_(_expected(name).reshape(-1)[slot.start : slot.end])
         slots.append(slot)
-    gather = ShardGather(slots, topo.data_parallel_group, bucket_size_bytes=1024, direct_min_bytes=32)
+    gather = ShardGather(slots, topo.axis("dp").group, bucket_size_bytes=1024, direct_min_bytes=32)
     for entry in range(len(gather.entries)):
         gather.launch(entry)
     gather.finish()

@@ -99,11 +99,11 @@ def _hsdp_shards():
     opt = Optimizer(config=OptimizerConfig(zero_stage=3), parameter_groups=groups, topology=topo, model=None)
     opt.attach_model([layers[0], layers[2]])
     opt.zero_grad()
-    opt.backward(layers(torch.randn(4, 6, generator=torch.Generator().manual_seed(topo.data_parallel_rank))).sum())
+    opt.backward(layers(torch.randn(4, 6, generator=torch.Generator().manual_seed(topo.axis("dp").rank))).sum())
     opt.step()
     owned = [(s.start, s.end) for s in opt.slots]
     shards = [s.param_shard.clone() for s in opt.slots]
-    return topo.data_parallel_shard_rank, topo.data_parallel_replicate_rank, owned, shards
+    return topo.axis("dp_shard").rank, topo.axis("dp_replicate").rank, owned, shards
 
 
 @pytest.mark.distributed
@@ -148,7 +148,7 @@ def _frozen():
     opt.attach_model([layers[0], layers[2]])
     frozen_bytes = lambda: sum(p.untyped_storage().nbytes() for p in layers[2].parameters())  # noqa: E731
     seen = {"init": frozen_bytes()}
-    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(topo.data_parallel_rank))
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(topo.axis("dp").rank))
     opt.zero_grad()
     out = layers(x).pow(2).mean()
     seen["after_forward"] = frozen_bytes()
@@ -183,7 +183,7 @@ def _offload_overlap():
         in_flight = []
         for step in range(3):
             opt.zero_grad()
-            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + topo.data_parallel_rank))
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + topo.axis("dp").rank))
             opt.backward(layers(x).pow(2).mean())
             opt.step()
             in_flight.append(opt._host_update.in_flight)  # handed to a thread, not waited for
@@ -250,7 +250,7 @@ def _offload_per_layer():
 
     optimizer_module.apply_updates = update_last_layer_after_the_next_first_forward
     try:
-        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(topo.data_parallel_rank))
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(topo.axis("dp").rank))
         for _ in range(2):
             opt.zero_grad()
             opt.backward(layers(x).pow(2).mean())
@@ -298,7 +298,7 @@ def _float8_all_gather(all_gather, offload=False):
 
     layers[0].register_forward_pre_hook(first_gather)
     losses = []
-    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1 + topo.data_parallel_rank))
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1 + topo.axis("dp").rank))
     for _ in range(3):
         opt.zero_grad()
         loss = layers(x).pow(2).mean()
@@ -312,7 +312,7 @@ def _float8_all_gather(all_gather, offload=False):
         with opt.full_parameters():  # exact gathers; a forward here quantises the exact weights alike
             exact = layers[0].weight.detach().clone()
             shards = [torch.zeros_like(opt.slots[0].param_shard) for _ in range(2)]
-            torch.distributed.all_gather(shards, opt.slots[0].param_shard, group=topo.data_parallel_group)
+            torch.distributed.all_gather(shards, opt.slots[0].param_shard, group=topo.axis("dp").group)
             whole_out = layers(x)
     scale = torch.finfo(torch.float8_e4m3fn).max / full.abs().max()
     float8_grid = (full * scale).to(torch.float8_e4m3fn).float() * scale.reciprocal()

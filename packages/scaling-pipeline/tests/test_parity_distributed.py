@@ -96,9 +96,7 @@ def interleaved_rank(pp: int, static_shapes: bool = False) -> tuple[float, dict[
         specs(NUM_LAYERS), topo, schedule="interleaved_1f1b", num_virtual_stages=2, static_shapes=static_shapes
     )
     # Stage s holds virtual stages s and p + s: two chunks, layers far apart in the model.
-    assert [list(r) for r in module.chunks] == [
-        list(module.partition[topo.pipe_parallel_rank + c * pp]) for c in (0, 1)
-    ]
+    assert [list(r) for r in module.chunks] == [list(module.partition[topo.axis("pp").rank + c * pp]) for c in (0, 1)]
     batches = micro_batches(NUM_MICRO_BATCHES)
     run_once(module, batches)
     transports = module.transports

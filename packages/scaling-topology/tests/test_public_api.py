@@ -3,6 +3,8 @@ import scaling.topology
 
 def test_public_api():
     assert sorted(scaling.topology.__all__) == [
+        "AXIS_NAMES",
+        "Axis",
         "MESH_DIM_NAMES",
         "MODEL_PARALLEL_RNG",
         "RNGTracker",

@@ -6,7 +6,14 @@ import torch
 import torch.distributed as dist
 
 from scaling.testing import run_distributed
-from scaling.topology import RankCoordinates, Topology, TopologyConfig, barrier_device_ids, destroy_process_group
+from scaling.topology import (
+    AXIS_NAMES,
+    RankCoordinates,
+    Topology,
+    TopologyConfig,
+    barrier_device_ids,
+    destroy_process_group,
+)
 
 CP_LAYOUTS = [(1, 1, 1, 2), (2, 1, 1, 2), (1, 2, 1, 2), (2, 2, 1, 2), (1, 2, 2, 2), (1, 1, 1, 4), (2, 1, 2, 2)]
 LAYOUTS = [
@@ -50,19 +57,17 @@ def test_coordinates_match_formula(tp, dp, pp, cp):
         p, d, t, c = _expected(rank, *layout)
         assert topo.coordinates() == RankCoordinates(pp=p, dp=d, tp=t, cp=c)
         assert topo.rank_of(p, d, t, c) == rank
-        assert topo.model_parallel_ranks == _where(world, layout, pp=p, dp=d, cp=c)
-        assert topo.data_parallel_ranks == _where(world, layout, pp=p, tp=t, cp=c)
-        assert topo.context_parallel_ranks == _where(world, layout, pp=p, dp=d, tp=t)
-        assert topo.data_context_parallel_ranks == _where(world, layout, pp=p, tp=t)
-        assert topo.data_context_parallel_rank == d * cp + c
-        assert topo.pipe_parallel_ranks == _where(world, layout, dp=d, tp=t, cp=c)
-        assert topo.model_replica_ranks == _where(world, layout, dp=d, cp=c)
-        with pytest.deprecated_call(match="use Topology.model_replica_ranks"):
-            assert topo.model_pipe_parallel_ranks == topo.model_replica_ranks
-        assert topo.is_first_pipe_stage == (p == 0)
-        assert topo.is_last_pipe_stage == (p == pp - 1)
-        assert topo.previous_pipe_rank == (None if p == 0 else rank - tp * cp * dp)
-        assert topo.next_pipe_rank == (None if p == pp - 1 else rank + tp * cp * dp)
+        assert topo.axis("tp").ranks == _where(world, layout, pp=p, dp=d, cp=c)
+        assert topo.axis("dp").ranks == _where(world, layout, pp=p, tp=t, cp=c)
+        assert topo.axis("cp").ranks == _where(world, layout, pp=p, dp=d, tp=t)
+        assert topo.axis("dp_cp").ranks == _where(world, layout, pp=p, tp=t)
+        assert topo.axis("dp_cp").rank == d * cp + c
+        assert topo.axis("pp").ranks == _where(world, layout, dp=d, tp=t, cp=c)
+        assert topo.axis("replica").ranks == _where(world, layout, dp=d, cp=c)
+        assert topo.axis("pp").is_first == (p == 0)
+        assert topo.axis("pp").is_last == (p == pp - 1)
+        assert topo.axis("pp").previous == (None if p == 0 else rank - tp * cp * dp)
+        assert topo.axis("pp").next == (None if p == pp - 1 else rank + tp * cp * dp)
         seen.add((p, d, t, c))
     assert seen == set(itertools.product(range(pp), range(dp), range(tp), range(cp)))
 
@@ -76,7 +81,7 @@ def test_rank_out_of_range():
 def test_from_env():
     cfg = TopologyConfig(world_size=4, model_parallel_size=2, device="cpu")
     topo = Topology.from_env(cfg, {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})
-    assert (topo.global_rank, topo.local_rank, topo.model_parallel_rank) == (3, 1, 1)
+    assert (topo.global_rank, topo.local_rank, topo.axis("tp").rank) == (3, 1, 1)
     with pytest.raises(ValueError, match=r"WORLD_SIZE=2 from the launcher does not match topology world_size=4"):
         Topology.from_env(cfg, {"RANK": "0", "WORLD_SIZE": "2"})
     with pytest.raises(ValueError, match=r"\['RANK', 'WORLD_SIZE'\] not set"):
@@ -108,7 +113,7 @@ def test_more_nccl_ranks_on_a_node_than_gpus_is_refused_before_any_group(monkeyp
 def test_groups_need_initialisation():
     topo = Topology(TopologyConfig(world_size=1, device="cpu"), 0)
     with pytest.raises(RuntimeError, match="initialize_distributed"):
-        _ = topo.model_parallel_group
+        _ = topo.axis("tp").group
     assert topo.device == torch.device("cpu") and topo.backend == "gloo"
 
 
@@ -145,28 +150,25 @@ def _check_groups(tp, dp, pp, cp, shard):
     topo = Topology.from_env(cfg).initialize_distributed()
     out = {}
     for name in GROUPS:
-        out[name] = (_members(getattr(topo, f"{name}_group")), getattr(topo, f"{name}_ranks"))
-    out["pipe_parallel_result"] = (_members(topo.pipe_parallel_result_group), topo.pipe_parallel_ranks)
-    with pytest.deprecated_call(match="use Topology.model_replica_group"):
-        out["old_name_is_the_same_group"] = topo.model_pipe_parallel_group is topo.model_replica_group
-    out["result_group_is_separate"] = topo.pipe_parallel_result_group is not topo.pipe_parallel_group
-    for name in ("shard", "replicate"):
-        group = getattr(topo, f"data_parallel_{name}_group")
+        axis = topo.axis(name)
+        out[name] = (_members(axis.group), axis.ranks, axis.size, axis.rank)
+    out["result_group_is_separate"] = topo.axis("pp_result").group is not topo.axis("pp").group
+    for name in ("dp_shard", "dp_replicate"):
+        group = topo.axis(name).group
         out[name] = None if group is None else _members(group)
-    out["shard_rank"] = topo.data_parallel_shard_rank
+    out["shard_rank"] = topo.axis("dp_shard").rank
     mesh = topo.device_mesh
     out["mesh"] = (mesh.mesh_dim_names, mesh.mesh.tolist(), mesh.get_coordinate())
     out["coords"] = topo.coordinates()
     # A real reduction over each axis: sum of global ranks of the group.
     x = torch.tensor([float(topo.global_rank)])
-    dist.all_reduce(x, group=topo.model_parallel_group)
+    dist.all_reduce(x, group=topo.axis("tp").group)
     out["tp_sum"] = x.item()
     topo.destroy()
     return out
 
 
-GROUPS = ("model_parallel", "data_parallel", "context_parallel", "data_context_parallel", "pipe_parallel")
-GROUPS += ("model_replica",)
+GROUPS = ("tp", "dp", "cp", "dp_cp", "pp", "replica", "pp_result")
 
 
 @pytest.mark.distributed
@@ -195,26 +197,25 @@ def test_process_groups_on_real_ranks(tp, dp, pp, cp, shard):
     results = run_distributed(_check_groups, world, *layout, shard, timeout_seconds=90)
     for rank, out in enumerate(results):
         p, d, t, c = _expected(rank, *layout)
-        for name in (*GROUPS, "pipe_parallel_result"):
-            members, expected_ranks = out[name]
-            assert members == expected_ranks, (name, rank)
+        for name in GROUPS:
+            members, expected_ranks, size, axis_rank = out[name]
+            assert members == expected_ranks and size == len(members) and members[axis_rank] == rank, (name, rank)
         assert out["result_group_is_separate"] == (pp > 1)
-        assert out["old_name_is_the_same_group"]
         # ZeRO shards over shard_dp DP ranks with all their CP ranks; replicas share the CP rank.
         same_shard = [
             r for r in _where(world, layout, pp=p, tp=t) if _expected(r, *layout)[1] // shard_dp == d // shard_dp
         ]
-        assert out["shard"] == (None if len(same_shard) == 1 and shard_dp < dp else same_shard)
+        assert out["dp_shard"] == (None if len(same_shard) == 1 and shard_dp < dp else same_shard)
         assert out["shard_rank"] == same_shard.index(rank)
         replicas = [
             r for r in _where(world, layout, pp=p, tp=t, cp=c) if _expected(r, *layout)[1] % shard_dp == d % shard_dp
         ]
-        assert out["replicate"] == (None if shard_dp == dp else replicas)
+        assert out["dp_replicate"] == (None if shard_dp == dp else replicas)
         names, mesh, coord = out["mesh"]
         assert names == ("pp", "dp", "cp", "tp")
         assert mesh == torch.arange(world).view(pp, dp, cp, tp).tolist()
         assert list(coord) == [p, d, c, t]
-        assert out["tp_sum"] == sum(out["model_parallel"][1])
+        assert out["tp_sum"] == sum(out["tp"][1])
 
 
 def _group_timeouts():
@@ -227,7 +228,7 @@ def _group_timeouts():
         return None
     start = time.monotonic()
     try:
-        dist.all_reduce(torch.zeros(1), group=topo.model_parallel_group)
+        dist.all_reduce(torch.zeros(1), group=topo.axis("tp").group)
     except RuntimeError:
         return time.monotonic() - start
     return float("inf")
@@ -245,11 +246,11 @@ def _check_expert_groups(dp, cp, ep):
     cfg = TopologyConfig(data_parallel_size=dp, context_parallel_size=cp, expert_parallel_size=ep, device="cpu")
     topo = Topology.from_env(cfg).initialize_distributed()
     out = {}
-    for name in ("expert_parallel", "expert_data_parallel"):
-        group = getattr(topo, f"{name}_group")
+    for name in ("ep", "edp"):
+        group = topo.axis(name).group
         out[name] = None if group is None else _members(group)
-    out["ep_rank"] = topo.expert_parallel_rank
-    out["edp_rank"] = topo.expert_data_parallel_rank
+    out["ep_rank"] = topo.axis("ep").rank
+    out["edp_rank"] = topo.axis("edp").rank
     topo.destroy()
     return out
 
@@ -263,11 +264,11 @@ def test_expert_groups_on_real_ranks(dp, cp, ep):
     for rank, out in enumerate(run_distributed(_check_expert_groups, world, dp, cp, ep, timeout_seconds=90)):
         _, d, _, c = _expected(rank, *layout)
         # Experts split over consecutive DP ranks with the same CP rank ...
-        assert out["expert_parallel"] == _where(world, layout, cp=c)[(d // ep) * ep : (d // ep + 1) * ep]
+        assert out["ep"] == _where(world, layout, cp=c)[(d // ep) * ep : (d // ep + 1) * ep]
         assert out["ep_rank"] == d % ep
         # ... and the ranks holding the same experts (every CP rank too) reduce their gradients.
         same = [r for r in range(world) if _expected(r, *layout)[1] % ep == d % ep]
-        assert out["expert_data_parallel"] == (None if len(same) == 1 else same)
+        assert out["edp"] == (None if len(same) == 1 else same)
         assert out["edp_rank"] == same.index(rank)  # its ZeRO shard index for the experts
 
 
@@ -281,3 +282,48 @@ def _barrier_ids():
 def test_a_gloo_barrier_names_no_device():
     """Only NCCL runs a barrier on a device (the CUDA side: tests/gpu/test_nccl.py)."""
     assert run_distributed(_barrier_ids, 2, timeout_seconds=60) == [(None, None), (None, None)]
+
+
+def test_the_topology_is_a_table_of_axes():
+    """Topology's public surface stays small (<= 25 members, #48); every axis is one object."""
+    public = [name for name in dir(Topology) if not name.startswith("_")]
+    topo = Topology(TopologyConfig(world_size=8, model_parallel_size=2, pipe_parallel_size=2, device="cpu"), 5)
+    public += [name for name in vars(topo) if not name.startswith("_")]
+    assert len(public) <= 25, public
+    assert {name: (a.size, a.rank, a.ranks, a.mesh_dim) for name in AXIS_NAMES for a in [topo.axis(name)]} == {
+        "pp": (2, 1, [1, 5], "pp"),
+        "dp": (2, 0, [5, 7], "dp"),
+        "cp": (1, 0, [5], "cp"),
+        "tp": (2, 1, [4, 5], "tp"),
+        "replica": (4, 3, [0, 1, 4, 5], None),
+        "dp_cp": (2, 0, [5, 7], None),
+        "pp_result": (2, 1, [1, 5], None),
+        "dp_shard": (2, 0, [5, 7], None),
+        "dp_replicate": (1, 0, [5], None),
+        "ep": (1, 0, [5], None),
+        "edp": (2, 0, [5, 7], None),
+    }
+    with pytest.raises(ValueError, match="no axis 'mp'; the axes are pp, dp, cp, tp, replica"):
+        topo.axis("mp")
+
+
+def test_the_names_of_0_1_still_answer_and_warn():
+    """The walkthrough's era names (``model_parallel_group``, ``is_first_pipe_stage``, ...) read the
+    axes at run time with a DeprecationWarning naming the replacement; removed in 0.2."""
+    topo = Topology(TopologyConfig(world_size=8, model_parallel_size=2, pipe_parallel_size=2, device="cpu"), 5)
+    with pytest.deprecated_call(match=r'Topology.model_parallel_ranks is deprecated; use topology.axis\("tp"\).ranks'):
+        assert topo.model_parallel_ranks == [4, 5]
+    with pytest.deprecated_call(match=r'use topology.axis\("pp"\).previous'):
+        assert topo.previous_pipe_rank == 1
+    with pytest.deprecated_call(match=r'use topology.axis\("replica"\).ranks'):
+        assert topo.model_pipe_parallel_ranks == [0, 1, 4, 5]
+    with pytest.deprecated_call():
+        assert (topo.data_context_parallel_size, topo.expert_data_parallel_rank, topo.pipe_rank_of_stage(0)) == (
+            2,
+            0,
+            1,
+        )
+    with pytest.deprecated_call():
+        assert topo.data_context_parallel_ranks_of(0) == [0, 2]
+    with pytest.raises(AttributeError, match="'Topology' object has no attribute 'model_parallel_colour'"):
+        _ = topo.model_parallel_colour

@@ -87,16 +87,16 @@ def train_one_step(tp: int, pp: int, batches_per_replica: list[list[Pair]]) -> t
     topo = module.topology
     recorder = get_recorder()
     recorder.reset_counters()
-    out = train_step(module, batches_per_replica[topo.data_parallel_rank], optimizer, mse)
+    out = train_step(module, batches_per_replica[topo.axis("dp").rank], optimizer, mse)
     weights = {n: (p.detach().clone(), meta.parallel_dim) for n, p, meta in module.named_parameters_with_meta()}
     reducer = optimizer.spaces[0].reducer
     # DP all-reduces of the step, and the buckets one backward launches (no reducer without DP).
-    dp = recorder.group_name(topo.data_parallel_group)
+    dp = recorder.group_name(topo.axis("dp").group)
     calls = recorder.calls_by_op_and_group().get(("all_reduce", dp), 0)
     buckets = 0 if reducer is None else len(reducer.buckets)
     return out.loss, {
         "weights": weights,
-        "tp_rank": topo.model_parallel_rank,
+        "tp_rank": topo.axis("tp").rank,
         "lr": out.learning_rates,
         "dp_all_reduces": (calls, buckets),
     }

@@ -37,7 +37,7 @@ def accumulating_worker(zero_stage: int, use_no_sync: bool) -> tuple[list[float]
         optimizer.step()
         scheduler.step()
         losses.append(model.global_loss(step_loss))
-    dp = recorder.group_name(model.topology.data_parallel_group)
+    dp = recorder.group_name(model.topology.axis("dp").group)
     calls = recorder.calls_by_op_and_group()
     reductions = calls.get(("all_reduce", dp), 0) + calls.get(("reduce_scatter", dp), 0)
     reducer: Any = optimizer.reducer if optimizer.engine is None else optimizer.engine.spaces[0].reducer

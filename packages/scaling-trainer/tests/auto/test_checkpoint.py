@@ -34,13 +34,13 @@ def save_worker(name: str, path: str) -> float:
         name, {"data_parallel_size": 2, "tensor_parallel.size": 2, "global_batch_size": 4}
     )
     batch = TokenDataset()[0:4]
-    dp = model.topology.data_parallel_rank
+    dp = model.topology.axis("dp").rank
     shard = {k: v[2 * dp : 2 * dp + 2] for k, v in batch.items()}
     _step(model, optimizer, scheduler, shard)
     save(path, {"plan": plan, "model": model, "optimizer": optimizer, "lr_scheduler": scheduler}, step=1)
     # the next step's loss over the global batch (mean of the two DP halves)
     loss = torch.tensor(_step(model, optimizer, scheduler, shard))
-    torch.distributed.all_reduce(loss, group=model.topology.data_parallel_group)
+    torch.distributed.all_reduce(loss, group=model.topology.axis("dp").group)
     return loss.item() / 2
 
 
@@ -83,9 +83,9 @@ def _global_step(objects: tuple, i: int) -> float:
     """One step on global batch ``i`` (this DP rank's half); the loss over the whole batch."""
     _, model, optimizer, scheduler, _ = objects
     batch = TokenDataset()[4 * i : 4 * i + 4]
-    dp = model.topology.data_parallel_rank
+    dp = model.topology.axis("dp").rank
     loss = torch.tensor(_step(model, optimizer, scheduler, {k: v[2 * dp : 2 * dp + 2] for k, v in batch.items()}))
-    torch.distributed.all_reduce(loss, group=model.topology.data_parallel_group)
+    torch.distributed.all_reduce(loss, group=model.topology.axis("dp").group)
     return loss.item() / 2
 
 

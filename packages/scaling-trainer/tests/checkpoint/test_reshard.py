@@ -26,8 +26,8 @@ TIMEOUT = 240  # the first call also starts the pooled workers, slow on a loaded
 
 
 def _state(topo, fill: bool):
-    layers = stage_layers(topo.pipe_parallel_rank, topo.pipe_parallel_size)
-    params = build_params(topo.model_parallel_rank, topo.model_parallel_size, layers, fill=fill)
+    layers = stage_layers(topo.axis("pp").rank, topo.axis("pp").size)
+    params = build_params(topo.axis("tp").rank, topo.axis("tp").size, layers, fill=fill)
     return params, {"model": model_state_dict(params, topo), "optimizer": optimizer_state(params, topo, fill=fill)}
 
 
@@ -67,7 +67,7 @@ def load_at(path: str, tp: int, pp: int) -> dict:
     for name, p, meta in params:
         expect = model[meta.key]
         if meta.is_model_parallel:
-            expect = expect.chunk(tp, meta.parallel_dim)[topo.model_parallel_rank]
+            expect = expect.chunk(tp, meta.parallel_dim)[topo.axis("tp").rank]
         assert torch.equal(p.detach(), expect), name
     exp_avg = {k: v["exp_avg"].full_tensor() for k, v in loaded.state["optimizer"]["state"].items()}
     return {

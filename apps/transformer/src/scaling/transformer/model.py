@@ -70,7 +70,7 @@ def normal_init(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _group(topology: Topology | None) -> ProcessGroup | None:
-    return None if topology is None else topology.model_parallel_group
+    return None if topology is None else topology.axis("tp").group
 
 
 def make_norm(arch: TransformerArchitectureConfig, topology: Topology | None) -> torch.nn.Module:
@@ -293,8 +293,8 @@ class TransformerLoss:
 
     def __init__(self, vocab_size: int, topology: Topology | None) -> None:
         self.vocab_size, self.group = vocab_size, _group(topology)
-        cp = 1 if topology is None else topology.context_parallel_size
-        self.cp_group = topology.context_parallel_group if topology is not None and cp > 1 else None
+        cp = 1 if topology is None else topology.axis("cp").size
+        self.cp_group = topology.axis("cp").group if topology is not None and cp > 1 else None
         self.cp_size = cp
 
     def __call__(

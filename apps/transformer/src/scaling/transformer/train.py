@@ -78,9 +78,9 @@ class TransformerTrainer(BaseTrainer[TransformerContext]):
             device=device,
         )
         topology = self.context.topology
-        if topology.pipe_parallel_size > 1:
-            all_reduce(sums, topology.pipe_parallel_group)
-            all_reduce(extremes, topology.pipe_parallel_group, dist.ReduceOp.MAX)
+        if topology.axis("pp").size > 1:
+            all_reduce(sums, topology.axis("pp").group)
+            all_reduce(extremes, topology.axis("pp").group, dist.ReduceOp.MAX)
         total, count = sums.tolist()
         high, low = extremes.tolist()
         return {
@@ -99,7 +99,7 @@ def parameter_groups(
     """
     params = list(parallel_module.named_parameters_with_meta())
     if config.training.groups:
-        pipe = topology.model_replica_group if topology is not None and topology.pipe_parallel_size > 1 else None
+        pipe = topology.axis("replica").group if topology is not None and topology.axis("pp").size > 1 else None
         return training_groups(
             params, config.training.groups, config.learning_rate_scheduler, config.training.weight_decay, pipe
         )

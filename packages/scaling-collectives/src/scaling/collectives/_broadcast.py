@@ -27,7 +27,7 @@ def broadcast_pytree(obj: T, src: int, group: dist.ProcessGroup | None, *, devic
         obj: the pytree on ``src`` (dataclasses, tuples, namedtuples, lists, dicts of
             tensors, ``None``, bools, ints, floats, strings); ignored on other ranks
             (pass ``None``).
-        src: global rank that holds ``obj``, e.g. ``topology.model_parallel_ranks[0]``.
+        src: global rank that holds ``obj``, e.g. ``topology.axis("tp").ranks[0]``.
         group: the group to broadcast to; ``None`` or one rank returns ``obj`` as is.
         device: where receivers' tensors land; default ``cpu`` for CPU sources and
             the current CUDA device for CUDA sources. The bytes themselves travel on the
@@ -43,8 +43,8 @@ def broadcast_pytree(obj: T, src: int, group: dist.ProcessGroup | None, *, devic
 
     Example::
 
-        >>> batch = broadcast_pytree(batch if topology.model_parallel_rank == 0 else None,
-        ...                          topology.model_parallel_ranks[0], topology.model_parallel_group)
+        >>> batch = broadcast_pytree(batch if topology.axis("tp").rank == 0 else None,
+        ...                          topology.axis("tp").ranks[0], topology.axis("tp").group)
     """
     if _ops.group_size(group) == 1:
         return obj

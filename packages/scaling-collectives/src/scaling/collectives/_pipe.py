@@ -109,7 +109,7 @@ class PipeTransport:
 
     Example::
 
-        >>> transport = PipeTransport(topology.previous_pipe_rank, topology.next_pipe_rank, topology.device)
+        >>> transport = PipeTransport(pp.previous, pp.next, topology.device)  # pp = topology.axis("pp")
         >>> x = transport.recv_forward()          # on stage 1
         >>> loss = stage(x); loss.backward()
         >>> transport.send_backward([t.grad for t in tensors_requiring_grad(x)])
@@ -132,7 +132,7 @@ class PipeTransport:
             raise ValueError(
                 f"PipeTransport: prev_rank and next_rank are both {prev_rank}; a stage cannot talk to one rank in both "
                 "directions unless the stages form a ring of two (ring=True); otherwise use "
-                "topology.previous_pipe_rank and topology.next_pipe_rank"
+                'topology.axis("pp").previous and .next'
             )
         self.prev_rank = prev_rank
         self.next_rank = next_rank

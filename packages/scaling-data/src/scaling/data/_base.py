@@ -165,19 +165,19 @@ class BaseDataset(Dataset[ItemT], Generic[ItemT, BatchT], ABC):
         Raises:
             ValueError: when TP rank 0 has no batch.
         """
-        if topology.model_parallel_size == 1:
+        if topology.axis("tp").size == 1:
             if batch is None:
                 raise ValueError(
                     f"sync_batch_to_model_parallel on rank {topology.global_rank}: batch is None but this rank "
                     "is the only model-parallel rank and must have read it; iterate the DataLoader on every rank"
                 )
             return batch
-        if topology.model_parallel_rank == 0 and batch is None:
+        if topology.axis("tp").rank == 0 and batch is None:
             raise ValueError(
                 f"sync_batch_to_model_parallel on rank {topology.global_rank}: batch is None on model-parallel "
                 "rank 0, which is the rank that reads data and broadcasts it; pass the loader's batch there"
             )
-        src = topology.model_parallel_ranks[0]
-        out = broadcast_pytree(batch, src=src, group=topology.model_parallel_group)
+        src = topology.axis("tp").ranks[0]
+        out = broadcast_pytree(batch, src=src, group=topology.axis("tp").group)
         assert out is not None  # model-parallel rank 0 sent its batch (checked above)
         return out

@@ -92,8 +92,8 @@ class DataLoader(Generic[BatchT]):
                     (
                         cfg.global_batch_size,
                         cfg.micro_batch_size,
-                        topology.data_parallel_rank,
-                        topology.data_parallel_size,
+                        topology.axis("dp").rank,
+                        topology.axis("dp").size,
                     ),
                 )
             )
@@ -114,8 +114,8 @@ class DataLoader(Generic[BatchT]):
         self._skip_reading = (
             read_on_model_parallel_rank_zero_only
             and topology is not None
-            and topology.model_parallel_size > 1
-            and topology.model_parallel_rank != 0
+            and topology.axis("tp").size > 1
+            and topology.axis("tp").rank != 0
         )
         self._reset(seed, consumed_samples)
 

@@ -181,10 +181,10 @@ class ParallelSelfAttention(torch.nn.Module):
                 f"ParallelSelfAttention: attention_dropout={attention_dropout} with model_parallel_size={tp.size} "
                 "needs rng_tracker (scaling.topology.seed_all(...)) so each TP rank draws its own heads' masks"
             )
-        cp = topology.context_parallel_size if topology is not None else 1
+        cp = topology.axis("cp").size if topology is not None else 1
         check_context_parallel(nq // tp.size, cp, context_parallel_method, attention_dropout)
-        self._cp_group = topology.context_parallel_group if topology is not None and cp > 1 else None
-        self._cp_rank: int = topology.context_parallel_rank if topology is not None and cp > 1 else 0
+        self._cp_group = topology.axis("cp").group if topology is not None and cp > 1 else None
+        self._cp_rank: int = topology.axis("cp").rank if topology is not None and cp > 1 else 0
         self._cp_size: int = cp
         self.context_parallel_method = context_parallel_method
         self.hidden_size, self.num_attention_heads, self.num_kv_heads = hidden_size, nq, nkv

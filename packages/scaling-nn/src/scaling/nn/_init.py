@@ -39,9 +39,9 @@ def tp_info(topology: Topology | None) -> TPInfo:
     """TP coordinates of ``topology``; ``None`` means a single device on CPU."""
     if topology is None:
         return TPInfo(1, 0, None, torch.device("cpu"))
-    size = topology.model_parallel_size
-    group = topology.model_parallel_group if size > 1 else None
-    return TPInfo(size, topology.model_parallel_rank if size > 1 else 0, group, topology.device)
+    size = topology.axis("tp").size
+    group = topology.axis("tp").group if size > 1 else None
+    return TPInfo(size, topology.axis("tp").rank if size > 1 else 0, group, topology.device)
 
 
 def divisors(n: int) -> list[int]:

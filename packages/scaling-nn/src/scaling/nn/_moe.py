@@ -170,7 +170,7 @@ class ParallelMoE(torch.nn.Module):
     Args:
         hidden_size: input and output size.
         ffn_size: inner size of each expert (divisible by the TP size).
-        num_experts: experts ``E`` (divisible by ``topology.expert_parallel_size``).
+        num_experts: experts ``E`` (divisible by ``topology.axis("ep").size``).
         top_k: experts per token.
         topology: a :class:`scaling.topology.Topology` or ``None`` (one device).
         score_function: ``"softmax"`` or ``"sigmoid"``.
@@ -214,7 +214,7 @@ class ParallelMoE(torch.nn.Module):
         super().__init__()
         check_dtype(dtype, "ParallelMoE")
         self.grouped_gemm = grouped_gemm
-        ep = 1 if topology is None else topology.expert_parallel_size
+        ep = 1 if topology is None else topology.axis("ep").size
         check_moe(num_experts, top_k, ep, score_function, balancing)
         tp = self._tp = tp_info(topology)
         check_divisible("ffn_size", ffn_size, tp.size, "ParallelMoE")
@@ -227,10 +227,10 @@ class ParallelMoE(torch.nn.Module):
         )
         self.sequence_parallel = sequence_parallel
         self.aux_loss_scale = 1.0
-        self._ep_group = None if topology is None else topology.expert_parallel_group
-        self._ep_size, self._ep_rank = ep, (0 if topology is None else topology.expert_parallel_rank)
-        self._cp_group = None if topology is None else topology.context_parallel_group
-        self._dp_group = None if topology is None else topology.data_context_parallel_group
+        self._ep_group = None if topology is None else topology.axis("ep").group
+        self._ep_size, self._ep_rank = ep, (0 if topology is None else topology.axis("ep").rank)
+        self._cp_group = None if topology is None else topology.axis("cp").group
+        self._dp_group = None if topology is None else topology.axis("dp_cp").group
         self.num_local_experts = num_experts // ep
         init, out_init = init_method or default_weight_init, output_init_method or init_method or default_weight_init
         # The router sees every token on every TP rank; under SP each rank routes its slice.

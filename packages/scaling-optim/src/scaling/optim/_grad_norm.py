@@ -21,21 +21,21 @@ def mark_norm_owners(slots: Sequence[ParamSlot], topology: Topology) -> None:
     every TP rank: only TP rank 0 counts it. A tied parameter (``meta.tied_key``) held by
     several pipeline stages counts only on the lowest stage holding that key.
     """
-    tp_rank = topology.model_parallel_rank
+    tp_rank = topology.axis("tp").rank
     for slot in slots:
         slot.counts_in_norm = slot.meta.is_model_parallel or tp_rank == 0
-    if topology.pipe_parallel_size == 1:
+    if topology.axis("pp").size == 1:
         return
     local_keys = sorted({s.meta.tied_key for s in slots if s.meta.tied_key is not None})
-    gathered: list[list[str] | None] = [None] * topology.pipe_parallel_size
-    dist.all_gather_object(gathered, local_keys, group=topology.pipe_parallel_group)
+    gathered: list[list[str] | None] = [None] * topology.axis("pp").size
+    dist.all_gather_object(gathered, local_keys, group=topology.axis("pp").group)
     first_stage: dict[str, int] = {}
     for stage, keys in enumerate(gathered):
         for key in keys or []:
             first_stage.setdefault(key, stage)
     for slot in slots:
         tied = slot.meta.tied_key
-        if tied is not None and first_stage[tied] != topology.pipe_parallel_rank:
+        if tied is not None and first_stage[tied] != topology.axis("pp").rank:
             slot.counts_in_norm = False
 
 
@@ -63,13 +63,13 @@ def global_norm_squared(
     # replicas zero out below, so every rank sees it.
     flag = non_finite + sum((~torch.isfinite(x)).double() for x in sums)
     vec = torch.stack([*sums, flag])
-    if group_size(topology.model_replica_group) > 1:
-        all_reduce(vec, topology.model_replica_group)
-    if topology.data_context_parallel_size > 1:
+    if group_size(topology.axis("replica").group) > 1:
+        all_reduce(vec, topology.axis("replica").group)
+    if topology.axis("dp_cp").size > 1:
         for i, (_, counts) in enumerate(parts):
             if not counts:
                 vec[i] = 0.0
-        all_reduce(vec, topology.data_context_parallel_group)
+        all_reduce(vec, topology.axis("dp_cp").group)
     *squares, flag_sum = vec.tolist()
     norm_sq = sum(squares)
     return norm_sq, bool(flag_sum > 0) or not torch.isfinite(torch.tensor(norm_sq)).item()

@@ -280,7 +280,7 @@ class Optimizer:
         # Summing over TP commutes with the DP reduction, so it runs on what this rank owns (the
         # shards under ZeRO), in the update's dtype (fp32 with master weights: not rounded to 16 bits).
         tp_grads = [g for s, g in zip(self.slots, grads) if s.meta.reduce_over_tp]
-        all_reduce_(tp_grads, topo.model_parallel_group, bucket, average=False)
+        all_reduce_(tp_grads, topo.axis("tp").group, bucket, average=False)
         return grads
 
     @torch.no_grad()

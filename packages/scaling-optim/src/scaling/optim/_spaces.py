@@ -1,12 +1,12 @@
 """Where each kind of parameter's gradient is averaged and its optimizer storage sharded.
 
 A *dense* parameter is held by every DP × CP rank of its (pp, tp): its gradient is
-averaged over ``topology.data_context_parallel_group`` and ZeRO shards it over
-``topology.data_parallel_shard_group`` (all of DP × CP, or an HSDP shard group whose
+averaged over ``topology.axis("dp_cp").group`` and ZeRO shards it over
+``topology.axis("dp_shard").group`` (all of DP × CP, or an HSDP shard group whose
 replicas all-reduce the shards).
 
 An *expert* parameter (``ParameterMeta.is_expert``) under ``expert_parallel_size = ep > 1``
-is held only by the DP × CP / ep ranks of its ``topology.expert_data_parallel_group``,
+is held only by the DP × CP / ep ranks of its ``topology.axis("edp").group``,
 and its gradient there already sums the contributions of every token of its
 expert-parallel group (the token all-to-all's backward brings them home). The
 DP × CP mean is then the sum over the ranks holding it divided by DP × CP: the average
@@ -132,25 +132,23 @@ class ShardSpace:
 
 def shard_spaces(topology: Topology, zero_stage: int) -> list[ShardSpace]:
     """The dense space and, with expert parallelism, the expert space (see the module docstring)."""
-    shard_group = topology.data_parallel_shard_group
+    shard_group = topology.axis("dp_shard").group
     world = group_size(shard_group) if zero_stage >= 1 else 1
     dense = ShardSpace(
         "dense",
-        topology.data_context_parallel_group,
+        topology.axis("dp_cp").group,
         shard_group,
-        topology.data_parallel_replicate_group,
+        topology.axis("dp_replicate").group,
         world,
-        topology.data_parallel_shard_rank if world > 1 else 0,
+        topology.axis("dp_shard").rank if world > 1 else 0,
         1,
-        counts_in_norm=topology.data_parallel_replicate_rank == 0
-        if world > 1
-        else topology.data_context_parallel_rank == 0,
+        counts_in_norm=topology.axis("dp_replicate").rank == 0 if world > 1 else topology.axis("dp_cp").rank == 0,
     )
-    if topology.expert_parallel_size == 1:
+    if topology.axis("ep").size == 1:
         return [dense]
-    group = topology.expert_data_parallel_group
+    group = topology.axis("edp").group
     world = group_size(group) if zero_stage >= 1 else 1
-    rank = topology.expert_data_parallel_rank
+    rank = topology.axis("edp").rank
     expert = ShardSpace(
         "expert",
         group,
@@ -158,7 +156,7 @@ def shard_spaces(topology: Topology, zero_stage: int) -> list[ShardSpace]:
         None,
         world,
         rank if world > 1 else 0,
-        topology.expert_parallel_size,
+        topology.axis("ep").size,
         counts_in_norm=world > 1 or rank == 0,
     )
     dense.experts_apart = True

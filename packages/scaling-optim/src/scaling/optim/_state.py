@@ -139,7 +139,7 @@ def load_optimizer_state(opt: StatefulOptimizer, state: StateDict) -> None:
     if set(state["params"]) != keys:
         missing, extra = sorted(keys - set(state["params"])), sorted(set(state["params"]) - keys)
         raise ValueError(f"optimizer state parameter keys differ: missing {missing}, unexpected {extra}")
-    tp_rank = opt.topology.model_parallel_rank
+    tp_rank = opt.topology.axis("tp").rank
     for slot in opt.slots:
         entry = state["params"][slot.meta.key]
         targets = dict(slot.state)

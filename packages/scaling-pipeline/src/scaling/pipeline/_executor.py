@@ -136,13 +136,13 @@ class StageTransports:
         # batched send/receive brings up its group's communicator, which the PP group's ranks
         # alone then set up (over the default group every rank of the job would have to).
         topo = self.topology
-        group = topo.pipe_parallel_group
+        group = topo.axis("pp").group
         if self.num_virtual_stages > 1:
-            s, p = topo.pipe_parallel_rank, topo.pipe_parallel_size
-            prev_rank, next_rank = topo.pipe_rank_of_stage((s - 1) % p), topo.pipe_rank_of_stage((s + 1) % p)
+            s, p = topo.axis("pp").rank, topo.axis("pp").size
+            prev_rank, next_rank = topo.axis("pp").ranks[(s - 1) % p], topo.axis("pp").ranks[(s + 1) % p]
             return PipeTransport(prev_rank, next_rank, topo.device, group, ring=True, static_shapes=self.static_shapes)
         return PipeTransport(
-            topo.previous_pipe_rank, topo.next_pipe_rank, topo.device, group, static_shapes=self.static_shapes
+            topo.axis("pp").previous, topo.axis("pp").next, topo.device, group, static_shapes=self.static_shapes
         )
 
 

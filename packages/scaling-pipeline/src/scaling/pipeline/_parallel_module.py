@@ -108,8 +108,8 @@ class ParallelModule(torch.nn.Module):
         self.instruction_timings: InstructionTimings | None = None
         self.schedule_name = schedule
         self.schedule_fn = SCHEDULES[schedule]
-        self.num_stages = topology.pipe_parallel_size
-        self.stage = topology.pipe_parallel_rank
+        self.num_stages = topology.axis("pp").size
+        self.stage = topology.axis("pp").rank
         self.num_virtual_stages = num_virtual_stages
         self.transports = StageTransports(topology, num_virtual_stages, static_shapes)
         self.layer_specs = list(layer_specs)
@@ -228,7 +228,7 @@ class ParallelModule(torch.nn.Module):
     def _split_output_hint(self) -> str | None:
         """What to tell a user whose loss fails on a last layer that returns TP-split features, if it does."""
         last = str(len(self.layer_specs) - 1)
-        tp = self.topology.model_parallel_size
+        tp = self.topology.axis("tp").size
         if last not in self.layers or tp == 1:
             return None
         split = [

@@ -1,5 +1,6 @@
 """scaling.topology: the rank grid, process groups, DeviceMesh and RNG streams."""
 
+from scaling.topology._axes import AXIS_NAMES, Axis, RankCoordinates
 from scaling.topology._config import TopologyConfig
 from scaling.topology._device import barrier_device_ids
 from scaling.topology._flight_recorder import set_flight_recorder_folder
@@ -13,11 +14,13 @@ from scaling.topology._rng import (
 )
 from scaling.topology._sequence import split_sequence, zigzag_indices
 from scaling.topology._teardown import destroy_process_group
-from scaling.topology._topology import MESH_DIM_NAMES, RankCoordinates, Topology
+from scaling.topology._topology import MESH_DIM_NAMES, Topology
 
 __all__ = [
+    "AXIS_NAMES",
     "MESH_DIM_NAMES",
     "MODEL_PARALLEL_RNG",
+    "Axis",
     "RNGTracker",
     "RankCoordinates",
     "Topology",

@@ -97,13 +97,13 @@ def seed_all(seed: int, topology: Topology) -> RNGTracker:
     (``ParallelModule``) initialise from it.
     """
     topology.seed = seed
-    base = seed + 100 * topology.pipe_parallel_rank
+    base = seed + 100 * topology.axis("pp").rank
     random.seed(base)
     np.random.seed(base % 2**32)
     torch.manual_seed(base)
     device = topology.device
     tracker = RNGTracker(device)
-    tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + topology.model_parallel_rank)
+    tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + topology.axis("tp").rank)
     return tracker
 
 

@@ -11,7 +11,7 @@ which the step hands the schedule as its ``before_first_wait`` hook: the stage i
 then anyway), so the values have arrived by the time they finish their last backward and
 the step ends without a round trip. A step that raises still does its part of the
 broadcast on every rank (:meth:`StepResults.abandon`), so the next step pairs up with its
-own. The broadcast runs on ``topology.pipe_parallel_result_group``, a second group over
+own. The broadcast runs on ``topology.axis("pp_result").group``, a second group over
 the pipe ranks, so a collective posted this early never interleaves with the pipe group's
 own traffic (activations, gradients, tied-weight sums), whose order must match on every
 rank.
@@ -80,7 +80,7 @@ class StepResults:
         self.aggregate = aggregate or default_aggregation
         self._names = _NAMES.setdefault(module, _MetricNames())
         self._posted: tuple[PendingCollective, torch.Tensor] | None = None
-        self._to_post = not self.topology.is_last_pipe_stage
+        self._to_post = not self.topology.axis("pp").is_last
 
     def post_receive(self) -> None:
         """On a stage other than the last, post the receive of this step's results (once).
@@ -99,7 +99,7 @@ class StepResults:
         step's results; sending one keeps every rank at one broadcast per step, so the next
         step's results reach the next step. Nobody waits for it.
         """
-        if self.topology.is_last_pipe_stage:
+        if self.topology.axis("pp").is_last:
             self._start(_ABORTED)
         else:
             self.post_receive()
@@ -110,14 +110,14 @@ class StepResults:
             return None
         values = torch.zeros(2 + len(names), dtype=torch.float64, device=self.topology.device)
         values[0] = flag
-        return broadcast_async(values, self._last_stage_rank(), self.topology.pipe_parallel_result_group), values
+        return broadcast_async(values, self._last_stage_rank(), self.topology.axis("pp_result").group), values
 
     def gather(self, outputs: StageOutputs) -> tuple[float, dict[str, float]]:
         """Loss and metrics from the last stage, broadcast over the pipe group, averaged over DP."""
         self.post_receive()  # a stage that never waited for a message posts it now
         topo = self.topology
         result: Metrics | None = None
-        if topo.is_last_pipe_stage:
+        if topo.axis("pp").is_last:
             mb = sorted(outputs.losses)
             loss = sum(float(outputs.losses[i]) for i in mb) / len(mb)
             metrics = self.aggregate(topo, [outputs.metrics[i] for i in mb])
@@ -125,23 +125,23 @@ class StepResults:
         if self.num_stages > 1:
             result = self._broadcast(result)
         assert result is not None  # the last stage made it; the broadcast brought it to the others
-        if topo.data_context_parallel_size > 1:
+        if topo.axis("dp_cp").size > 1:
             # Over DP × CP: a CP rank's loss is its share of the sequence's loss, scaled so
             # that the mean over the CP ranks is the sequence's loss.
             values = torch.tensor(
                 [result["loss"], *result["metrics"].values()], dtype=torch.float64, device=topo.device
             )
-            all_reduce(values, topo.data_context_parallel_group)
-            values /= topo.data_context_parallel_size
+            all_reduce(values, topo.axis("dp_cp").group)
+            values /= topo.axis("dp_cp").size
             result = {"loss": float(values[0]), "metrics": dict(zip(result["metrics"], values[1:].tolist()))}
         return float(result["loss"]), dict(result["metrics"])
 
     def _last_stage_rank(self) -> int:
         topo = self.topology
-        return topo.pipe_rank_of_stage(self.num_stages - 1)
+        return topo.axis("pp").ranks[self.num_stages - 1]
 
     def _broadcast(self, result: Metrics | None) -> Metrics:
-        group, names, src = self.topology.pipe_parallel_result_group, self._names.names, self._last_stage_rank()
+        group, names, src = self.topology.axis("pp_result").group, self._names.names, self._last_stage_rank()
         if self._posted is not None:
             self._posted[0].wait()
             values = self._posted[1].cpu()

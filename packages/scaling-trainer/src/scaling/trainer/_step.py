@@ -225,11 +225,11 @@ def evaluation_step(
 def _placed(topology: Topology, micro_batches: Sequence[B | None], sync: SyncBatch[B] | None) -> list[B | None]:
     """Each micro-batch on the device; on the stages that read data, synced over TP and cut to this CP rank's slice."""
     batches = [to_device(b, topology.device) for b in micro_batches]
-    if topology.is_first_pipe_stage or topology.is_last_pipe_stage:
+    if topology.axis("pp").is_first or topology.axis("pp").is_last:
         if sync is not None:
             batches = [sync(topology, b) for b in batches]
-        cp = topology.context_parallel_size
+        cp = topology.axis("cp").size
         if cp > 1:
-            rank = topology.context_parallel_rank
+            rank = topology.axis("cp").rank
             batches = [b if b is None else b.context_parallel_split(rank, cp) for b in batches]
     return batches

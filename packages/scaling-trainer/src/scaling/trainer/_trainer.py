@@ -191,9 +191,9 @@ class BaseTrainer(Generic[ContextT]):
             # Every rank logs the same numbers: the largest peak of any rank (default group).
             peak_t = torch.tensor([peak], dtype=torch.float64, device=device)
             peak = float(all_reduce(peak_t, dist.group.WORLD, op=dist.ReduceOp.MAX)[0])
-            if tokens is not None and topology.data_parallel_size > 1:
+            if tokens is not None and topology.axis("dp").size > 1:
                 tokens_t = torch.tensor([tokens], dtype=torch.float64, device=device)
-                tokens = float(all_reduce(tokens_t, topology.data_parallel_group)[0])
+                tokens = float(all_reduce(tokens_t, topology.axis("dp").group)[0])
         return peak, tokens
 
     def _flops_estimates(self) -> list[tuple[str, float]]:

@@ -52,11 +52,11 @@ def _attention(
     topology, method, seq_len = active
     layout = TokenLayout(
         seq_len,
-        topology.context_parallel_rank,
-        topology.context_parallel_size,
+        topology.axis("cp").rank,
+        topology.axis("cp").size,
         bool(getattr(module, "is_causal", True)),
     )
-    group = topology.context_parallel_group
+    group = topology.axis("cp").group
     if method == "ring":
         out = ring_attention(query, key, value, layout, group, scaling)
     else:
@@ -91,7 +91,7 @@ def sliced(batch: object, topology: Topology, method: str) -> Iterator[dict[str,
             "context parallelism in the high-level API takes no padding: the batch's attention_mask masks "
             "tokens; pack the sequences to full length (or drop attention_mask)"
         )
-    rank, cp = topology.context_parallel_rank, topology.context_parallel_size
+    rank, cp = topology.axis("cp").rank, topology.axis("cp").size
     ids, labels = batch["input_ids"], batch["labels"]
     seq_len = ids.shape[1]
     shifted = F.pad(labels[:, 1:], (0, 1), value=-100)  # transformers' own shift, on the whole sequence

@@ -165,7 +165,7 @@ class ParallelOptimizer:
         self.engine = build_engine(optimizer, model) if needs_engine else None
         # Without the engine the user's optimizer updates; the DP average is still the one
         # reducer, all-reducing buckets while backward goes on (DDP's overlap).
-        group = model.topology.data_context_parallel_group
+        group = model.topology.axis("dp_cp").group
         self.reducer = (
             GradientReducer.over_parameters(self._params, group)
             if self.engine is None and self._params and group is not None and dist.get_world_size(group) > 1

@@ -66,7 +66,7 @@ class ParallelModel(torch.nn.Module):
             if not self.training:
                 raise RuntimeError("a pipelined model runs training steps only (model.train())")
             return self.pipeline.run(batch).requires_grad_()
-        if self.topology.context_parallel_size > 1:
+        if self.topology.axis("cp").size > 1:
             with sliced(batch, self.topology, self.plan.context_parallel_method) as kwargs:
                 out = self.module(**kwargs)
         else:
@@ -82,8 +82,8 @@ class ParallelModel(torch.nn.Module):
         over the DP × CP group (collective: every rank of it must call it).
         """
         value = loss.detach().float().reshape(1).clone()
-        all_reduce(value, self.topology.data_context_parallel_group)
-        return float(value) / self.topology.data_context_parallel_size
+        all_reduce(value, self.topology.axis("dp_cp").group)
+        return float(value) / self.topology.axis("dp_cp").size
 
     def no_sync(self) -> AbstractContextManager[None]:
         """As DDP's ``no_sync``: backward passes inside accumulate gradients on each rank, and
@@ -137,10 +137,10 @@ def _topology(plan: Plan, topology: Topology | None) -> Topology:
         )
         topology = Topology(cfg, dist.get_rank() if dist.is_initialized() else 0).initialize_distributed()
     sizes = (
-        topology.data_parallel_size,
-        topology.model_parallel_size,
-        topology.pipe_parallel_size,
-        topology.context_parallel_size,
+        topology.axis("dp").size,
+        topology.axis("tp").size,
+        topology.axis("pp").size,
+        topology.axis("cp").size,
     )
     planned = (plan.data_parallel_size, plan.model_parallel_size, plan.pipe_parallel_size, plan.context_parallel_size)
     if sizes != planned:
@@ -229,8 +229,8 @@ def parallelize(
         if not plan.split_points:
             raise ValueError("parallelize: the plan has pipe_parallel_size > 1 but no split_points; use generate_plan")
         pipeline = PipelineStage(model, plan, topology)  # drops other stages' modules before materialising
-    tp_rank, tp = topology.model_parallel_rank, topology.model_parallel_size
-    group = topology.model_parallel_group if tp > 1 else None
+    tp_rank, tp = topology.axis("tp").rank, topology.axis("tp").size
+    group = topology.axis("tp").group if tp > 1 else None
     shard_fn = make_shard_fn(model, plan.module_sharding, group, tp_rank, tp)
     if is_deferred(model):
         materialize(model, plan.seed, shard_fn)
@@ -258,7 +258,7 @@ def parallelize(
     loader = None
     if dataset is not None:
         sampler: DistributedSampler[object] = DistributedSampler(
-            dataset, num_replicas=topology.data_parallel_size, rank=topology.data_parallel_rank, shuffle=False
+            dataset, num_replicas=topology.axis("dp").size, rank=topology.axis("dp").rank, shuffle=False
         )
         per_rank = plan.global_batch_size // plan.data_parallel_size
         loader = DataLoader(

@@ -138,7 +138,7 @@ class PipelineStage:
 
     def __init__(self, model: torch.nn.Module, plan: Plan, topology: Topology) -> None:
         self.model, self.plan, self.topology = model, plan, topology
-        self.num_stages, self.stage, self.num_virtual_stages = plan.pipe_parallel_size, topology.pipe_parallel_rank, 1
+        self.num_stages, self.stage, self.num_virtual_stages = plan.pipe_parallel_size, topology.axis("pp").rank, 1
         self.schedule_name = plan.pipeline_schedule
         self.transports = StageTransports(topology, 1, plan.static_shapes)
         #: Back-propagates the last stage's loss; parallelize sets the optimizer's (loss scaling).
@@ -200,7 +200,7 @@ class PipelineStage:
         else:
             batch, self._incoming = x["batch"], x["hidden_states"]
         try:
-            if self.topology.context_parallel_size > 1:  # this rank's slice of the micro-batch
+            if self.topology.axis("cp").size > 1:  # this rank's slice of the micro-batch
                 with sliced(batch, self.topology, self.plan.context_parallel_method) as kwargs:
                     return self.model(**kwargs)
             return self.model(**batch)
@@ -240,8 +240,8 @@ class PipelineStage:
         topo = self.topology
         broadcast(
             loss,
-            topo.pipe_rank_of_stage(self.num_stages - 1),
-            topo.pipe_parallel_group,
+            topo.axis("pp").ranks[self.num_stages - 1],
+            topo.axis("pp").group,
         )
         return loss
 

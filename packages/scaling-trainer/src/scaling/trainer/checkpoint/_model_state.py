@@ -66,7 +66,7 @@ def model_state_dict(named_parameters_with_meta: NamedParameters, topology: Topo
         ValueError: a duplicate key, or a local shape that does not match the meta.
     """
     state: StateDict = {}
-    tp_size = 1 if topology is None else topology.model_parallel_size
+    tp_size = 1 if topology is None else topology.axis("tp").size
     mesh = None if topology is None else topology.device_mesh["tp"]
     for name, param, meta in named_parameters_with_meta:
         key = meta.key

@@ -173,9 +173,9 @@ def _layout(topology: Topology | None) -> dict[str, int]:
     if topology is None:
         return {"pp": 1, "dp": 1, "tp": 1, "world_size": 1}
     return {
-        "pp": topology.pipe_parallel_size,
-        "dp": topology.data_parallel_size,
-        "tp": topology.model_parallel_size,
+        "pp": topology.axis("pp").size,
+        "dp": topology.axis("dp").size,
+        "tp": topology.axis("tp").size,
         "world_size": topology.world_size,
     }
 
