@@ -107,18 +107,19 @@ def _pytest(session: nox.Session, *args: str) -> None:
 
 
 def _parallel() -> list[str]:
-    """pytest-xdist arguments: one worker more than there are cores, tests handed out one by one.
+    """pytest-xdist arguments: two workers more than there are cores, tests handed out one by one.
 
-    Many tests wait rather than compute (gloo handshakes, process launches, timeouts waited
-    out on purpose), so a third worker fills the two cores of this project's machines: on
-    2026-11-25 (e19861e) the whole suite took 3 min 4 s with 2 workers, 2 min 32 s to 2 min
-    47 s with 3 and 2 min 54 s with 4 (350 CPU-seconds instead of ~280: oversubscribed).
+    Many tests wait rather than compute (gloo handshakes, process launches, torchrun and
+    SLURM start-up, timeouts waited out on purpose), so extra workers fill the two cores of
+    this project's machines. On 2026-11-25 (e19861e, a suite of 3 minutes) 3 workers were
+    best; on 2026-11-28 (6196956, 1,149 tests, its long tests launching whole runs) the
+    whole suite took 18 min 6 s with 4 workers against 22 to 24 min with 3 the day before.
     ``--maxschedchunk 1`` hands out one test at a time, so the long tests (run first, see
     conftest.py) spread over the workers instead of queueing on one. Capped at 6: every
     worker keeps its own pool of up to eight ranks. ``-- -n 0`` on the nox command line runs
     serially.
     """
-    workers = min((os.cpu_count() or 1) + 1, 6)
+    workers = min((os.cpu_count() or 1) + 2, 6)
     return ["-n", str(workers), "--maxschedchunk", "1"]
 
 

@@ -118,7 +118,7 @@ class Batch:
 
 
 class _NoUpdate:
-    """scaling.trainer's OptimizerLike without an update: the step times the schedule and its results."""
+    """The methods train_step calls on an Optimizer, without an update: the step times the schedule and its results."""
 
     loss_scaler = SimpleNamespace(scale=1.0)
 

@@ -19,8 +19,8 @@ def reference_losses():
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("tp", "pp", "dp"),
-    [(1, 1, 2), (2, 1, 1), (1, 2, 1), pytest.param(2, 2, 2, marks=pytest.mark.slow)],
-    ids=["dp2", "tp2", "pp2", "dp2-pp2-tp2"],
+    [(1, 1, 2), (2, 1, 1), (1, 2, 1), (1, 4, 1), pytest.param(2, 2, 2, marks=pytest.mark.slow)],
+    ids=["dp2", "tp2", "pp2", "pp4-two-middle-stages-read-nothing", "dp2-pp2-tp2"],
 )
 def test_layout_matches_one_process(reference_losses, tp, pp, dp):
     results = run_distributed(train_worker, tp * pp * dp, small_config(tp, pp, dp, steps=STEPS), timeout_seconds=300)

@@ -78,7 +78,7 @@ def test_checkpoint_of_any_layout_loads_in_one_process(tiny_corpus, tmp_path, ca
     run_distributed(train_worker, 4, _save_config(tiny_corpus, tmp_path / "tp2pp2", 2, 2), timeout_seconds=180)
     one, _ = load_model(tmp_path / "one")
     other, config = load_model(tmp_path / "tp2pp2")
-    assert config.topology.axis("tp").size == 2 and config.topology.axis("pp").size == 2
+    assert config.topology.model_parallel_size == 2 and config.topology.pipe_parallel_size == 2
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert_parity(other(ids), one(ids), rtol=1e-5, atol=1e-5, name="logits tp2pp2 vs one process")

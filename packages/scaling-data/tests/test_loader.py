@@ -136,6 +136,32 @@ def test_topology_gives_sizes_and_workers_match_in_process():
     assert other.next_step() == [None, None] and other.consumed_samples == 8
 
 
+class CountingDataset(IdDataset):
+    """Counts the items read (``__getitem__``), to show which ranks read nothing."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.reads = 0
+
+    def __getitem__(self, index):
+        self.reads += 1
+        return super().__getitem__(index)
+
+
+def test_middle_pipeline_stages_read_nothing():
+    """pp=3: the first and last stages read the micro-batches, the middle one reads none (#48), and
+    every stage's stream position advances alike (a checkpoint of any rank resumes the same stream)."""
+    cfg = TopologyConfig(world_size=3, pipe_parallel_size=3, global_batch_size=4, micro_batch_size=2)
+    loaders = {}
+    for rank in range(3):
+        loaders[rank] = DataLoader(CountingDataset(40), seed=3, topology=Topology(cfg, global_rank=rank))
+        for _ in range(2):
+            batches = loaders[rank].next_step()
+        assert (batches == [None, None]) == (rank == 1)
+    assert [loaders[r].dataset.reads for r in range(3)] == [8, 0, 8]
+    assert {loaders[r].state_dict()["consumed_samples"] for r in range(3)} == {8}
+
+
 def test_sampler_matches_global_order():
     sampler = GlobalBatchSampler(100, 12, 3, data_parallel_rank=1, data_parallel_size=2, seed=5)
     it = iter(sampler)

@@ -158,6 +158,19 @@ def test_mfu_peak_memory_tokens_and_formula_once(world_size):
 
 
 @pytest.mark.distributed
+def test_peak_memory_and_tokens_are_measured_on_logged_steps_only():
+    """Their collectives (max over every rank, sum over DP) run when the trainer logs (#48):
+    log_interval=2 over 5 steps measures steps 2, 4 and the last."""
+    cfg = {"train_iterations": 5, "log_interval": 2, "peak_flops_per_second": PEAK}
+    out = run_distributed(profiled_worker, 2, 1, cfg, {}, timeout_seconds=180)
+    for rank in range(2):
+        history = out[rank]["history"]
+        for key in ("runtime/peak_memory_mib", "runtime/tokens_per_second"):
+            assert [m["step"] for m in history if key in m] == [2, 4, 5], (rank, key)
+        assert all("runtime/mfu" in m for m in history)  # local arithmetic: every step
+
+
+@pytest.mark.distributed
 def test_no_peak_no_mfu():
     out = run_distributed(profiled_worker, 1, 1, {"train_iterations": 3}, {}, timeout_seconds=180)
     assert all("runtime/mfu" not in m and "runtime/hfu" not in m for m in out[0]["history"])

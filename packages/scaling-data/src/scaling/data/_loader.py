@@ -47,7 +47,9 @@ class DataLoader(Generic[BatchT]):
         persistent_workers: keep workers alive across iterator restarts.
         read_on_model_parallel_rank_zero_only: with a topology and TP > 1, only TP rank 0
             reads data; the other TP ranks get ``None`` for every micro-batch and receive
-            the batch through ``dataset.sync_batch_to_model_parallel``.
+            the batch through ``dataset.sync_batch_to_model_parallel``. With a topology, the
+            middle pipeline stages (neither first nor last) read nothing either: ``None``
+            for every micro-batch, the stream position advancing as on every rank.
 
     Example::
 
@@ -111,11 +113,11 @@ class DataLoader(Generic[BatchT]):
         self._sizes: dict[str, int] = explicit  # type: ignore[assignment]
         self._num_workers, self._pin_memory, self._prefetch_factor = num_workers, pin_memory, prefetch_factor
         self._persistent_workers = persistent_workers and num_workers > 0
-        self._skip_reading = (
-            read_on_model_parallel_rank_zero_only
-            and topology is not None
-            and topology.axis("tp").size > 1
-            and topology.axis("tp").rank != 0
+        # A middle pipeline stage never reads a batch (its input is the previous stage's
+        # activations); neither does a TP rank other than 0 when TP rank 0 broadcasts.
+        tp, pp = (None, None) if topology is None else (topology.axis("tp"), topology.axis("pp"))
+        self._skip_reading = (tp is not None and read_on_model_parallel_rank_zero_only and tp.rank != 0) or (
+            pp is not None and not (pp.is_first or pp.is_last)
         )
         self._reset(seed, consumed_samples)
 

@@ -10,7 +10,7 @@ from scaling.trainer._config import TrainerConfig
 from scaling.trainer._context import BaseContext
 from scaling.trainer._profiler import ProfilerConfig, StepProfiler, device_peak_flops
 from scaling.trainer._signals import HANDLED_SIGNALS, exit_code_for
-from scaling.trainer._step import OptimizerLike, ScheduledStage, TrainStepOutput, evaluation_step, train_step
+from scaling.trainer._step import TrainStepOutput, evaluation_step, train_step
 from scaling.trainer._trainer import BaseTrainer
 from scaling.trainer.checkpoint import CheckpointError, committed_steps
 from scaling.trainer.loggers import LoggerConfig, MetricsLogger, logger
@@ -44,10 +44,8 @@ __all__ = [
     "LoadedCheckpoint",
     "LoggerConfig",
     "MetricsLogger",
-    "OptimizerLike",
     "PendingSave",
     "ProfilerConfig",
-    "ScheduledStage",
     "StepProfiler",
     "TrainStepOutput",
     "TrainerConfig",

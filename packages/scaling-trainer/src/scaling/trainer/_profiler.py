@@ -36,6 +36,7 @@ import torch
 from pydantic import Field, model_validator
 
 from scaling.config import BaseConfig
+from scaling.pipeline import ParallelModule
 from scaling.trainer._config import TrainerConfig
 
 if TYPE_CHECKING:
@@ -46,12 +47,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("scaling.trainer")
 #: Allocator events a memory snapshot keeps (torchtitan's default): the last ones before the dump.
 SNAPSHOT_ENTRIES = 100_000
-
-
-class TimedStage(Protocol):
-    """A stage whose executor records ``(instruction, start, end)`` while the list is set (``ParallelModule``)."""
-
-    instruction_timings: list[tuple[str, float, float]] | None
 
 
 class ProgressBar(Protocol):
@@ -122,7 +117,7 @@ class StepProfiler:
     """
 
     def __init__(
-        self, config: ProfilerConfig | None, rank: int, module: TimedStage, device: torch.device | str | None = None
+        self, config: ProfilerConfig | None, rank: int, module: ParallelModule, device: torch.device | str | None = None
     ) -> None:
         self.config = config or ProfilerConfig()
         self.rank, self.module = rank, module

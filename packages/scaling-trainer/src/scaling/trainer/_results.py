@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 
 from scaling.collectives import PendingCollective, all_reduce, broadcast, broadcast_async, broadcast_pytree
 from scaling.config import Metrics
-from scaling.pipeline import StageOutputs
+from scaling.pipeline import ParallelModule, StageOutputs
 from scaling.topology import Topology
 
 MetricsAggregation = Callable[[Topology, list[Metrics]], Metrics]
@@ -43,18 +42,8 @@ class _MetricNames:
     names: tuple[str, ...] | None = None
 
 
-class _Stage(Protocol):
-    """What the results need of the stage that ran the step (``ParallelModule`` has it)."""
-
-    @property
-    def topology(self) -> Topology: ...
-
-    @property
-    def num_stages(self) -> int: ...
-
-
 # Per module (weakly): the names outlive one step so later steps broadcast one tensor.
-_NAMES: weakref.WeakKeyDictionary[_Stage, _MetricNames] = weakref.WeakKeyDictionary()
+_NAMES: weakref.WeakKeyDictionary[ParallelModule, _MetricNames] = weakref.WeakKeyDictionary()
 
 
 def default_aggregation(topology: Topology, metrics: list[Metrics]) -> Metrics:
@@ -74,7 +63,7 @@ class StepResults:
             default: the mean per key over micro-batches.
     """
 
-    def __init__(self, module: _Stage, aggregate: MetricsAggregation | None = None) -> None:
+    def __init__(self, module: ParallelModule, aggregate: MetricsAggregation | None = None) -> None:
         self.topology: Topology = module.topology
         self.num_stages: int = module.num_stages
         self.aggregate = aggregate or default_aggregation

@@ -13,8 +13,8 @@ A step takes one global batch's micro-batches on this rank and
 4. steps the optimizer;
 5. returns the loss and metrics, the same on every rank (``_results.py``).
 
-The parts meet through the two Protocols below (``ParallelModule`` and
-``scaling.optim.Optimizer`` satisfy them), not through each other's attributes.
+It takes the parts themselves (``ParallelModule``, ``scaling.optim.Optimizer``, batches of
+``scaling.data.BaseDatasetBatch``) and meets them through their public methods only.
 """
 
 from __future__ import annotations
@@ -22,89 +22,23 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import torch
 from torch.profiler import record_function
 
-from scaling.collectives import PyTree
-from scaling.pipeline import LossBackward, LossFunction, StageOutputs
+from scaling.data import BaseDatasetBatch
+from scaling.optim import Optimizer
+from scaling.pipeline import LossFunction, ParallelModule
 from scaling.topology import Topology
-from scaling.trainer._placement import MovableBatch, to_device
+from scaling.trainer._placement import to_device
 from scaling.trainer._results import MetricsAggregation, StepResults
 
-B = TypeVar("B", bound="StepBatch")
-
-
-class StepBatch(MovableBatch, Protocol):
-    """What the step needs of a micro-batch: placement's ``to``, and its context-parallel
-    slice (``scaling.data.BaseDatasetBatch`` has both)."""
-
-    def context_parallel_split(self: B, rank: int, size: int) -> B: ...
-
+B = TypeVar("B", bound=BaseDatasetBatch)
 
 #: ``(topology, batch or None) -> batch``: TP rank 0's batch on every rank of its TP group
 #: (``BaseDataset.sync_batch_to_model_parallel``).
 SyncBatch = Callable[[Topology, B | None], B]
-
-
-class ScheduledStage(Protocol):
-    """What the step needs of the model: this rank's pipeline stage (``ParallelModule``)."""
-
-    topology: Topology
-    num_stages: int
-    training: bool
-
-    def train(self, mode: bool = True) -> object: ...
-
-    def run_schedule(
-        self,
-        micro_batches: Sequence[PyTree],
-        loss_function: LossFunction,
-        *,
-        forward_only: bool = False,
-        loss_backward: LossBackward | None = None,
-        loss_scale: float = 1.0,
-        before_first_wait: Callable[[], object] | None = None,
-    ) -> StageOutputs: ...
-
-    def reduce_tied_gradients(self) -> None: ...
-
-
-class LossScalerLike(Protocol):
-    @property
-    def scale(self) -> float: ...
-
-
-class StepReport(Protocol):
-    """What an optimizer step reports (``scaling.optim.OptimizerStepOutput`` has it)."""
-
-    # Read-only: scaling.optim's report is a frozen dataclass.
-    @property
-    def global_grad_norm(self) -> float | None: ...
-
-    @property
-    def learning_rates(self) -> dict[str, float]: ...
-
-    @property
-    def current_loss_scale(self) -> float: ...
-
-
-class OptimizerLike(Protocol):
-    """What the step needs of an optimizer (``scaling.optim.Optimizer`` has it)."""
-
-    @property
-    def loss_scaler(self) -> LossScalerLike: ...
-
-    def zero_grad(self) -> None: ...
-
-    def set_gradient_accumulation_steps(self, steps: int) -> None: ...
-
-    def backward(self, loss: torch.Tensor) -> None: ...
-
-    def finish_gradient_reduction(self) -> None: ...
-
-    def step(self) -> StepReport: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +63,9 @@ class TrainStepOutput:
 
 
 def train_step(
-    module: ScheduledStage,
+    module: ParallelModule,
     micro_batches: Sequence[B | None],
-    optimizer: OptimizerLike,
+    optimizer: Optimizer,
     loss_function: LossFunction,
     metrics_aggregation_fn: MetricsAggregation | None = None,
     sync_batch_to_model_parallel: SyncBatch[B] | None = None,
@@ -146,7 +80,7 @@ def train_step(
         module: this rank's stage (``ParallelModule``).
         micro_batches: one batch per micro-batch, in host or device memory (stages other
             than the first and last never read them, so they may hold ``None`` there).
-        optimizer: ``scaling.optim.Optimizer`` or anything with its :class:`OptimizerLike` part.
+        optimizer: the stage's ``scaling.optim.Optimizer``.
         loss_function: ``(last_layer_output, batch.only_targets()) -> (loss, metrics)``.
         metrics_aggregation_fn: ``(topology, [metrics per micro-batch]) -> metrics``;
             default: mean per key over micro-batches, then over data-parallel ranks.
@@ -193,7 +127,7 @@ def train_step(
 
 @torch.no_grad()
 def evaluation_step(
-    module: ScheduledStage,
+    module: ParallelModule,
     micro_batches: Sequence[B | None],
     loss_function: LossFunction,
     metrics_aggregation_fn: MetricsAggregation | None = None,
@@ -223,13 +157,15 @@ def evaluation_step(
 
 
 def _placed(topology: Topology, micro_batches: Sequence[B | None], sync: SyncBatch[B] | None) -> list[B | None]:
-    """Each micro-batch on the device; on the stages that read data, synced over TP and cut to this CP rank's slice."""
+    """On the stages that read data (the first and the last), each micro-batch on the device,
+    synced over TP and cut to this CP rank's slice; None on the others, which never read them."""
+    pp = topology.axis("pp")
+    if not (pp.is_first or pp.is_last):
+        return [None] * len(micro_batches)
     batches = [to_device(b, topology.device) for b in micro_batches]
-    if topology.axis("pp").is_first or topology.axis("pp").is_last:
-        if sync is not None:
-            batches = [sync(topology, b) for b in batches]
-        cp = topology.axis("cp").size
-        if cp > 1:
-            rank = topology.axis("cp").rank
-            batches = [b if b is None else b.context_parallel_split(rank, cp) for b in batches]
+    if sync is not None:
+        batches = [sync(topology, b) for b in batches]
+    cp = topology.axis("cp")
+    if cp.size > 1:
+        batches = [b if b is None else b.context_parallel_split(cp.rank, cp.size) for b in batches]
     return batches

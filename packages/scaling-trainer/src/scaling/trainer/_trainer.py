@@ -145,7 +145,11 @@ class BaseTrainer(Generic[ContextT]):
 
     # ---------------------------------------------------------------- steps
     def train_step(self) -> Metrics:
-        """One optimizer step; returns the metrics of that step (same on every rank)."""
+        """One optimizer step; returns the metrics of that step (same on every rank).
+
+        Peak memory and tokens per second (each a collective over the ranks) are measured on
+        the steps the trainer logs (``log_interval``, and the last) only.
+        """
         start = time.perf_counter()
         micro_batches = self.loader.next_step()
         out = train_step(
@@ -161,7 +165,9 @@ class BaseTrainer(Generic[ContextT]):
         topology = self.context.topology
         gbs = topology.config.global_batch_size or 0
         samples_per_second = gbs / duration if duration > 0 else 0.0
-        peak, tokens = self._peak_memory_and_tokens(micro_batches)
+        step = self.context.iterations
+        logged = step % self.config.log_interval == 0 or step == self.config.train_iterations
+        peak, tokens = self._peak_memory_and_tokens(micro_batches) if logged else (None, None)
         loss = float(out.loss)
         metrics: Metrics = {
             "step": self.context.iterations,
@@ -180,7 +186,7 @@ class BaseTrainer(Generic[ContextT]):
         }
         return {k: v for k, v in metrics.items() if v is not None}
 
-    def _peak_memory_and_tokens(self, micro_batches: Sequence[object]) -> tuple[float, float | None]:
+    def _peak_memory_and_tokens(self, micro_batches: Sequence[object]) -> tuple[float | None, float | None]:
         """Peak memory (MiB, max over all ranks) and this step's tokens (summed over DP), or None."""
         topology = self.context.topology
         device = topology.device
