@@ -12,7 +12,7 @@ from scaling.nn._layer import attach_parameter_metas
 from scaling.nn._linear import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
-    from scaling.topology import Topology
+    from scaling.topology import Axis, Topology
 
 
 def mark_only_bias_trainable(model: torch.nn.Module) -> int:
@@ -43,6 +43,9 @@ class BottleneckAdapter(torch.nn.Module):
         topology: a :class:`scaling.topology.Topology` or ``None`` (one device).
         dtype: parameter dtype.
         sequence_parallel: input and output split along dim 1 over TP.
+
+    ``tp`` and ``device`` (keyword-only): the tensor-parallel axis and the parameters' device,
+    instead of ``topology`` (see :class:`ColumnParallelLinear`).
     """
 
     def __init__(
@@ -53,6 +56,9 @@ class BottleneckAdapter(torch.nn.Module):
         dtype: torch.dtype = torch.float32,
         sequence_parallel: bool = False,
         init_method: InitMethod | None = None,
+        *,
+        tp: Axis | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.down = ColumnParallelLinear(
@@ -62,6 +68,8 @@ class BottleneckAdapter(torch.nn.Module):
             dtype=dtype,
             sequence_parallel=sequence_parallel,
             init_method=init_method,
+            tp=tp,
+            device=device,
         )
         self.up = RowParallelLinear(
             bottleneck_size,
@@ -71,6 +79,8 @@ class BottleneckAdapter(torch.nn.Module):
             sequence_parallel=sequence_parallel,
             init_method=torch.nn.init.zeros_,
             bias_init_method=torch.nn.init.zeros_,
+            tp=tp,
+            device=device,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

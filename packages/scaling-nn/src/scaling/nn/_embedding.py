@@ -25,7 +25,7 @@ from scaling.nn._init import InitMethod, check_dtype, sharded_parameter, tp_info
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from scaling.topology import Topology
+    from scaling.topology import Axis, Topology
 
 
 def vocab_range(vocab_size: int, model_parallel_size: int, model_parallel_rank: int) -> tuple[int, int]:
@@ -79,6 +79,9 @@ class VocabParallelEmbedding(torch.nn.Module):
         sequence_parallel: return the output split along dim 1 (reduce-scatter instead of all-reduce).
 
     The local weight has ``ceil(V / tp)`` rows; its meta's ``logical_shape`` is ``(V, D)``.
+
+    ``tp`` and ``device`` (keyword-only): the tensor-parallel axis and the parameters' device,
+    instead of ``topology`` (see :class:`ColumnParallelLinear`).
     """
 
     def __init__(
@@ -89,6 +92,9 @@ class VocabParallelEmbedding(torch.nn.Module):
         dtype: torch.dtype = torch.float32,
         init_method: InitMethod | None = None,
         sequence_parallel: bool = False,
+        *,
+        tp: Axis | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         if num_embeddings < 1 or embedding_dim < 1:
@@ -97,7 +103,7 @@ class VocabParallelEmbedding(torch.nn.Module):
                 "must both be >= 1"
             )
         check_dtype(dtype, "VocabParallelEmbedding")
-        self._tp = tp_info(topology)
+        self._tp = tp_info(topology, tp, device, "VocabParallelEmbedding")
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.sequence_parallel = sequence_parallel

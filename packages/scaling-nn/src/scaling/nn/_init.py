@@ -19,7 +19,7 @@ from scaling.nn._meta import ParameterMeta
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from scaling.topology import Topology
+    from scaling.topology import Axis, Topology
 
 #: Fills a weight in place (``torch.nn.init``'s functions); what it returns is ignored.
 InitMethod = Callable[[torch.Tensor], object]
@@ -35,13 +35,34 @@ class TPInfo:
     device: torch.device
 
 
-def tp_info(topology: Topology | None) -> TPInfo:
-    """TP coordinates of ``topology``; ``None`` means a single device on CPU."""
-    if topology is None:
-        return TPInfo(1, 0, None, torch.device("cpu"))
-    size = topology.axis("tp").size
-    group = topology.axis("tp").group if size > 1 else None
-    return TPInfo(size, topology.axis("tp").rank if size > 1 else 0, group, topology.device)
+def tp_info(
+    topology: Topology | None,
+    tp: Axis | None = None,
+    device: torch.device | str | None = None,
+    owner: str = "a layer",
+) -> TPInfo:
+    """The TP coordinates a layer is built with: the tensor-parallel axis ``tp`` and ``device``,
+    or, as in the walkthrough, a ``topology`` they are taken from at once (its ``axis("tp")``
+    and ``device``). Neither: one device, on CPU.
+
+    Raises:
+        ValueError: naming ``owner``, when ``topology`` is given with ``tp`` or ``device``.
+    """
+    if topology is not None:
+        if tp is not None or device is not None:
+            given = " and ".join(name for name, value in (("tp", tp), ("device", device)) if value is not None)
+            raise ValueError(
+                f"{owner}: topology= and {given}= are both given; pass the topology alone (its tp axis and "
+                "device are taken from it) or the axis and device without it"
+            )
+        tp, resolved = topology.axis("tp"), topology.device
+    elif device is not None:
+        resolved = torch.device(device)
+    else:
+        resolved = torch.device("cpu") if tp is None else torch.get_default_device()
+    if tp is None or tp.size == 1:
+        return TPInfo(1, 0, None, resolved)
+    return TPInfo(tp.size, tp.rank, tp.group, resolved)
 
 
 def divisors(n: int) -> list[int]:

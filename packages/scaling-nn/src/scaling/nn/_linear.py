@@ -34,7 +34,7 @@ from scaling.nn._init import (
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from scaling.topology import Topology
+    from scaling.topology import Axis, Topology
 
 
 def column_parallel_linear(
@@ -130,15 +130,19 @@ class ColumnParallelLinear(_SplitLinear):
         bias: add a (TP-split) bias.
         parallel_output: keep the output split over TP (``[..., out/tp]``) for a following
             :class:`RowParallelLinear`; ``False`` all-gathers it to ``[..., out]``.
-        topology: a :class:`scaling.topology.Topology`; ``None`` means one device on CPU.
+        topology: a :class:`scaling.topology.Topology` (its ``axis("tp")`` and ``device`` are
+            taken at once); ``None`` means one device on CPU, or the ``tp`` axis below.
         dtype: parameter dtype.
         init_method: fills the full ``[out, in]`` weight in place (default: ``torch.nn.Linear``'s).
         sequence_parallel: the input is split along dim 1 (sequence) and is all-gathered
             here instead of being copied into the TP region.
         bias_init_method: fills the full bias (default: ``torch.nn.Linear``'s).
+        tp: the tensor-parallel axis (``topology.axis("tp")``), instead of ``topology``.
+        device: where the parameters live, with ``tp`` (default: torch's default device).
 
     Raises:
-        ValueError: when the TP size does not divide ``out_features``.
+        ValueError: when the TP size does not divide ``out_features``, or ``topology`` is
+            given with ``tp`` or ``device``.
     """
 
     _split = "column"
@@ -154,9 +158,12 @@ class ColumnParallelLinear(_SplitLinear):
         init_method: InitMethod | None = None,
         sequence_parallel: bool = False,
         bias_init_method: InitMethod | None = None,
+        *,
+        tp: Axis | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        self._tp = tp_info(topology)
+        self._tp = tp_info(topology, tp, device, "ColumnParallelLinear")
         check_divisible("out_features", out_features, self._tp.size, "ColumnParallelLinear")
         check_dtype(dtype, "ColumnParallelLinear")
         self.in_features = in_features
@@ -219,7 +226,7 @@ class RowParallelLinear(_SplitLinear):
         bias: add a replicated bias.
         parallel_input: the input is already split over TP (``[..., in/tp]``, e.g. from a
             :class:`ColumnParallelLinear`); ``False`` splits a full input here.
-        topology, dtype, init_method, sequence_parallel, bias_init_method: as for
+        topology, dtype, init_method, sequence_parallel, bias_init_method, tp, device: as for
             :class:`ColumnParallelLinear`; with ``sequence_parallel`` the output is split
             along dim 1.
 
@@ -240,9 +247,12 @@ class RowParallelLinear(_SplitLinear):
         init_method: InitMethod | None = None,
         sequence_parallel: bool = False,
         bias_init_method: InitMethod | None = None,
+        *,
+        tp: Axis | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        self._tp = tp_info(topology)
+        self._tp = tp_info(topology, tp, device, "RowParallelLinear")
         check_divisible("in_features", in_features, self._tp.size, "RowParallelLinear")
         check_dtype(dtype, "RowParallelLinear")
         self.in_features = in_features

@@ -17,7 +17,7 @@ from scaling.nn._init import InitMethod, check_divisible, tp_info
 from scaling.nn._linear import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
-    from scaling.topology import Topology
+    from scaling.topology import Axis, Topology
 
 
 class ParallelMLP(torch.nn.Module):
@@ -35,6 +35,9 @@ class ParallelMLP(torch.nn.Module):
 
     Raises:
         ValueError: when the TP size does not divide ``intermediate_size``.
+
+    ``tp`` and ``device`` (keyword-only): the tensor-parallel axis and the parameters' device,
+    instead of ``topology`` (see :class:`ColumnParallelLinear`).
     """
 
     def __init__(
@@ -48,17 +51,36 @@ class ParallelMLP(torch.nn.Module):
         gelu_approximate: str = "none",
         init_method: InitMethod | None = None,
         output_init_method: InitMethod | None = None,
+        *,
+        tp: Axis | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        check_divisible("intermediate_size", intermediate_size, tp_info(topology).size, "ParallelMLP")
+        check_divisible(
+            "intermediate_size", intermediate_size, tp_info(topology, tp, device, "ParallelMLP").size, "ParallelMLP"
+        )
         if gelu_approximate not in ("none", "tanh"):
             raise ValueError(f"ParallelMLP: gelu_approximate={gelu_approximate!r}; choose 'none' or 'tanh'")
         self.gelu_approximate = gelu_approximate
         self.hidden_size = hidden_size
         column = partial(
-            ColumnParallelLinear, bias=bias, topology=topology, dtype=dtype, sequence_parallel=sequence_parallel
+            ColumnParallelLinear,
+            bias=bias,
+            topology=topology,
+            dtype=dtype,
+            sequence_parallel=sequence_parallel,
+            tp=tp,
+            device=device,
         )
-        row = partial(RowParallelLinear, bias=bias, topology=topology, dtype=dtype, sequence_parallel=sequence_parallel)
+        row = partial(
+            RowParallelLinear,
+            bias=bias,
+            topology=topology,
+            dtype=dtype,
+            sequence_parallel=sequence_parallel,
+            tp=tp,
+            device=device,
+        )
         self.fc1 = column(hidden_size, intermediate_size, init_method=init_method)
         self.fc2 = row(intermediate_size, hidden_size, init_method=output_init_method)
 
@@ -85,14 +107,36 @@ class ParallelSwiGLUMLP(torch.nn.Module):
         sequence_parallel: bool = False,
         init_method: InitMethod | None = None,
         output_init_method: InitMethod | None = None,
+        *,
+        tp: Axis | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        check_divisible("intermediate_size", intermediate_size, tp_info(topology).size, "ParallelSwiGLUMLP")
+        check_divisible(
+            "intermediate_size",
+            intermediate_size,
+            tp_info(topology, tp, device, "ParallelSwiGLUMLP").size,
+            "ParallelSwiGLUMLP",
+        )
         self.hidden_size = hidden_size
         column = partial(
-            ColumnParallelLinear, bias=bias, topology=topology, dtype=dtype, sequence_parallel=sequence_parallel
+            ColumnParallelLinear,
+            bias=bias,
+            topology=topology,
+            dtype=dtype,
+            sequence_parallel=sequence_parallel,
+            tp=tp,
+            device=device,
         )
-        row = partial(RowParallelLinear, bias=bias, topology=topology, dtype=dtype, sequence_parallel=sequence_parallel)
+        row = partial(
+            RowParallelLinear,
+            bias=bias,
+            topology=topology,
+            dtype=dtype,
+            sequence_parallel=sequence_parallel,
+            tp=tp,
+            device=device,
+        )
         self.gate_proj = column(hidden_size, intermediate_size, init_method=init_method)
         self.up_proj = column(hidden_size, intermediate_size, init_method=init_method)
         self.down_proj = row(intermediate_size, hidden_size, init_method=output_init_method)

@@ -20,7 +20,7 @@ from scaling.nn._meta import get_parameter_meta
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from scaling.topology import Topology
+    from scaling.topology import Axis, Topology
 
 
 class LayerNorm(torch.nn.Module):
@@ -34,6 +34,9 @@ class LayerNorm(torch.nn.Module):
         dtype: parameter dtype.
         sequence_parallel: the input is split along the sequence over TP; marks the
             parameters ``reduce_over_tp``.
+
+    ``tp`` and ``device`` (keyword-only): the tensor-parallel axis and the parameters' device,
+    instead of ``topology`` (see :class:`ColumnParallelLinear`).
     """
 
     def __init__(
@@ -44,18 +47,21 @@ class LayerNorm(torch.nn.Module):
         topology: Topology | None = None,
         dtype: torch.dtype = torch.float32,
         sequence_parallel: bool = False,
+        *,
+        tp: Axis | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         check_dtype(dtype, "LayerNorm")
-        tp = tp_info(topology)
+        info = tp_info(topology, tp, device, "LayerNorm")
         self.normalized_shape = (normalized_shape,)
         self.eps = eps
         self.weight = sharded_parameter(
-            self.normalized_shape, torch.nn.init.ones_, tp, None, dtype, "weight", sequence_parallel
+            self.normalized_shape, torch.nn.init.ones_, info, None, dtype, "weight", sequence_parallel
         )
         if bias:
             self.bias: torch.nn.Parameter | None = sharded_parameter(
-                self.normalized_shape, None, tp, None, dtype, "bias", sequence_parallel
+                self.normalized_shape, None, info, None, dtype, "bias", sequence_parallel
             )
         else:
             self.register_parameter("bias", None)
@@ -80,14 +86,17 @@ class RMSNorm(torch.nn.Module):
         topology: Topology | None = None,
         dtype: torch.dtype = torch.float32,
         sequence_parallel: bool = False,
+        *,
+        tp: Axis | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         check_dtype(dtype, "RMSNorm")
-        tp = tp_info(topology)
+        info = tp_info(topology, tp, device, "RMSNorm")
         self.normalized_shape = (normalized_shape,)
         self.eps = eps
         self.weight = sharded_parameter(
-            self.normalized_shape, torch.nn.init.ones_, tp, None, dtype, "weight", sequence_parallel
+            self.normalized_shape, torch.nn.init.ones_, info, None, dtype, "weight", sequence_parallel
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
