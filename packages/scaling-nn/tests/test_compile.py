@@ -3,6 +3,7 @@ hooks stay outside the compiled region, and recompilations are reported with Dyn
 
 import copy
 
+import pytest
 import torch
 
 from scaling.nn import (
@@ -132,3 +133,47 @@ def test_each_cpu_capability_gets_its_own_inductor_cache(monkeypatch):
                 monkeypatch.setenv(name, value)
         choose()
         assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == after, (capability, before)
+
+
+RESTART = """
+import json, sys, pathlib
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from scaling.nn import CompileConfig, compile_layer
+
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 16))
+for layer in model:
+    compile_layer(layer, CompileConfig(enabled=True, cache_dir=pathlib.Path(sys.argv[1])))
+model(torch.randn(4, 16)).sum().backward()
+print(json.dumps({**counters["aot_autograd"], **counters["inductor"]}))
+"""
+
+
+@pytest.mark.slow
+def test_compile_cache_dir_is_reused_by_a_restart(tmp_path):
+    """CompileConfig.cache_dir: a second process (a restart, or another rank) loads every graph
+    from the folder the first one filled, compiling none (issue 55)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    runs = []
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-c", RESTART, str(tmp_path / "cache")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs.append(json.loads(out.stdout.splitlines()[-1]))
+    first, second = runs
+    graphs = first["autograd_cache_miss"]  # Linear, GELU, Linear: forward and backward each
+    assert graphs == 3 and first.get("autograd_cache_hit", 0) == 0, first
+    assert second.get("autograd_cache_hit") == graphs and second.get("autograd_cache_miss", 0) == 0, second
+    assert second.get("fxgraph_cache_miss", 0) == 0, second
+    assert any((tmp_path / "cache").rglob("*")), "nothing written to cache_dir"

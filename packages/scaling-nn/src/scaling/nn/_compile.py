@@ -28,6 +28,7 @@ import re
 import tempfile
 import types
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Literal, TypeVar, cast
 
 import torch
@@ -56,6 +57,12 @@ class CompileConfig(BaseConfig):
     )
     dynamic: bool | None = Field(
         None, description="Dynamic shapes: None = Dynamo decides (static first, dynamic after a shape change)."
+    )
+    cache_dir: Path | None = Field(
+        None,
+        description="Folder for inductor's compiled code and AOTAutograd's graphs (torch's on-disk caches): a "
+        "restart, and every rank after the first, loads from it instead of compiling (a folder on a shared "
+        "file system serves every node). None = torch's default (a folder under the system's temp dir).",
     )
     loss: bool = Field(
         True,
@@ -130,6 +137,20 @@ def _keep_collectives_eager() -> None:
     torch.compiler.assume_constant_result(cuda_capability)
 
 
+def _use_cache_dir(config: CompileConfig) -> None:
+    """Point torch's compile caches at ``config.cache_dir`` (a per-capability subfolder when
+    ``ATEN_CPU_CAPABILITY`` is set, see below), or leave torch's default; then the capability rule."""
+    if config.cache_dir is not None:
+        folder = config.cache_dir
+        capability = os.environ.get("ATEN_CPU_CAPABILITY")
+        if capability:
+            folder = folder / re.sub(r"[^A-Za-z0-9_]", "_", capability)
+        folder.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder.resolve())
+        return
+    _inductor_cache_per_cpu_capability()
+
+
 @functools.cache
 def _inductor_cache_per_cpu_capability() -> None:
     """Give inductor a cache folder of its own for each ``ATEN_CPU_CAPABILITY`` (once per process).
@@ -156,7 +177,7 @@ def compile_layer(module: torch.nn.Module, config: CompileConfig) -> None:
     """Replace ``module.forward`` by its compiled form (hooks stay eager); a no-op unless enabled."""
     if not config.enabled:
         return
-    _inductor_cache_per_cpu_capability()
+    _use_cache_dir(config)
     _keep_collectives_eager()
     # The class's forward function, bound to the module: Dynamo keys its cache by the code
     # object, so layers of one class share entries (and the recompile limit counts per class),
@@ -181,7 +202,7 @@ def compile_loss(loss_function: F, config: CompileConfig | None) -> F:
     """
     if config is None or not (config.enabled and config.loss):
         return loss_function
-    _inductor_cache_per_cpu_capability()
+    _use_cache_dir(config)
     _keep_collectives_eager()
     compiled = torch.compile(
         loss_function, backend=config.backend, mode=config.mode, fullgraph=config.fullgraph, dynamic=config.dynamic
