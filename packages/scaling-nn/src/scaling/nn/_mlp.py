@@ -20,6 +20,23 @@ if TYPE_CHECKING:
     from scaling.topology import Axis, Topology
 
 
+def _linears(
+    bias: bool,
+    topology: Topology | None,
+    dtype: torch.dtype,
+    sequence_parallel: bool,
+    tp: Axis | None,
+    device: torch.device | str | None,
+) -> tuple[partial[ColumnParallelLinear], partial[RowParallelLinear]]:
+    """The column- and row-parallel linears of an MLP, with the settings they share."""
+    return tuple(  # type: ignore[return-value]  # the same keywords bound to each class
+        partial(
+            cls, bias=bias, topology=topology, dtype=dtype, sequence_parallel=sequence_parallel, tp=tp, device=device
+        )
+        for cls in (ColumnParallelLinear, RowParallelLinear)
+    )
+
+
 class ParallelMLP(torch.nn.Module):
     """``fc2(gelu(fc1(x)))`` with ``fc1`` column- and ``fc2`` row-parallel.
 
@@ -63,24 +80,7 @@ class ParallelMLP(torch.nn.Module):
             raise ValueError(f"ParallelMLP: gelu_approximate={gelu_approximate!r}; choose 'none' or 'tanh'")
         self.gelu_approximate = gelu_approximate
         self.hidden_size = hidden_size
-        column = partial(
-            ColumnParallelLinear,
-            bias=bias,
-            topology=topology,
-            dtype=dtype,
-            sequence_parallel=sequence_parallel,
-            tp=tp,
-            device=device,
-        )
-        row = partial(
-            RowParallelLinear,
-            bias=bias,
-            topology=topology,
-            dtype=dtype,
-            sequence_parallel=sequence_parallel,
-            tp=tp,
-            device=device,
-        )
+        column, row = _linears(bias, topology, dtype, sequence_parallel, tp, device)
         self.fc1 = column(hidden_size, intermediate_size, init_method=init_method)
         self.fc2 = row(intermediate_size, hidden_size, init_method=output_init_method)
 
@@ -119,24 +119,7 @@ class ParallelSwiGLUMLP(torch.nn.Module):
             "ParallelSwiGLUMLP",
         )
         self.hidden_size = hidden_size
-        column = partial(
-            ColumnParallelLinear,
-            bias=bias,
-            topology=topology,
-            dtype=dtype,
-            sequence_parallel=sequence_parallel,
-            tp=tp,
-            device=device,
-        )
-        row = partial(
-            RowParallelLinear,
-            bias=bias,
-            topology=topology,
-            dtype=dtype,
-            sequence_parallel=sequence_parallel,
-            tp=tp,
-            device=device,
-        )
+        column, row = _linears(bias, topology, dtype, sequence_parallel, tp, device)
         self.gate_proj = column(hidden_size, intermediate_size, init_method=init_method)
         self.up_proj = column(hidden_size, intermediate_size, init_method=init_method)
         self.down_proj = row(intermediate_size, hidden_size, init_method=output_init_method)
