@@ -53,7 +53,7 @@ def broadcast_pytree(obj: T, src: int, group: dist.ProcessGroup | None, *, devic
     if src not in ranks:
         raise ValueError(
             f"broadcast_pytree: src={src} is not a rank of the group (global ranks {ranks}); "
-            f"pass the global rank of the sender, e.g. topology.model_parallel_ranks[0]"
+            f"pass the global rank of the sender, e.g. topology.axis('tp').ranks[0]"
         )
     is_src = dist.get_rank() == src
     # The bytes travel on the group's device (NCCL takes only CUDA tensors); received

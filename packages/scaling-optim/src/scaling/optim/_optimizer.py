@@ -48,9 +48,8 @@ class Optimizer:
         config: update rule, ZeRO stage, clipping, loss scaler and non-finite policy.
         parameter_groups: the groups; each trainable parameter in exactly one.
         topology: an initialised :class:`~scaling.topology.Topology`; gradients are
-            averaged over DP × CP (``data_context_parallel_group``), ``reduce_over_tp`` gradients summed
-            over its ``model_parallel_group``, and the norm reduced over
-            ``model_replica_group`` and the DP group.
+            averaged over DP × CP (``axis("dp_cp")``), ``reduce_over_tp`` gradients summed
+            over its ``axis("tp")``, and the norm reduced over ``axis("replica")`` and DP × CP.
         zero3_modules: with ``zero_stage=3`` only: the layers in forward order, for a
             model that does not name them (default: ``model.layer_modules()``). Their
             trained parameters are freed at once and gathered around each layer's forward

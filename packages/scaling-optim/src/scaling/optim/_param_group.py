@@ -102,7 +102,7 @@ def build_parameter_groups(
         group_configs: one config per group, names unique.
         frozen: regexes of parameters frozen on purpose.
         process_group: with pipeline parallelism, the group over which "a pattern matches
-            nothing" is decided (e.g. ``topology.model_replica_group``): a pattern
+            nothing" is decided (e.g. ``topology.axis("replica").group``): a pattern
             must match on some rank, not on every rank. None = this rank only.
 
     Raises:
