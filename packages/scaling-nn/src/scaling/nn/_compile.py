@@ -137,11 +137,13 @@ def _keep_collectives_eager() -> None:
     torch.compiler.assume_constant_result(cuda_capability)
 
 
-def _use_cache_dir(config: CompileConfig) -> None:
-    """Point torch's compile caches at ``config.cache_dir`` (a per-capability subfolder when
-    ``ATEN_CPU_CAPABILITY`` is set, see below), or leave torch's default; then the capability rule."""
-    if config.cache_dir is not None:
-        folder = config.cache_dir
+@functools.cache
+def _use_cache_dir(cache_dir: Path | None) -> None:
+    """Point torch's compile caches at ``cache_dir`` (a per-capability subfolder when
+    ``ATEN_CPU_CAPABILITY`` is set, see below), or leave torch's default; then the capability
+    rule. Once per process and folder, not once per compiled layer."""
+    if cache_dir is not None:
+        folder = cache_dir
         capability = os.environ.get("ATEN_CPU_CAPABILITY")
         if capability:
             folder = folder / re.sub(r"[^A-Za-z0-9_]", "_", capability)
@@ -177,7 +179,7 @@ def compile_layer(module: torch.nn.Module, config: CompileConfig) -> None:
     """Replace ``module.forward`` by its compiled form (hooks stay eager); a no-op unless enabled."""
     if not config.enabled:
         return
-    _use_cache_dir(config)
+    _use_cache_dir(config.cache_dir)
     _keep_collectives_eager()
     # The class's forward function, bound to the module: Dynamo keys its cache by the code
     # object, so layers of one class share entries (and the recompile limit counts per class),
@@ -202,7 +204,7 @@ def compile_loss(loss_function: F, config: CompileConfig | None) -> F:
     """
     if config is None or not (config.enabled and config.loss):
         return loss_function
-    _use_cache_dir(config)
+    _use_cache_dir(config.cache_dir)
     _keep_collectives_eager()
     compiled = torch.compile(
         loss_function, backend=config.backend, mode=config.mode, fullgraph=config.fullgraph, dynamic=config.dynamic
