@@ -32,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from scaling.nn import ParallelSelfAttention, ParallelSwiGLUMLP, RMSNorm
+from scaling.nn import AttentionConfig, ParallelSelfAttention, ParallelSwiGLUMLP, RMSNorm
 from scaling.testing import make_topology, run_distributed
 from scaling.topology import split_sequence
 
@@ -42,7 +42,7 @@ class _Block(torch.nn.Module):
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(hidden), RMSNorm(hidden)
         self.attention = ParallelSelfAttention(
-            hidden, heads, topology=topology, bias=False, context_parallel_method=method
+            AttentionConfig(hidden, heads, bias=False, context_parallel_method=method), topology=topology
         )
         self.mlp = ParallelSwiGLUMLP(hidden, 4 * hidden, bias=False, topology=topology)
 

@@ -8,7 +8,7 @@ and backward, in the same run:
 
 - dense reference: ``ParallelSwiGLUMLP(hidden, top_k * ffn)``, one process: the same
   active parameters per token as the MoE block;
-- MoE: ``ParallelMoE(hidden, ffn, experts, top_k)`` with auxiliary-loss balancing at
+- MoE: ``ParallelMoE(MoEConfig(hidden, ffn, experts, top_k))`` with auxiliary-loss balancing at
   expert-parallel size 1 (one process), 2 and 4 (gloo ranks, experts split over them,
   tokens exchanged by all-to-all); in bf16 its experts run as grouped matrix multiplies
   (``torch._grouped_mm``, ``grouped_gemm=True``: on any device, though by default only on CUDA);
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from scaling.collectives import all_to_all_tokens
-from scaling.nn import ParallelMoE, ParallelSwiGLUMLP
+from scaling.nn import MoEConfig, ParallelMoE, ParallelSwiGLUMLP
 from scaling.testing import make_topology, run_distributed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -70,7 +70,8 @@ def _run(
         block: torch.nn.Module = ParallelSwiGLUMLP(hidden, top_k * ffn, bias=False, dtype=DTYPES[dtype])
     else:
         block = ParallelMoE(
-            hidden, ffn, experts, top_k=top_k, topology=topo, dtype=DTYPES[dtype], grouped_gemm=kind != "moe-loop"
+            MoEConfig(hidden, ffn, experts, top_k=top_k, dtype=DTYPES[dtype], grouped_gemm=kind != "moe-loop"),
+            topology=topo,
         )
     block.to(device)
     g = torch.Generator().manual_seed(topo.global_rank)

@@ -21,7 +21,14 @@ import math
 
 import torch
 
-from scaling.nn import ParallelSelfAttention, ParallelSwiGLUMLP, RMSNorm, VocabParallelEmbedding, get_parameter_meta
+from scaling.nn import (
+    AttentionConfig,
+    ParallelSelfAttention,
+    ParallelSwiGLUMLP,
+    RMSNorm,
+    VocabParallelEmbedding,
+    get_parameter_meta,
+)
 from scaling.testing import make_topology, run_distributed
 
 
@@ -30,7 +37,7 @@ def build(topology, hidden: int, vocab: int, kv_heads: int) -> torch.nn.Module:
     for _ in range(2):
         layers += [
             RMSNorm(hidden, topology=topology),
-            ParallelSelfAttention(hidden, 8, kv_heads, topology=topology, fused_qkv=False),
+            ParallelSelfAttention(AttentionConfig(hidden, 8, kv_heads, fused_qkv=False), topology=topology),
             RMSNorm(hidden, topology=topology),
             ParallelSwiGLUMLP(hidden, 4 * hidden, topology=topology),
         ]

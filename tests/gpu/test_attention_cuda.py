@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scaling.nn import ParallelSelfAttention
+from scaling.nn import AttentionConfig, ParallelSelfAttention
 from scaling.nn._attention_kernels import packed_flash_attention, packed_flash_available
 from scaling.nn._rotary import document_ids_and_positions, packed_attention_mask
 
@@ -44,7 +44,7 @@ def test_attention_layer_with_packed_documents_on_cuda_matches_cpu():
     """The layer end to end (RoPE restarting per document, GQA, output projection): bf16 on
     CUDA through the variable-length kernel against fp32 on CPU through the dense mask."""
     torch.manual_seed(0)
-    layer = ParallelSelfAttention(512, 8, num_kv_heads=2)
+    layer = ParallelSelfAttention(AttentionConfig(512, 8, num_kv_heads=2))
     x = torch.randn(2, 512, 512, generator=torch.Generator().manual_seed(1))
     cu = torch.tensor(CU)
     expected = layer(x, cu_seqlens=cu)

@@ -8,7 +8,7 @@ run on the GPU on the same inputs, forward and backward (12 routing slots for 16
 import pytest
 import torch
 
-from scaling.nn import ParallelMoE
+from scaling.nn import MoEConfig, ParallelMoE
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,7 +21,7 @@ def test_grouped_experts_on_cuda_match_the_loop():
     runs = []
     for grouped in (None, False):  # the default on CUDA (grouped), then the loop
         torch.manual_seed(0)
-        moe = ParallelMoE(256, 512, 16, top_k=2, dtype=torch.bfloat16, grouped_gemm=grouped).cuda()
+        moe = ParallelMoE(MoEConfig(256, 512, 16, top_k=2, dtype=torch.bfloat16, grouped_gemm=grouped)).cuda()
         g = torch.Generator(device="cuda").manual_seed(1)
         x = torch.randn(1, 6, 256, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
         y = moe(x)

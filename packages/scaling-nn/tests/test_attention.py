@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from scaling.nn import KVCache, ParallelSelfAttention
+from scaling.nn import AttentionConfig, KVCache, ParallelSelfAttention
 from scaling.testing import make_topology, run_distributed
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -77,7 +77,7 @@ CU_SEQLENS = torch.tensor([0, 3, 6, 7, 12, 14])  # b=2, s=7: docs [3, 3, 1] and 
 @pytest.mark.parametrize("packed", [False, True])
 def test_matches_explicit_softmax_reference(config, packed):
     torch.manual_seed(0)
-    layer = ParallelSelfAttention(H, NQ, **config)
+    layer = ParallelSelfAttention(AttentionConfig(H, NQ, **config))
     x = torch.randn(2, 7, H)
     cu = CU_SEQLENS if packed else None
     close(layer(x, cu_seqlens=cu), reference_attention(layer, x, cu), "attention", rtol=1e-5)
@@ -92,7 +92,7 @@ def test_packed_documents_are_checked_once_per_batch_not_per_layer(monkeypatch):
     check = _rotary._check_cu_seqlens
     monkeypatch.setattr(_rotary, "_check_cu_seqlens", lambda *args: calls.append(1) or check(*args))
     torch.manual_seed(0)
-    layers = [ParallelSelfAttention(H, NQ, **CONFIGS[0]) for _ in range(3)]
+    layers = [ParallelSelfAttention(AttentionConfig(H, NQ, **CONFIGS[0])) for _ in range(3)]
     x, cu = torch.randn(2, 7, H), CU_SEQLENS.clone()
     for layer in layers:
         x = layer(x, cu_seqlens=cu)
@@ -123,7 +123,7 @@ def test_packed_flash_attention_call_traces_on_the_meta_device(causal, kv_heads)
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c["causal"]])
 def test_kv_cache_matches_full_forward_token_by_token(config):
     torch.manual_seed(0)
-    layer = ParallelSelfAttention(H, NQ, **config)
+    layer = ParallelSelfAttention(AttentionConfig(H, NQ, **config))
     x = torch.randn(2, 7, H)
     full = layer(x)
     cache = KVCache()
@@ -134,22 +134,24 @@ def test_kv_cache_matches_full_forward_token_by_token(config):
 
 def test_errors_name_values_and_choices():
     with pytest.raises(ValueError, match=r"num_attention_heads=3 does not divide hidden_size=16"):
-        ParallelSelfAttention(16, 3)
+        ParallelSelfAttention(AttentionConfig(16, 3))
     with pytest.raises(
         ValueError, match=r"num_kv_heads=3 does not divide num_attention_heads=4; choose num_kv_heads in \[1, 2, 4\]"
     ):
-        ParallelSelfAttention(16, 4, 3)
+        ParallelSelfAttention(AttentionConfig(16, 4, 3))
     with pytest.raises(
         ValueError,
         match=r"cu_seqlens=\[0, 5, 14\] must increase from 0 to batch_size \* seq_len = 14.*rows crossed by a document: \[7\]",
     ):
-        ParallelSelfAttention(16, 4)(torch.randn(2, 7, 16), cu_seqlens=torch.tensor([0, 5, 14]))
+        ParallelSelfAttention(AttentionConfig(16, 4))(torch.randn(2, 7, 16), cu_seqlens=torch.tensor([0, 5, 14]))
     with pytest.raises(ValueError, match=r"cannot be used with kv_cache"):
-        ParallelSelfAttention(16, 4)(torch.randn(1, 7, 16), cu_seqlens=torch.tensor([0, 7]), kv_cache=KVCache())
+        ParallelSelfAttention(AttentionConfig(16, 4))(
+            torch.randn(1, 7, 16), cu_seqlens=torch.tensor([0, 7]), kv_cache=KVCache()
+        )
     with pytest.raises(ValueError, match=r"kv_cache needs causal=True"):
-        ParallelSelfAttention(16, 4, causal=False)(torch.randn(1, 2, 16), kv_cache=KVCache())
+        ParallelSelfAttention(AttentionConfig(16, 4, causal=False))(torch.randn(1, 2, 16), kv_cache=KVCache())
     with pytest.raises(ValueError, match=r"rotary_percentage=0.1 with head_dim=4 rotates 0 channels"):
-        ParallelSelfAttention(16, 4, rotary_percentage=0.1)
+        ParallelSelfAttention(AttentionConfig(16, 4, rotary_percentage=0.1))
 
 
 TP_CONFIGS = [
@@ -167,9 +169,9 @@ def _tp_parity(tp):
             continue
         for cu in (None, CU_SEQLENS):
             torch.manual_seed(i)
-            layer = ParallelSelfAttention(32, topology=topo, **config)
+            layer = ParallelSelfAttention(AttentionConfig(32, **config), topology=topo)
             torch.manual_seed(i)
-            ref = ParallelSelfAttention(32, **config)
+            ref = ParallelSelfAttention(AttentionConfig(32, **config))
             x_ref = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
             x = x_ref.detach().clone().requires_grad_(True)
             y, y_ref = layer(x, cu_seqlens=cu), ref(x_ref, cu_seqlens=cu)
@@ -195,7 +197,7 @@ def _bad_tp():
         dict(num_attention_heads=8, num_kv_heads=2, fused_qkv=False, attention_dropout=0.1),
     ):
         try:
-            ParallelSelfAttention(48, topology=topo, **kwargs)
+            ParallelSelfAttention(AttentionConfig(48, **kwargs), topology=topo)
         except ValueError as e:
             msgs.append(str(e))
     # Keep every rank until all have built their subgroups (a fast rank leaving early can

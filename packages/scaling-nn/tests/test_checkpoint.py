@@ -4,7 +4,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scaling.nn import ParallelMLP, ParallelSelfAttention, checkpoint_layer, checkpoint_sequential_layers
+from scaling.nn import (
+    AttentionConfig,
+    ParallelMLP,
+    ParallelSelfAttention,
+    checkpoint_layer,
+    checkpoint_sequential_layers,
+)
 from scaling.testing import make_topology, run_distributed
 from scaling.topology import seed_all
 
@@ -15,7 +21,9 @@ class Block(torch.nn.Module):
     def __init__(self, topology, tracker, selective):
         super().__init__()
         self.attention = ParallelSelfAttention(
-            H, 4, topology=topology, attention_dropout=0.3, rng_tracker=tracker, checkpoint_core_attention=selective
+            AttentionConfig(H, 4, attention_dropout=0.3, checkpoint_core_attention=selective),
+            topology=topology,
+            rng_tracker=tracker,
         )
         self.mlp = ParallelMLP(H, 32, topology=topology)
 

@@ -13,7 +13,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from scaling.nn import KVCache, ParallelSelfAttention, check_context_parallel, reduce_sequence_parallel_gradients
+from scaling.nn import (
+    AttentionConfig,
+    KVCache,
+    ParallelSelfAttention,
+    check_context_parallel,
+    reduce_sequence_parallel_gradients,
+)
 from scaling.nn._attention_kernels import (
     _aligned_bias,
     block_attention_backward,
@@ -171,10 +177,11 @@ def _layer_parity(tp, method, sequence_parallel):
         for cu in (None, CU_SEQLENS):
             torch.manual_seed(i)
             layer = ParallelSelfAttention(
-                32, topology=topo, sequence_parallel=sequence_parallel, context_parallel_method=method, **config
+                AttentionConfig(32, sequence_parallel=sequence_parallel, context_parallel_method=method, **config),
+                topology=topo,
             )
             torch.manual_seed(i)
-            ref = ParallelSelfAttention(32, **config)
+            ref = ParallelSelfAttention(AttentionConfig(32, **config))
             x_ref = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
             grad = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(2))
             y_ref = ref(x_ref, cu_seqlens=cu)
@@ -208,11 +215,11 @@ def _bad_context_parallel():
     msgs = []
     for kwargs in (dict(num_attention_heads=3, context_parallel_method="all_to_all"), dict(attention_dropout=0.1)):
         try:
-            ParallelSelfAttention(48, **{"num_attention_heads": 4, **kwargs}, topology=topo)
+            ParallelSelfAttention(AttentionConfig(48, **{"num_attention_heads": 4, **kwargs}), topology=topo)
         except ValueError as e:
             msgs.append(str(e))
     try:
-        ParallelSelfAttention(48, 4, topology=topo)(torch.randn(1, 8, 48), kv_cache=KVCache())
+        ParallelSelfAttention(AttentionConfig(48, 4), topology=topo)(torch.randn(1, 8, 48), kv_cache=KVCache())
     except ValueError as e:
         msgs.append(str(e))
     dist.barrier()

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from scaling.nn import (
+    AttentionConfig,
     BottleneckAdapter,
     ColumnParallelLinear,
     LoRAConfig,
@@ -192,9 +193,13 @@ def apply_and_return(model, config):
 def _models(topology):
     yield OurNet(topology), TARGETS, H
     # Separate QKV with 2 kv heads: at TP=4 the key/value projections are replicated.
-    attention = ParallelSelfAttention(32, 8, 2, topology=topology, fused_qkv=False)
+    attention = ParallelSelfAttention(AttentionConfig(32, 8, 2, fused_qkv=False), topology=topology)
     yield attention, ["query", "key", "value", "dense"], 32
-    yield ParallelSelfAttention(32, 8, 4, topology=topology, sequence_parallel=True), ["qkv", "dense"], 32
+    yield (
+        ParallelSelfAttention(AttentionConfig(32, 8, 4, sequence_parallel=True), topology=topology),
+        ["qkv", "dense"],
+        32,
+    )
 
 
 def _lora_tp_parity(tp):

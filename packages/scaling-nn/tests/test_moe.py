@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from scaling.nn import ParallelMoE, check_moe
+from scaling.nn import MoEConfig, ParallelMoE, check_moe
 from scaling.testing import make_topology, run_distributed
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -50,7 +50,7 @@ def _reference_output(moe, x):
 @pytest.mark.parametrize("shared", [0, 1])
 def test_matches_a_per_token_reference(score_function, shared):
     torch.manual_seed(0)
-    moe = ParallelMoE(H, FFN, E, top_k=2, score_function=score_function, num_shared_experts=shared)
+    moe = ParallelMoE(MoEConfig(H, FFN, E, top_k=2, score_function=score_function, num_shared_experts=shared))
     x = torch.randn(2, 5, H)
     y = moe(x)
     expected = _reference_output(moe, x) + (moe.shared(x) if shared else 0)
@@ -72,7 +72,9 @@ def test_grouped_experts_equal_the_per_expert_loop_bitwise(monkeypatch, dtype, g
     runs = []
     for grouped in (True, False):
         torch.manual_seed(0)
-        moe = ParallelMoE(H, FFN, 16, top_k=2, dtype=dtype, grouped_gemm=grouped)  # 16 experts, 12 slots: idle ones
+        moe = ParallelMoE(
+            MoEConfig(H, FFN, 16, top_k=2, dtype=dtype, grouped_gemm=grouped)
+        )  # 16 experts, 12 slots: idle ones
         x = torch.randn(2, 3, H, dtype=dtype, generator=torch.Generator().manual_seed(1), requires_grad=True)
         moe(x).backward(torch.randn(2, 3, H, dtype=dtype, generator=torch.Generator().manual_seed(2)))
         runs.append([moe(x).detach(), x.grad, *(p.grad for p in moe.parameters() if p.grad is not None)])
@@ -87,7 +89,7 @@ def test_grouped_experts_keep_no_stacked_copy_of_the_weights_for_the_backward():
     expert parameters themselves, never a stacked copy of them (which, for a large MoE layer,
     is a second copy of all its expert weights, and under ZeRO-3 would outlive the layer)."""
     torch.manual_seed(0)
-    moe = ParallelMoE(H, FFN, 16, top_k=2, dtype=torch.bfloat16, grouped_gemm=True)
+    moe = ParallelMoE(MoEConfig(H, FFN, 16, top_k=2, dtype=torch.bfloat16, grouped_gemm=True))
     params = {p.data_ptr() for p in moe.parameters()}
     saved = []
 
@@ -131,7 +133,7 @@ def test_compiled_grouped_experts_equal_eager():
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    moe = ParallelMoE(H, FFN, 8, top_k=2, dtype=torch.bfloat16, grouped_gemm=True)
+    moe = ParallelMoE(MoEConfig(H, FFN, 8, top_k=2, dtype=torch.bfloat16, grouped_gemm=True))
     x = torch.randn(2, 8, H, dtype=torch.bfloat16, requires_grad=True)
     runs = []
     for forward in (moe.forward, torch.compile(moe.forward, backend="aot_eager")):
@@ -146,7 +148,7 @@ def test_compiled_grouped_experts_equal_eager():
 def test_aux_loss_gradient_is_injected():
     """With a main loss of zero gradient the router gets exactly d(coefficient · aux)/dW."""
     torch.manual_seed(0)
-    moe = ParallelMoE(H, FFN, E, top_k=2, aux_loss_coefficient=0.5)
+    moe = ParallelMoE(MoEConfig(H, FFN, E, top_k=2, aux_loss_coefficient=0.5))
     x = torch.randn(3, 4, H)
     (moe(x) * 0).sum().backward()
     # The aux loss by hand: E · Σ_e f_e · P_e, f from the (non-differentiable) top-k counts.
@@ -165,7 +167,7 @@ def test_aux_loss_gradient_is_injected():
 
 def test_aux_loss_free_bias_moves_towards_balance():
     torch.manual_seed(0)
-    moe = ParallelMoE(H, FFN, E, top_k=1, balancing="aux_loss_free", bias_update_rate=0.1)
+    moe = ParallelMoE(MoEConfig(H, FFN, E, top_k=1, balancing="aux_loss_free", bias_update_rate=0.1))
     x = torch.randn(4, 8, H)
     moe(x)
     load = moe.last_load
@@ -181,9 +183,9 @@ def _ep_parity(dp, tp, ep, sequence_parallel, dtype=torch.float32):
     kwargs = dict(top_k=2, num_shared_experts=1, aux_loss_coefficient=0.1, dtype=dtype, grouped_gemm=True)
     rtol = 1e-6 if dtype == torch.float32 else 2e-2
     torch.manual_seed(0)
-    moe = ParallelMoE(H, FFN, E, topology=topo, sequence_parallel=sequence_parallel, **kwargs)
+    moe = ParallelMoE(MoEConfig(H, FFN, E, sequence_parallel=sequence_parallel, **kwargs), topology=topo)
     torch.manual_seed(0)
-    ref = ParallelMoE(H, FFN, E, **kwargs)
+    ref = ParallelMoE(MoEConfig(H, FFN, E, **kwargs))
     g = torch.Generator().manual_seed(1)
     x_all, grad_all = (torch.randn(dp, 2, 8, H, generator=g).to(dtype) for _ in range(2))
     # One process runs the DP ranks' batches as micro-batches: each loss (and each
@@ -266,4 +268,4 @@ def test_bad_configuration_names_values_and_choices():
     with pytest.raises(ValueError, match=r"score_function='relu'; choose one of \['softmax', 'sigmoid'\]"):
         check_moe(4, 2, 1, "relu", "aux_loss")
     with pytest.raises(ValueError, match=r"balancing='capacity'; choose one of"):
-        ParallelMoE(H, FFN, E, balancing="capacity")
+        ParallelMoE(MoEConfig(H, FFN, E, balancing="capacity"))

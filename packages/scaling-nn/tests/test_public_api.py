@@ -1,6 +1,7 @@
 import scaling.nn
 
 EXPECTED = [
+    "AttentionConfig",
     "BaseLayer",
     "BottleneckAdapter",
     "ColumnParallelLinear",
@@ -13,6 +14,7 @@ EXPECTED = [
     "LayerNorm",
     "LayerSpec",
     "LoRAConfig",
+    "MoEConfig",
     "ParallelMLP",
     "ParallelMoE",
     "ParallelSelfAttention",

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from scaling.nn import (
+    AttentionConfig,
     LayerNorm,
     ParallelSelfAttention,
     ParallelSwiGLUMLP,
@@ -29,7 +30,10 @@ class Block(torch.nn.Module):
         sp = dict(topology=topology, sequence_parallel=sequence_parallel)
         self.embedding = VocabParallelEmbedding(VOCAB, H, **sp)
         self.norm1 = LayerNorm(H, **sp)
-        self.attention = ParallelSelfAttention(H, 4, num_kv_heads, fused_qkv=num_kv_heads == 4, **sp)
+        self.attention = ParallelSelfAttention(
+            AttentionConfig(H, 4, num_kv_heads, fused_qkv=num_kv_heads == 4, sequence_parallel=sequence_parallel),
+            topology=topology,
+        )
         self.norm2 = RMSNorm(H, **sp)
         self.mlp = ParallelSwiGLUMLP(H, 16, bias=True, **sp)
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from scaling.nn import ParallelMoE, attach_parameter_metas
+from scaling.nn import MoEConfig, ParallelMoE, attach_parameter_metas
 from scaling.optim import Optimizer, OptimizerConfig, OptimizerParamGroup, OptimizerParamGroupConfig
 from scaling.testing import assert_parity, make_topology, run_distributed
 
@@ -18,16 +18,18 @@ def _train(dp, ep, micro, zero=0, balancing="aux_loss", dtype=torch.float32):
     torch.manual_seed(0)
     moe = attach_parameter_metas(
         ParallelMoE(
-            H,
-            FFN,
-            E,
-            top_k=2,
+            MoEConfig(
+                H,
+                FFN,
+                E,
+                top_k=2,
+                num_shared_experts=1,
+                aux_loss_coefficient=0.1,
+                balancing=balancing,
+                dtype=dtype,
+                grouped_gemm=dtype == torch.bfloat16,
+            ),
             topology=topo,
-            num_shared_experts=1,
-            aux_loss_coefficient=0.1,
-            balancing=balancing,
-            dtype=dtype,
-            grouped_gemm=dtype == torch.bfloat16,
         )
     )
     config = OptimizerConfig(method="adamw", gradient_clipping=0.05, zero_stage=zero)

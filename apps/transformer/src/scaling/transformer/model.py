@@ -21,10 +21,12 @@ import torch.nn.functional as F
 
 from scaling.collectives import all_reduce, copy_to_model_parallel_region, gather_from_sequence_parallel_region
 from scaling.nn import (
+    AttentionConfig,
     BaseLayer,
     KVCache,
     LayerNorm,
     LayerSpec,
+    MoEConfig,
     ParallelMLP,
     ParallelMoE,
     ParallelSelfAttention,
@@ -155,24 +157,26 @@ class TransformerBlock(BaseLayer[TransformerLayerIO, TransformerLayerIO]):
         output_init = normal_init(arch.init_std / math.sqrt(2 * arch.num_layers))
         self.input_norm = make_norm(arch, topology)
         self.attention = ParallelSelfAttention(
-            arch.hidden_size,
-            arch.num_attention_heads,
-            arch.kv_heads,
+            AttentionConfig(
+                arch.hidden_size,
+                arch.num_attention_heads,
+                arch.kv_heads,
+                bias=arch.bias,
+                dtype=arch.dtype,
+                causal=arch.causal,
+                rotary_percentage=arch.rotary_percentage,
+                rotary_base=arch.rotary_base,
+                rotary_interleaved=arch.rotary_interleaved,
+                qk_norm=arch.qk_norm,
+                attention_dropout=arch.attention_dropout,
+                sequence_parallel=arch.sequence_parallel,
+                checkpoint_core_attention=arch.activation_checkpointing == "selective",
+                init_method=normal_init(arch.init_std),
+                output_init_method=output_init,
+                context_parallel_method=arch.context_parallel_method,
+            ),
             topology=topology,
-            bias=arch.bias,
-            dtype=arch.dtype,
-            causal=arch.causal,
-            rotary_percentage=arch.rotary_percentage,
-            rotary_base=arch.rotary_base,
-            rotary_interleaved=arch.rotary_interleaved,
-            qk_norm=arch.qk_norm,
-            attention_dropout=arch.attention_dropout,
             rng_tracker=rng_tracker,
-            sequence_parallel=arch.sequence_parallel,
-            checkpoint_core_attention=arch.activation_checkpointing == "selective",
-            init_method=normal_init(arch.init_std),
-            output_init_method=output_init,
-            context_parallel_method=arch.context_parallel_method,
         )
         self.mlp_norm = make_norm(arch, topology)
         mlp_class = ParallelSwiGLUMLP if arch.mlp_type == "swiglu" else ParallelMLP
@@ -180,20 +184,22 @@ class TransformerBlock(BaseLayer[TransformerLayerIO, TransformerLayerIO]):
         if moe:
             assert arch.moe is not None
             self.mlp = ParallelMoE(
-                arch.hidden_size,
-                arch.moe.ffn_size or arch.ffn_size,
-                arch.moe.num_experts,
-                top_k=arch.moe.top_k,
+                MoEConfig(
+                    arch.hidden_size,
+                    arch.moe.ffn_size or arch.ffn_size,
+                    arch.moe.num_experts,
+                    top_k=arch.moe.top_k,
+                    score_function=arch.moe.score_function,
+                    num_shared_experts=arch.moe.num_shared_experts,
+                    balancing=arch.moe.balancing,
+                    aux_loss_coefficient=arch.moe.aux_loss_coefficient,
+                    bias_update_rate=arch.moe.bias_update_rate,
+                    sequence_parallel=arch.sequence_parallel,
+                    dtype=arch.dtype,
+                    init_method=normal_init(arch.init_std),
+                    output_init_method=output_init,
+                ),
                 topology=topology,
-                score_function=arch.moe.score_function,
-                num_shared_experts=arch.moe.num_shared_experts,
-                balancing=arch.moe.balancing,
-                aux_loss_coefficient=arch.moe.aux_loss_coefficient,
-                bias_update_rate=arch.moe.bias_update_rate,
-                sequence_parallel=arch.sequence_parallel,
-                dtype=arch.dtype,
-                init_method=normal_init(arch.init_std),
-                output_init_method=output_init,
             )
         else:
             self.mlp = mlp_class(

@@ -1,7 +1,12 @@
 """scaling.nn: parallel layers, LayerSpec, ParameterMeta, LoRA and checkpointing."""
 
 from scaling.nn._adapters import BottleneckAdapter, apply_bottleneck_adapters, mark_only_bias_trainable
-from scaling.nn._attention import ParallelSelfAttention, check_context_parallel, valid_model_parallel_sizes
+from scaling.nn._attention import (
+    AttentionConfig,
+    ParallelSelfAttention,
+    check_context_parallel,
+    valid_model_parallel_sizes,
+)
 from scaling.nn._checkpoint import checkpoint_layer, checkpoint_sequential_layers, tracker_checkpoint_context
 from scaling.nn._compile import (
     CompileConfig,
@@ -45,12 +50,13 @@ from scaling.nn._lora import (
 )
 from scaling.nn._meta import ParameterMeta, get_parameter_meta
 from scaling.nn._mlp import ParallelMLP, ParallelSwiGLUMLP
-from scaling.nn._moe import ParallelMoE, check_moe
+from scaling.nn._moe import MoEConfig, ParallelMoE, check_moe
 from scaling.nn._norm import LayerNorm, RMSNorm, reduce_sequence_parallel_gradients
 from scaling.nn._peft import export_peft_adapter, load_peft_adapter, write_peft_adapter
 from scaling.nn._rotary import KVCache, RotaryEmbedding
 
 __all__ = [
+    "AttentionConfig",
     "BaseLayer",
     "BottleneckAdapter",
     "ColumnParallelLinear",
@@ -63,6 +69,7 @@ __all__ = [
     "LayerNorm",
     "LayerSpec",
     "LoRAConfig",
+    "MoEConfig",
     "ParallelMLP",
     "ParallelMoE",
     "ParallelSelfAttention",

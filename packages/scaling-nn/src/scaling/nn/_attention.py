@@ -9,7 +9,7 @@ heads belong to; those weights enter the TP region through
 ``copy_to_model_parallel_region`` so their gradient is summed over the ranks in the
 backward and stays replicated.
 
-Context parallelism (``topology.context_parallel_size > 1``): the input holds this rank's
+Context parallelism (a ``cp`` axis of more than one rank): the input holds this rank's
 zigzag slice of each sequence (see ``scaling.nn._context_parallel``) and attention runs
 over the whole sequence by ring or by all-to-all (``context_parallel_method``); RoPE
 positions and document masks are those of the tokens' places in the whole sequence.
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,7 @@ from scaling.nn._context_parallel import (
 from scaling.nn._init import (
     InitMethod,
     TPInfo,
+    axis_from,
     check_dtype,
     default_bias_init,
     default_weight_init,
@@ -59,7 +61,7 @@ from scaling.nn._rotary import KVCache, RotaryEmbedding, document_ids_and_positi
 from scaling.topology import zigzag_indices
 
 if TYPE_CHECKING:
-    from scaling.topology import RNGTracker, Topology
+    from scaling.topology import Axis, RNGTracker, Topology
 
 
 def valid_model_parallel_sizes(num_attention_heads: int, num_kv_heads: int, fused_qkv: bool) -> list[int]:
@@ -97,14 +99,14 @@ class _ReplicatedLinear(torch.nn.Module):
         return F.linear(x_full, weight, bias)
 
 
-class ParallelSelfAttention(torch.nn.Module):
-    """Multi-head / grouped-query / multi-query self-attention, tensor-parallel over heads.
+@dataclass(frozen=True)
+class AttentionConfig:
+    """What a :class:`ParallelSelfAttention` computes, apart from the axes it runs over.
 
-    Args:
+    Attributes:
         hidden_size: model width ``h``.
         num_attention_heads: query heads.
         num_kv_heads: key/value heads (default: ``num_attention_heads``; 1 is MQA).
-        topology: a :class:`scaling.topology.Topology` or ``None`` (one device).
         head_dim: channels per head (default ``hidden_size // num_attention_heads``).
         bias: biases on the QKV and output projections.
         dtype: parameter dtype.
@@ -116,50 +118,84 @@ class ParallelSelfAttention(torch.nn.Module):
         rotary_interleaved: interleaved instead of half-split RoPE channel pairs.
         qk_norm: RMS-normalise queries and keys per head (weights ``q_norm``, ``k_norm``).
         attention_dropout: dropout on the attention probabilities (training only).
-        rng_tracker: a :class:`scaling.topology.RNGTracker`; dropout draws from its
-            ``"model-parallel-rng"`` stream (each TP rank holds different heads).
         sequence_parallel: input and output split along dim 1 over TP.
         checkpoint_core_attention: recompute softmax(QK^T)V in the backward (selective
             activation checkpointing); dropout masks are reproduced.
         init_method, output_init_method: weight initialisers (default ``torch.nn.Linear``'s).
-        context_parallel_method: with ``topology.context_parallel_size > 1``: ``"ring"``
+        context_parallel_method: with a CP axis of more than one rank: ``"ring"``
             (key/value blocks round the CP ring) or ``"all_to_all"`` (heads traded for
             sequence; the heads on a TP rank must divide by the CP size).
 
+    Example::
+
+        AttentionConfig(hidden_size=512, num_attention_heads=8, num_kv_heads=2, qk_norm=True)
+    """
+
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    bias: bool = True
+    dtype: torch.dtype = torch.float32
+    fused_qkv: bool = True
+    causal: bool = True
+    rotary_percentage: float = 1.0
+    rotary_base: float = 10000.0
+    rotary_interleaved: bool = False
+    qk_norm: bool = False
+    attention_dropout: float = 0.0
+    sequence_parallel: bool = False
+    checkpoint_core_attention: bool = False
+    init_method: InitMethod | None = None
+    output_init_method: InitMethod | None = None
+    context_parallel_method: str = "ring"
+
+
+class ParallelSelfAttention(torch.nn.Module):
+    """Multi-head / grouped-query / multi-query self-attention, tensor-parallel over heads.
+
+    Args:
+        config: what it computes (:class:`AttentionConfig`).
+        tp: the tensor-parallel axis (``topology.axis("tp")``) its heads are split over;
+            None: one rank.
+        cp: the context-parallel axis (``topology.axis("cp")``) its sequence is split
+            over; None: one rank.
+        device: where its parameters live (default: CPU without ``tp``, torch's default
+            device with it).
+        rng_tracker: a :class:`scaling.topology.RNGTracker`; dropout draws from its
+            ``"model-parallel-rng"`` stream (each TP rank holds different heads).
+        topology: instead of ``tp``, ``cp`` and ``device``: a
+            :class:`scaling.topology.Topology` they are taken from at once.
+
     Raises:
         ValueError: when heads, kv heads or ``hidden_size`` do not fit the TP size (the
-            message lists the valid TP sizes), or context parallelism cannot split this
-            attention (all-to-all heads, attention dropout).
+            message lists the valid TP sizes), context parallelism cannot split this
+            attention (all-to-all heads, attention dropout), or ``topology`` comes with an axis.
+
+    Example::
+
+        attention = ParallelSelfAttention(AttentionConfig(512, 8, num_kv_heads=2), tp=topology.axis("tp"))
     """
 
     def __init__(
         self,
-        hidden_size: int,
-        num_attention_heads: int,
-        num_kv_heads: int | None = None,
-        topology: Topology | None = None,
-        head_dim: int | None = None,
-        bias: bool = True,
-        dtype: torch.dtype = torch.float32,
-        fused_qkv: bool = True,
-        causal: bool = True,
-        rotary_percentage: float = 1.0,
-        rotary_base: float = 10000.0,
-        rotary_interleaved: bool = False,
-        qk_norm: bool = False,
-        attention_dropout: float = 0.0,
+        config: AttentionConfig,
+        *,
+        tp: Axis | None = None,
+        cp: Axis | None = None,
+        device: torch.device | str | None = None,
         rng_tracker: RNGTracker | None = None,
-        sequence_parallel: bool = False,
-        checkpoint_core_attention: bool = False,
-        init_method: InitMethod | None = None,
-        output_init_method: InitMethod | None = None,
-        context_parallel_method: str = "ring",
+        topology: Topology | None = None,
     ) -> None:
         super().__init__()
-        check_dtype(dtype, "ParallelSelfAttention")
-        tp = self._tp = tp_info(topology)
-        nq, nkv = num_attention_heads, num_kv_heads or num_attention_heads
-        if head_dim is None and hidden_size % nq != 0:
+        c = self.config = config
+        check_dtype(c.dtype, "ParallelSelfAttention")
+        cp_axis = axis_from(topology, "cp", cp, "ParallelSelfAttention")
+        tp_axis = axis_from(topology, "tp", tp, "ParallelSelfAttention")
+        tp_ = self._tp = tp_info(None, tp_axis, topology.device if topology is not None else device)
+        hidden_size = c.hidden_size
+        nq, nkv = c.num_attention_heads, c.num_kv_heads or c.num_attention_heads
+        if c.head_dim is None and hidden_size % nq != 0:
             raise ValueError(
                 f"ParallelSelfAttention: num_attention_heads={nq} does not divide hidden_size={hidden_size}; "
                 "pass head_dim or choose a head count dividing hidden_size"
@@ -169,49 +205,54 @@ class ParallelSelfAttention(torch.nn.Module):
                 f"ParallelSelfAttention: num_kv_heads={nkv} does not divide num_attention_heads={nq}; "
                 f"choose num_kv_heads in {[k for k in range(1, nq + 1) if nq % k == 0]}"
             )
-        valid = valid_model_parallel_sizes(nq, nkv, fused_qkv)
-        if tp.size not in valid:
+        valid = valid_model_parallel_sizes(nq, nkv, c.fused_qkv)
+        if tp_.size not in valid:
             raise ValueError(
-                f"ParallelSelfAttention: model_parallel_size={tp.size} cannot shard num_attention_heads={nq}, "
-                f"num_kv_heads={nkv} (fused_qkv={fused_qkv}); choose model_parallel_size in {valid}"
-                + (" or fused_qkv=False" if fused_qkv and tp.size in valid_model_parallel_sizes(nq, nkv, False) else "")
+                f"ParallelSelfAttention: model_parallel_size={tp_.size} cannot shard num_attention_heads={nq}, "
+                f"num_kv_heads={nkv} (fused_qkv={c.fused_qkv}); choose model_parallel_size in {valid}"
+                + (
+                    " or fused_qkv=False"
+                    if c.fused_qkv and tp_.size in valid_model_parallel_sizes(nq, nkv, False)
+                    else ""
+                )
             )
-        if attention_dropout > 0.0 and tp.size > 1 and rng_tracker is None:
+        if c.attention_dropout > 0.0 and tp_.size > 1 and rng_tracker is None:
             raise ValueError(
-                f"ParallelSelfAttention: attention_dropout={attention_dropout} with model_parallel_size={tp.size} "
+                f"ParallelSelfAttention: attention_dropout={c.attention_dropout} with model_parallel_size={tp_.size} "
                 "needs rng_tracker (scaling.topology.seed_all(...)) so each TP rank draws its own heads' masks"
             )
-        cp = topology.axis("cp").size if topology is not None else 1
-        check_context_parallel(nq // tp.size, cp, context_parallel_method, attention_dropout)
-        self._cp_group = topology.axis("cp").group if topology is not None and cp > 1 else None
-        self._cp_rank: int = topology.axis("cp").rank if topology is not None and cp > 1 else 0
-        self._cp_size: int = cp
-        self.context_parallel_method = context_parallel_method
+        cp_size = cp_axis.size if cp_axis is not None else 1
+        check_context_parallel(nq // tp_.size, cp_size, c.context_parallel_method, c.attention_dropout)
+        self._cp_group = cp_axis.group if cp_axis is not None and cp_size > 1 else None
+        self._cp_rank: int = cp_axis.rank if cp_axis is not None and cp_size > 1 else 0
+        self._cp_size: int = cp_size
+        self.context_parallel_method = c.context_parallel_method
         self.hidden_size, self.num_attention_heads, self.num_kv_heads = hidden_size, nq, nkv
-        d = self.head_dim = head_dim or hidden_size // nq
-        self.num_local_heads = nq // tp.size
-        self.kv_replicated = nkv % tp.size != 0
-        self.num_local_kv_heads = 1 if self.kv_replicated else nkv // tp.size
-        self.fused_qkv, self.causal, self.sequence_parallel = fused_qkv, causal, sequence_parallel
-        self.attention_dropout, self.rng_tracker = attention_dropout, rng_tracker
-        self.checkpoint_core_attention = checkpoint_core_attention
-        init = init_method or default_weight_init
+        d = self.head_dim = c.head_dim or hidden_size // nq
+        self.num_local_heads = nq // tp_.size
+        self.kv_replicated = nkv % tp_.size != 0
+        self.num_local_kv_heads = 1 if self.kv_replicated else nkv // tp_.size
+        self.fused_qkv, self.causal, self.sequence_parallel = c.fused_qkv, c.causal, c.sequence_parallel
+        self.attention_dropout, self.rng_tracker = c.attention_dropout, rng_tracker
+        self.checkpoint_core_attention = c.checkpoint_core_attention
+        init = c.init_method or default_weight_init
         column = partial(
             ColumnParallelLinear,
-            bias=bias,
-            topology=topology,
-            dtype=dtype,
+            bias=c.bias,
+            dtype=c.dtype,
             init_method=init,
-            sequence_parallel=sequence_parallel,
+            sequence_parallel=c.sequence_parallel,
+            tp=tp_axis,
+            device=tp_.device,
         )
-        if fused_qkv:
+        if c.fused_qkv:
             self.qkv = column(hidden_size, (nq + 2 * nkv) * d)
         else:
             self.query = column(hidden_size, nq * d)
             if self.kv_replicated:
-                key = _ReplicatedLinear(hidden_size, nkv * d, bias, tp, dtype, init)
-                value = _ReplicatedLinear(hidden_size, nkv * d, bias, tp, dtype, init)
-                group_index = tp.rank * nkv // tp.size
+                key = _ReplicatedLinear(hidden_size, nkv * d, c.bias, tp_, c.dtype, init)
+                value = _ReplicatedLinear(hidden_size, nkv * d, c.bias, tp_, c.dtype, init)
+                group_index = tp_.rank * nkv // tp_.size
                 for proj in (key, value):
                     proj.rows = (group_index * d, (group_index + 1) * d)
                 self.key: torch.nn.Module = key
@@ -220,20 +261,23 @@ class ParallelSelfAttention(torch.nn.Module):
                 self.key = column(hidden_size, nkv * d)
                 self.value = column(hidden_size, nkv * d)
         self.rotary = (
-            RotaryEmbedding(d, rotary_percentage, rotary_base, rotary_interleaved) if rotary_percentage > 0 else None
+            RotaryEmbedding(d, c.rotary_percentage, c.rotary_base, c.rotary_interleaved)
+            if c.rotary_percentage > 0
+            else None
         )
-        if qk_norm:
-            self.q_norm = sharded_parameter((d,), torch.nn.init.ones_, tp, None, dtype, "q_norm")
-            self.k_norm = sharded_parameter((d,), torch.nn.init.ones_, tp, None, dtype, "k_norm")
-        self.qk_norm = qk_norm
+        if c.qk_norm:
+            self.q_norm = sharded_parameter((d,), torch.nn.init.ones_, tp_, None, c.dtype, "q_norm")
+            self.k_norm = sharded_parameter((d,), torch.nn.init.ones_, tp_, None, c.dtype, "k_norm")
+        self.qk_norm = c.qk_norm
         self.dense = RowParallelLinear(
             nq * d,
             hidden_size,
-            bias=bias,
-            topology=topology,
-            dtype=dtype,
-            init_method=output_init_method or init,
-            sequence_parallel=sequence_parallel,
+            bias=c.bias,
+            dtype=c.dtype,
+            init_method=c.output_init_method or init,
+            sequence_parallel=c.sequence_parallel,
+            tp=tp_axis,
+            device=tp_.device,
         )
 
     def _project(self, x_bsh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

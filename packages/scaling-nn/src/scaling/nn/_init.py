@@ -65,6 +65,23 @@ def tp_info(
     return TPInfo(tp.size, tp.rank, tp.group, resolved)
 
 
+def axis_from(topology: Topology | None, name: str, given: Axis | None, owner: str) -> Axis | None:
+    """A layer's axis ``name``: ``given``, or ``topology.axis(name)`` for a layer built from a
+    ``topology`` (the walkthrough's ``topology=``). Neither: None (one rank along it).
+
+    Raises:
+        ValueError: naming ``owner``, when ``topology`` and the axis are both given.
+    """
+    if topology is None:
+        return given
+    if given is not None:
+        raise ValueError(
+            f"{owner}: topology= and {name}= are both given; pass the topology alone (its axes are taken from it) "
+            "or the axes without it"
+        )
+    return topology.axis(name)
+
+
 def divisors(n: int) -> list[int]:
     """Every positive divisor of ``n``, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]

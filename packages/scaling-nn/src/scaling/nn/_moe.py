@@ -50,6 +50,7 @@ stay layout-independent. Their ``ParameterMeta.is_expert`` is True.
 from __future__ import annotations
 
 import typing
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,13 +65,21 @@ from scaling.collectives import (
     reduce_from_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from scaling.nn._init import InitMethod, check_divisible, check_dtype, default_weight_init, sharded_parameter, tp_info
+from scaling.nn._init import (
+    InitMethod,
+    axis_from,
+    check_divisible,
+    check_dtype,
+    default_weight_init,
+    sharded_parameter,
+    tp_info,
+)
 from scaling.nn._meta import get_parameter_meta
 from scaling.nn._mlp import ParallelSwiGLUMLP
 
 if TYPE_CHECKING:
     from scaling.collectives import AutogradContext
-    from scaling.topology import Topology
+    from scaling.topology import Axis, Topology
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 BALANCING = ("aux_loss", "aux_loss_free", "none")
@@ -164,15 +173,15 @@ class _InjectAuxLoss(torch.autograd.Function):
         return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
-class ParallelMoE(torch.nn.Module):
-    """A mixture-of-experts SwiGLU feed-forward block, expert- and tensor-parallel.
+@dataclass(frozen=True)
+class MoEConfig:
+    """What a :class:`ParallelMoE` computes, apart from the axes it runs over.
 
-    Args:
+    Attributes:
         hidden_size: input and output size.
         ffn_size: inner size of each expert (divisible by the TP size).
-        num_experts: experts ``E`` (divisible by ``topology.axis("ep").size``).
+        num_experts: experts ``E`` (divisible by the EP size).
         top_k: experts per token.
-        topology: a :class:`scaling.topology.Topology` or ``None`` (one device).
         score_function: ``"softmax"`` or ``"sigmoid"``.
         normalize_top_k: renormalise the top-k scores to sum to 1 (softmax; sigmoid always does).
         num_shared_experts: experts every token goes through (one SwiGLU of
@@ -186,65 +195,108 @@ class ParallelMoE(torch.nn.Module):
         dtype: parameter dtype.
         init_method, output_init_method: initialisers of the up and down projections.
 
+    Example::
+
+        MoEConfig(hidden_size=512, ffn_size=1024, num_experts=8, top_k=2, balancing="aux_loss_free")
+    """
+
+    hidden_size: int
+    ffn_size: int
+    num_experts: int
+    top_k: int = 2
+    score_function: str = "softmax"
+    normalize_top_k: bool = True
+    num_shared_experts: int = 0
+    balancing: str = "aux_loss"
+    aux_loss_coefficient: float = 1e-2
+    bias_update_rate: float = 1e-3
+    sequence_parallel: bool = False
+    grouped_gemm: bool | None = None
+    dtype: torch.dtype = torch.float32
+    init_method: InitMethod | None = None
+    output_init_method: InitMethod | None = None
+
+
+class ParallelMoE(torch.nn.Module):
+    """A mixture-of-experts SwiGLU feed-forward block, expert- and tensor-parallel.
+
+    Args:
+        config: what it computes (:class:`MoEConfig`).
+        tp: the tensor-parallel axis each expert is split over (``topology.axis("tp")``).
+        ep: the expert-parallel axis its experts are spread over (``topology.axis("ep")``).
+        cp: the context-parallel axis; the load statistics sum over it.
+        dp_cp: the data × context-parallel axis the aux-loss-free load is summed over.
+        device: where its parameters live (default: CPU without ``tp``, torch's default
+            device with it).
+        topology: instead of the axes and ``device``: a :class:`scaling.topology.Topology`
+            they are taken from at once. An axis left out (None) has one rank.
+
     After each forward ``last_aux_loss`` (the unweighted auxiliary loss of the micro-batch,
     detached) and ``last_load`` (``[E]`` routing slots each expert got in it) hold what a
-    trainer logs; ``load_total`` sums ``last_load`` until a trainer sets it to None (per step). ``aux_loss_scale`` multiplies the injected gradient (a trainer sets it to
-    its loss scale over its micro-batch count, as the main loss is scaled).
+    trainer logs; ``load_total`` sums ``last_load`` until a trainer sets it to None (per step).
+    ``aux_loss_scale`` multiplies the injected gradient (a trainer sets it to its loss scale
+    over its micro-batch count, as the main loss is scaled).
+
+    Example::
+
+        moe = ParallelMoE(MoEConfig(512, 1024, num_experts=8), topology=topology)
     """
 
     def __init__(
         self,
-        hidden_size: int,
-        ffn_size: int,
-        num_experts: int,
-        top_k: int = 2,
+        config: MoEConfig,
+        *,
+        tp: Axis | None = None,
+        ep: Axis | None = None,
+        cp: Axis | None = None,
+        dp_cp: Axis | None = None,
+        device: torch.device | str | None = None,
         topology: Topology | None = None,
-        score_function: str = "softmax",
-        normalize_top_k: bool = True,
-        num_shared_experts: int = 0,
-        balancing: str = "aux_loss",
-        aux_loss_coefficient: float = 1e-2,
-        bias_update_rate: float = 1e-3,
-        sequence_parallel: bool = False,
-        dtype: torch.dtype = torch.float32,
-        init_method: InitMethod | None = None,
-        output_init_method: InitMethod | None = None,
-        grouped_gemm: bool | None = None,
     ) -> None:
         super().__init__()
-        check_dtype(dtype, "ParallelMoE")
-        self.grouped_gemm = grouped_gemm
-        ep = 1 if topology is None else topology.axis("ep").size
-        check_moe(num_experts, top_k, ep, score_function, balancing)
-        tp = self._tp = tp_info(topology)
-        check_divisible("ffn_size", ffn_size, tp.size, "ParallelMoE")
-        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
-        self.score_function, self.normalize_top_k = score_function, normalize_top_k or score_function == "sigmoid"
+        c = self.config = config
+        check_dtype(c.dtype, "ParallelMoE")
+        axes = {name: axis_from(topology, name, given, "ParallelMoE") for name, given in
+                (("tp", tp), ("ep", ep), ("cp", cp), ("dp_cp", dp_cp))}  # fmt: skip
+        self.grouped_gemm = c.grouped_gemm
+        ep_axis = axes["ep"]
+        ep_size = 1 if ep_axis is None else ep_axis.size
+        check_moe(c.num_experts, c.top_k, ep_size, c.score_function, c.balancing)
+        tp_ = self._tp = tp_info(None, axes["tp"], topology.device if topology is not None else device)
+        check_divisible("ffn_size", c.ffn_size, tp_.size, "ParallelMoE")
+        hidden_size, ffn_size, num_experts = c.hidden_size, c.ffn_size, c.num_experts
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, c.top_k
+        self.score_function = c.score_function
+        self.normalize_top_k = c.normalize_top_k or c.score_function == "sigmoid"
         self.balancing, self.aux_loss_coefficient, self.bias_update_rate = (
-            balancing,
-            aux_loss_coefficient,
-            bias_update_rate,
+            c.balancing,
+            c.aux_loss_coefficient,
+            c.bias_update_rate,
         )
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel = c.sequence_parallel
         self.aux_loss_scale = 1.0
-        self._ep_group = None if topology is None else topology.axis("ep").group
-        self._ep_size, self._ep_rank = ep, (0 if topology is None else topology.axis("ep").rank)
-        self._cp_group = None if topology is None else topology.axis("cp").group
-        self._dp_group = None if topology is None else topology.axis("dp_cp").group
-        self.num_local_experts = num_experts // ep
-        init, out_init = init_method or default_weight_init, output_init_method or init_method or default_weight_init
+        self._ep_group = None if ep_axis is None else ep_axis.group
+        self._ep_size, self._ep_rank = ep_size, (0 if ep_axis is None else ep_axis.rank)
+        self._cp_group = None if axes["cp"] is None else axes["cp"].group
+        self._dp_group = None if axes["dp_cp"] is None else axes["dp_cp"].group
+        self.num_local_experts = num_experts // ep_size
+        init = c.init_method or default_weight_init
+        out_init = c.output_init_method or c.init_method or default_weight_init
+        dtype = c.dtype
         # The router sees every token on every TP rank; under SP each rank routes its slice.
-        self.router = sharded_parameter((num_experts, hidden_size), init, tp, None, dtype, "router", sequence_parallel)
+        self.router = sharded_parameter(
+            (num_experts, hidden_size), init, tp_, None, dtype, "router", c.sequence_parallel
+        )
         # A frozen parameter, not a buffer: checkpoints save parameters (aux-loss-free balancing moves it).
-        self.expert_bias = sharded_parameter((num_experts,), None, tp, None, torch.float32, "expert_bias")
+        self.expert_bias = sharded_parameter((num_experts,), None, tp_, None, torch.float32, "expert_bias")
         self.expert_bias.requires_grad_(False)
         first = self._ep_rank * self.num_local_experts
         experts = {}
         for e in range(num_experts):  # every expert is drawn on every rank: the same values at every EP size
             weights = {
-                "gate": sharded_parameter((ffn_size, hidden_size), init, tp, 0, dtype, f"experts.{e}.gate"),
-                "up": sharded_parameter((ffn_size, hidden_size), init, tp, 0, dtype, f"experts.{e}.up"),
-                "down": sharded_parameter((hidden_size, ffn_size), out_init, tp, 1, dtype, f"experts.{e}.down"),
+                "gate": sharded_parameter((ffn_size, hidden_size), init, tp_, 0, dtype, f"experts.{e}.gate"),
+                "up": sharded_parameter((ffn_size, hidden_size), init, tp_, 0, dtype, f"experts.{e}.up"),
+                "down": sharded_parameter((hidden_size, ffn_size), out_init, tp_, 1, dtype, f"experts.{e}.down"),
             }
             if first <= e < first + self.num_local_experts:
                 expert = torch.nn.ParameterDict(weights)
@@ -255,15 +307,16 @@ class ParallelMoE(torch.nn.Module):
         self.shared = (
             ParallelSwiGLUMLP(
                 hidden_size,
-                num_shared_experts * ffn_size,
+                c.num_shared_experts * ffn_size,
                 bias=False,
-                topology=topology,
                 dtype=dtype,
-                sequence_parallel=sequence_parallel,
-                init_method=init_method,
-                output_init_method=output_init_method,
+                sequence_parallel=c.sequence_parallel,
+                init_method=c.init_method,
+                output_init_method=c.output_init_method,
+                tp=axes["tp"],
+                device=tp_.device,
             )
-            if num_shared_experts
+            if c.num_shared_experts
             else None
         )
         self.last_aux_loss: torch.Tensor | None = None
