@@ -110,10 +110,16 @@ def test_ring_blocks_are_worked_out_once_per_process_or_per_batch_of_documents()
     assert document_ids_and_positions(cu.clone(), 1, 16)[0] is not document_ids_and_positions(cu, 1, 16)[0]
 
 
-def test_block_kernel_matches_the_written_out_math():
-    """The CPU flash kernel path and the fp32 path other devices take agree with SDPA."""
+@pytest.mark.parametrize("head_dim_stride_1", [True, False])
+def test_block_kernel_matches_the_written_out_math(head_dim_stride_1):
+    """The CPU flash kernel path and the fp32 path other devices take agree with SDPA, also for
+    inputs whose head dim is not the innermost one in memory (RoPE's ``torch.cat`` can make them
+    at a head dim of 2): called directly, torch's CPU flash kernel read other memory for them."""
     g = torch.Generator().manual_seed(0)
     q, k, v, grad = (torch.randn(2, 3, 6, 4, generator=g) for _ in range(4))
+    if not head_dim_stride_1:  # the same values, the head dim outermost in memory but for the batch
+        q, k, v, grad = (t.permute(0, 3, 1, 2).contiguous().permute(0, 2, 3, 1) for t in (q, k, v, grad))
+        assert q.stride(-1) != 1
     mask = torch.rand(2, 1, 6, 6, generator=g) > 0.4
     mask[..., 0] = True  # every row sees a key
     for m, causal in ((mask, False), (None, True), (None, False)):

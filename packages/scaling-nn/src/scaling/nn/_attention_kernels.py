@@ -28,6 +28,14 @@ def _bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
+def _unit_stride(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Each tensor with a head dim of stride 1 (copied only when it is not): the fused kernels
+    assume it and read other memory otherwise (``F.scaled_dot_product_attention`` checks it
+    before choosing them; called directly, they do not). A head dim of one or two channels
+    rotated by RoPE can come out of ``torch.cat`` with another stride."""
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
 def _causal(sq: int, sk: int, device: torch.device) -> torch.Tensor:
     return torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
 
@@ -49,6 +57,8 @@ def block_attention_forward(
     (:func:`math_attention_forward`).
     """
     kernel = kernel or _kernel(q, mask)
+    if kernel != "math":
+        q, k, v = _unit_stride(q, k, v)
     if kernel == "cpu_flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=_bias(mask, q.dtype), scale=scale
@@ -87,6 +97,8 @@ def block_attention_backward(
     random-number state.
     """
     kernel = kernel or _kernel(q, mask)
+    if kernel != "math":
+        grad_out, q, k, v, out = _unit_stride(grad_out, q, k, v, out)
     if kernel == "cpu_flash":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=_bias(mask, q.dtype), scale=scale
