@@ -49,13 +49,11 @@ PROTOCOLS: dict[str, list[str] | str] = {
     ],
 }
 
-# Known, with one implementation, and why each stays for now (a debt, not a design). The
-# last two break an import circle that a TYPE_CHECKING import would still make
+# Known, with one implementation, and why each stays for now (a debt, not a design). Both
+# break an import circle that a TYPE_CHECKING import would still make
 # (tests/test_import_graph.py counts those): the optimizer's state functions read the
 # optimizer that calls them, the high-level API's optimizer the model that builds it.
 ONE_IMPLEMENTATION = {
-    "scaling.trainer._state:CheckpointedTrainer": "the checkpointer still reads the trainer (BaseTrainer); it "
-    "goes when the checkpointer takes a mapping of Stateful objects, with the model-side sharding of #48",
     "scaling.optim._state:StatefulOptimizer": "Optimizer; goes when the optimizer only updates (#48)",
     "scaling.trainer.auto._optimizer:PlannedModel": "ParallelModel; goes when the high-level API builds the "
     "same parts as the first way in (#49)",

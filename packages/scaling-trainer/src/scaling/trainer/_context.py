@@ -8,9 +8,7 @@ from scaling.config import BaseConfig
 from scaling.topology import (
     RNGTracker,
     Topology,
-    get_rng_state,
     seed_all,
-    set_rng_state,
     use_deterministic_algorithms,
 )
 from scaling.trainer._config import TrainerConfig
@@ -73,9 +71,3 @@ class BaseContext(Generic[ConfigT]):
     def load_state_dict(self, state: StateDict) -> None:
         self.iterations = int(state["iterations"])
         self.consumed_samples = int(state["consumed_samples"])
-
-    def rng_state(self) -> StateDict:
-        return get_rng_state(self.rng_tracker)
-
-    def load_rng_state(self, state: StateDict) -> None:
-        set_rng_state(state, self.rng_tracker)

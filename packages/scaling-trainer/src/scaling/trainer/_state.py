@@ -1,116 +1,167 @@
-"""What a trainer checkpoint holds, and saving/loading it through scaling.trainer.checkpoint.
+"""A run's checkpoints: a mapping of ``Stateful`` objects, saved and restored through
+scaling.trainer.checkpoint, knowing nothing of the trainer that owns them.
 
-Sharded, layout-independent state (model parameters and optimizer state as DTensors
-keyed by ``meta.key``) goes to DCP shards, so it reshards on load. Counters, the
-data-loader position and the config go to ``extra.json``; RNG states are per rank and
-restored only when the world size is unchanged (another layout has other streams).
+Sharded, layout-independent state (``"model"``: parameters as DTensors keyed by ``meta.key``;
+``"optimizer"``: its state the same way) goes to DCP shards, so it reshards on load.
+``"rng"`` is per rank and restored only when the world size is unchanged (another layout
+has other streams). Every other entry (the trainer's counters and the data-loader
+position) goes to ``extra.json``, with the world size and the run's config.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from scaling.data import DataLoader
+from scaling.topology import get_rng_state, set_rng_state
 from scaling.trainer import checkpoint as ckpt
 from scaling.trainer._config import TrainerConfig
-from scaling.trainer._context import BaseContext
 from scaling.trainer.checkpoint._marker import step_dir_name
-from scaling.trainer.loggers import MetricsLogger
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.stateful import Stateful
 
     from scaling.config import StateDict
-    from scaling.optim import Optimizer
-    from scaling.pipeline import ParallelModule
+    from scaling.topology import RNGTracker, Topology
     from scaling.trainer.checkpoint import PendingSave, StagingBuffers
+    from scaling.trainer.checkpoint._model_state import NamedParameters
+
+#: The entries of a checkpoint's state that go to DCP shards; ``RANK_ENTRY`` is saved per rank.
+SHARDED_ENTRIES = ("model", "optimizer")
+RANK_ENTRY = "rng"
 
 
-class CheckpointedTrainer(Protocol):
-    """The parts of a trainer whose state a checkpoint holds (``BaseTrainer`` has them)."""
+class ModelState:
+    """The ``"model"`` entry: the parameters (with their metas) as layout-independent DTensors.
 
-    config: TrainerConfig
-    parallel_module: ParallelModule
-    optimizer: Optimizer
-    loader: DataLoader[Any]  # Any: the batches are the user's dataset's (BaseTrainer is not generic in them)
-    metrics_logger: MetricsLogger
+    Args:
+        named_parameters: gives ``(name, parameter, meta)`` of this rank's parameters
+            (``ParallelModule.named_parameters_with_meta``).
+        topology: the run's topology.
+        before_read: waits for parameter updates still in flight (default: nothing).
+        after_load: tells whoever keeps a copy of the parameters that they were written
+            (the optimizer's master weights and ZeRO-3 shards; default: nothing).
+    """
 
-    @property
-    # Read-only: BaseTrainer's is a BaseContext subclass. Any: the config type is the app's.
-    def context(self) -> BaseContext[Any]: ...
+    def __init__(
+        self,
+        named_parameters: Callable[[], NamedParameters],
+        topology: Topology,
+        before_read: Callable[[], None] = lambda: None,
+        after_load: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._named, self._topology = named_parameters, topology
+        self._before_read, self._after_load = before_read, after_load
 
-    def wait_for_parameters(self) -> None: ...
+    def _parameters(self) -> NamedParameters:
+        return list(self._named())
 
-    def whole_parameters(self) -> AbstractContextManager[None]: ...
+    def state_dict(self) -> StateDict:
+        self._before_read()
+        return ckpt.model_state_dict(self._parameters(), self._topology)
 
-    def parameters_loaded(self) -> None: ...
+    def load_state_dict(self, state: StateDict) -> None:
+        ckpt.load_model_state_dict(self._parameters(), state)
+        self._after_load()
+
+
+class RNGState:
+    """The ``"rng"`` entry: this rank's random-number streams (``get_rng_state(tracker)``)."""
+
+    def __init__(self, tracker: RNGTracker | None) -> None:
+        self._tracker = tracker
+
+    def state_dict(self) -> StateDict:
+        return get_rng_state(self._tracker)
+
+    def load_state_dict(self, state: StateDict) -> None:
+        set_rng_state(state, self._tracker)
 
 
 class TrainerCheckpointer:
-    """Saves and restores one trainer's full state."""
+    """Saves and restores a run's state, a mapping of ``Stateful`` objects.
 
-    def __init__(self, trainer: CheckpointedTrainer) -> None:
-        self.trainer = trainer
+    Args:
+        config: the trainer section (folders, ``resume``, ``async_save``, what to load).
+        topology: the run's topology.
+        states: by name: ``"model"`` (a :class:`ModelState`) and ``"optimizer"`` go to DCP
+            shards, ``"rng"`` (an :class:`RNGState`) is per rank, every other entry to
+            ``extra.json``; all are loaded in the mapping's order, the extra ones and
+            ``"rng"`` only with ``config.load_context``.
+        step: the current optimizer step (names the folder).
+        console: where the checkpointer says what it did.
+        whole_parameters: a context in which every parameter is whole (ZeRO-3 gathers them),
+            held while the model is read for a save and while it is loaded.
+        metadata: saved beside the state for people and tools, never loaded (the config).
+    """
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        topology: Topology,
+        states: Mapping[str, Stateful],
+        *,
+        step: Callable[[], int],
+        console: Callable[[str], None],
+        whole_parameters: Callable[[], AbstractContextManager[None]] = nullcontext,
+        metadata: Mapping[str, object] | None = None,
+    ) -> None:
+        self.config, self.topology, self.states = config, topology, dict(states)
+        self._step, self._console, self._whole = step, console, whole_parameters
+        self._metadata = dict(metadata or {})
         self._pending: PendingSave | None = None
         self._group: ProcessGroup | None = None
         self._staging: StagingBuffers | None = None  # made by the first asynchronous save, then reused
         self.last_loaded_step: int | None = None
         self.last_saved_step: int | None = None
 
-    def _state(self) -> StateDict:
-        t = self.trainer
-        t.wait_for_parameters()  # the last step's gathers may still be in flight
-        return {
-            "model": ckpt.model_state_dict(list(t.parallel_module.named_parameters_with_meta()), t.context.topology),
-            "optimizer": t.optimizer.state_dict(),
-        }
+    def _sharded(self, names: tuple[str, ...] = SHARDED_ENTRIES) -> StateDict:
+        return {name: self.states[name].state_dict() for name in names if name in self.states}
 
-    def _extra(self) -> StateDict:
-        t = self.trainer
-        return {
-            "context": t.context.state_dict(),
-            "data_loader": t.loader.state_dict(),
-            "world_size": t.context.topology.world_size,
-            "config": t.context.config.as_dict(),
-        }
+    def _extra_names(self) -> list[str]:
+        return [name for name in self.states if name not in SHARDED_ENTRIES and name != RANK_ENTRY]
 
     def save(self, save_dir: Path) -> None:
         """Save the current step (once); the previous asynchronous save is finished first."""
-        t = self.trainer
-        if self.last_saved_step == t.context.iterations:
+        cfg, step = self.config, self._step()
+        if self.last_saved_step == step:
             return
         self.wait()
-        if t.config.async_save:
+        if cfg.async_save:
             if self._group is None and dist.is_initialized():
                 self._group = ckpt.new_checkpoint_group()
             if self._staging is None:
                 self._staging = ckpt.StagingBuffers()
+        extra: dict[str, object] = {name: self.states[name].state_dict() for name in self._extra_names()}
+        extra.update(world_size=self.topology.world_size, **self._metadata)
+        rank = self.states.get(RANK_ENTRY)
         # ZeRO-3 parameters are whole while the save reads them (an asynchronous save has
         # copied them into its staging buffers when save_checkpoint returns).
-        with t.whole_parameters():
+        with self._whole():
             self._pending = ckpt.save_checkpoint(
                 save_dir,
-                t.context.iterations,
-                self._state(),
-                t.context.topology,
-                extra=self._extra(),
-                rank_state=t.context.rng_state(),
-                keep_last=t.config.keep_last_n_checkpoints,
-                async_save=t.config.async_save,
+                step,
+                self._sharded(),
+                self.topology,
+                extra=extra,
+                rank_state=None if rank is None else rank.state_dict(),
+                keep_last=cfg.keep_last_n_checkpoints,
+                async_save=cfg.async_save,
                 process_group=self._group,
                 staging=self._staging,
             )
-        self.last_saved_step = t.context.iterations
-        if not t.config.async_save:
+        self.last_saved_step = step
+        if not cfg.async_save:
             self.wait()
 
     def last_saved_path(self) -> Path | None:
         """The folder of the checkpoint this run saved last, or None."""
-        save_dir, step = self.trainer.config.save_dir, self.last_saved_step
+        save_dir, step = self.config.save_dir, self.last_saved_step
         return None if save_dir is None or step is None else save_dir / step_dir_name(step)
 
     def wait(self) -> None:
@@ -131,18 +182,17 @@ class TrainerCheckpointer:
             CheckpointError: ``save_dir`` holds another run's checkpoints and ``load_dir``
                 names another folder (``resume="auto"``).
         """
-        t = self.trainer
-        cfg = t.config
+        cfg = self.config
         save_dir, load_dir = cfg.save_dir, cfg.load_dir
         steps = self._committed_steps_seen_by_rank_0(save_dir)
         if steps:
             assert save_dir is not None
             if cfg.resume == "fresh":
-                t.metrics_logger.console(
+                self._console(
                     f"trainer.resume=fresh: deleting the {len(steps)} committed checkpoint(s) in {save_dir} "
                     f"(steps {steps[0]}..{steps[-1]}) before training"
                 )
-                if t.context.topology.global_rank == 0:
+                if self.topology.global_rank == 0:
                     ckpt.delete_checkpoints(save_dir)
                 if dist.is_initialized():
                     dist.barrier()
@@ -173,34 +223,34 @@ class TrainerCheckpointer:
 
     def load(self, load_dir: Path) -> None:
         """Restore the latest committed checkpoint in ``load_dir`` (layout may differ)."""
-        t = self.trainer
-        cfg = t.config
-        with t.whole_parameters():  # ZeRO-3: DCP loads into the gathered parameters
-            template = self._state()
-            if not cfg.load_optimizer_states:
-                template.pop("optimizer")
+        cfg = self.config
+        names = SHARDED_ENTRIES if cfg.load_optimizer_states else ("model",)
+        with self._whole():  # ZeRO-3: DCP loads into the gathered parameters
             loaded = ckpt.load_checkpoint(
                 load_dir,
-                template,
-                t.context.topology,
+                self._sharded(names),
+                self.topology,
                 fallback_to_previous=cfg.fallback_to_previous_checkpoint,
                 allowed_missing=cfg.allowed_missing_keys_in_checkpoint,
                 allowed_unexpected=cfg.allowed_unexpected_keys_in_checkpoint,
                 # Without optimizer states the checkpoint's optimizer keys are simply not read.
                 ignored=[*cfg.ignore_keys_in_checkpoint, *([] if cfg.load_optimizer_states else [r"optimizer\..*"])],
             )
-            ckpt.load_model_state_dict(list(t.parallel_module.named_parameters_with_meta()), loaded.state["model"])
             # The optimizer's master weights / ZeRO-3 shards start from the loaded parameters
             # (its own state, loaded next, overrides them where it has them).
-            t.parameters_loaded()
-        if "optimizer" in template:
-            t.optimizer.load_state_dict(loaded.state["optimizer"])
+            self.states["model"].load_state_dict(loaded.state["model"])
+        if "optimizer" in names and "optimizer" in self.states:
+            self.states["optimizer"].load_state_dict(loaded.state["optimizer"])
         extra = loaded.extra
         if cfg.load_context:
-            t.context.load_state_dict(extra["context"])
-            t.loader.load_state_dict(extra["data_loader"])
-            if extra.get("world_size") == t.context.topology.world_size and loaded.rank_state is not None:
-                t.context.load_rng_state(loaded.rank_state)
+            for name in self._extra_names():
+                self.states[name].load_state_dict(extra[name])
+            rank = self.states.get(RANK_ENTRY)
+            if (
+                rank is not None
+                and extra.get("world_size") == self.topology.world_size
+                and loaded.rank_state is not None
+            ):
+                rank.load_state_dict(loaded.rank_state)
         self.last_loaded_step = loaded.step
-        t.metrics_logger.console(f"loaded checkpoint step {loaded.step} from {loaded.path}")
-        t.metrics_logger.resumed_at(t.context.iterations)
+        self._console(f"loaded checkpoint step {loaded.step} from {loaded.path}")

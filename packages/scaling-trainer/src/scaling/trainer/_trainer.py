@@ -36,7 +36,7 @@ from scaling.trainer._profiler import (
 )
 from scaling.trainer._results import MetricsAggregation
 from scaling.trainer._signals import SignalWatcher, exit_code_for
-from scaling.trainer._state import TrainerCheckpointer
+from scaling.trainer._state import ModelState, RNGState, TrainerCheckpointer
 from scaling.trainer._step import SyncBatch, evaluation_step, train_step
 from scaling.trainer.loggers import LoggerConfig, MetricsLogger
 
@@ -138,10 +138,29 @@ class BaseTrainer(Generic[ContextT]):
             pin_memory=topology.device.type == "cuda",
         )
         self.compile_log = CompileLog(parallel_module, topology.global_rank, topology.device)
-        self.checkpointer = TrainerCheckpointer(self)
+        model_state = ModelState(
+            parallel_module.named_parameters_with_meta, topology, self.wait_for_parameters, self.parameters_loaded
+        )
+        self.checkpointer = TrainerCheckpointer(
+            config,
+            topology,
+            {
+                "model": model_state,
+                "optimizer": optimizer,
+                "context": context,
+                "data_loader": self.loader,
+                "rng": RNGState(context.rng_tracker),
+            },
+            step=lambda: self.context.iterations,
+            console=self.metrics_logger.console,
+            whole_parameters=self.whole_parameters,
+            metadata={"config": context.config.as_dict()},
+        )
         self.history: list[Metrics] = []
         self._running_max_loss: float | None = None
         self.checkpointer.start()
+        if self.checkpointer.last_loaded_step is not None:
+            self.metrics_logger.resumed_at(self.context.iterations)
 
     # ---------------------------------------------------------------- steps
     def train_step(self) -> Metrics:
