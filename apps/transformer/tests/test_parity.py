@@ -285,17 +285,26 @@ def test_moe_checkpoint_resumes_at_another_expert_parallel_size(tiny_corpus, ref
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_moe_metrics_cover_every_pipeline_stage(tiny_corpus):
-    """Both blocks MoE, one per stage at pp2: every rank logs the metrics of both, as one process does."""
+def test_moe_metrics_are_one_process_s_at_pp2_and_dp2_ep2(tiny_corpus):
+    """Both blocks MoE: at pp2 (one per stage) every rank logs the metrics of both, and at dp2·ep2
+    the loads are summed over the data-parallel ranks, so every rank logs what one process does,
+    every step (they differed: 1.8125 against 1.5625)."""
     runs = {}
-    for pp in (1, 2):
-        cfg = tiny_config(tiny_corpus, pp=pp, steps=3)
+    for name, sizes, topology in (
+        ("one", {}, {}),
+        ("pp2", {"pp": 2}, {}),
+        ("dp2-ep2", {"dp": 2}, {"expert_parallel_size": 2}),
+    ):
+        cfg = tiny_config(tiny_corpus, steps=3, topology=topology, **sizes)
+        cfg["trainer"]["log_interval"] = 1
         cfg["transformer_architecture"]["moe"] = {"every": 1, "num_experts": 4, "top_k": 2}
-        runs[pp] = run_distributed(train_worker, pp, cfg, timeout_seconds=180)
-    (expected,) = runs[1]
-    for rank, history in enumerate(runs[2]):
-        for key in ("moe/aux_loss", "moe/max_load_ratio", "moe/min_load_ratio"):
-            assert_parity(history[-1][key], expected[-1][key], rtol=1e-5, name=f"rank {rank} {key}")
+        runs[name] = run_distributed(train_worker, 2 if sizes else 1, cfg, timeout_seconds=180)
+    (expected,) = runs["one"]
+    for name in ("pp2", "dp2-ep2"):
+        for rank, history in enumerate(runs[name]):
+            for step, (got, want) in enumerate(zip(history, expected, strict=True), 1):
+                for key in ("moe/aux_loss", "moe/max_load_ratio", "moe/min_load_ratio"):
+                    assert_parity(got[key], want[key], rtol=1e-5, name=f"{name} rank {rank} step {step} {key}")
 
 
 @pytest.mark.distributed

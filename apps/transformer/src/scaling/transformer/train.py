@@ -52,32 +52,41 @@ class TransformerTrainer(BaseTrainer[TransformerContext]):
     def train_step(self) -> Metrics:
         moe_layers = self._moe_layers
         # The injected balancing-loss gradient is scaled as the loss is: loss scale over micro-batches.
-        scale = self.optimizer.loss_scaler.scale / (self.context.config.topology.gradient_accumulation_steps or 1)
+        micro_batches = self.context.config.topology.gradient_accumulation_steps or 1
+        scale = self.optimizer.loss_scaler.scale / micro_batches
         for layer in moe_layers:
-            layer.aux_loss_scale, layer.load_total = scale, None
+            layer.aux_loss_scale, layer.load_total, layer.aux_loss_total = scale, None, None
         metrics = super().train_step()
         config = self.context.config
-        if config.transformer_architecture.moe is not None:
-            metrics.update(self._moe_metrics(moe_layers))
+        if config.transformer_architecture.moe is not None and self.logs_step(self.context.iterations):
+            metrics.update(self._moe_metrics(moe_layers, micro_batches))
         metrics["runtime/tokens_per_second"] = metrics["runtime/samples_per_second"] * config.data.sequence_length
         return metrics
 
-    def _moe_metrics(self, moe_layers: list[ParallelMoE]) -> dict[str, float]:
-        """The MoE blocks of every pipeline stage: their mean last balancing loss, and the largest and
-        smallest expert load over the step relative to the mean (two small all-reduces over the stages)."""
-        aux = [float(m.last_aux_loss) for m in moe_layers if m.last_aux_loss is not None]
-        ratios = [x / x.mean() for x in (m.load_total for m in moe_layers) if x is not None]
-        device = self.context.topology.device
-        sums = torch.tensor([sum(aux), len(aux)], dtype=torch.float64, device=device)
+    def _moe_metrics(self, moe_layers: list[ParallelMoE], micro_batches: int) -> dict[str, float]:
+        """The MoE blocks of every pipeline stage over the step, as one process reports them: the mean
+        balancing loss of their micro-batches, and the largest and smallest expert load relative to
+        the mean, the loads summed over the data-parallel ranks (each routes its own samples; the
+        context-parallel ranks' tokens are summed in the layer). One all-reduce over DP and two small
+        ones over the stages, on logged steps only."""
+        topology = self.context.topology
+        device, dp = topology.device, topology.axis("dp")
+        pairs = [(m.aux_loss_total, m.load_total) for m in moe_layers]
+        # A row per block: its balancing losses summed over the step's micro-batches, then its experts' loads.
+        rows = [
+            torch.cat([aux.reshape(1), load]).float() for aux, load in pairs if aux is not None and load is not None
+        ]
+        table = torch.stack(rows).to(device) if rows else torch.zeros(0, 1, device=device)
+        if dp.size > 1:
+            all_reduce(table, dp.group)
+        ratios = table[:, 1:] / table[:, 1:].mean(-1, keepdim=True)
+        count = len(rows) * micro_batches * dp.size
+        sums = torch.tensor([float(table[:, 0].sum()), count], dtype=torch.float64, device=device)
         extremes = torch.tensor(
-            [
-                max((float(r.max()) for r in ratios), default=-math.inf),
-                -min((float(r.min()) for r in ratios), default=math.inf),
-            ],
+            [float(ratios.max()) if rows else -math.inf, -float(ratios.min()) if rows else math.inf],
             dtype=torch.float64,
             device=device,
         )
-        topology = self.context.topology
         if topology.axis("pp").size > 1:
             all_reduce(sums, topology.axis("pp").group)
             all_reduce(extremes, topology.axis("pp").group, dist.ReduceOp.MAX)

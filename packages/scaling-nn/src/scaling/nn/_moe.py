@@ -233,7 +233,8 @@ class ParallelMoE(torch.nn.Module):
 
     After each forward ``last_aux_loss`` (the unweighted auxiliary loss of the micro-batch,
     detached) and ``last_load`` (``[E]`` routing slots each expert got in it) hold what a
-    trainer logs; ``load_total`` sums ``last_load`` until a trainer sets it to None (per step).
+    trainer logs; ``load_total`` and ``aux_loss_total`` sum them over the micro-batches until a
+    trainer sets them to None (per step).
     ``aux_loss_scale`` multiplies the injected gradient (a trainer sets it to its loss scale
     over its micro-batch count, as the main loss is scaled).
 
@@ -322,6 +323,7 @@ class ParallelMoE(torch.nn.Module):
         self.last_aux_loss: torch.Tensor | None = None
         self.last_load: torch.Tensor | None = None
         self.load_total: torch.Tensor | None = None
+        self.aux_loss_total: torch.Tensor | None = None
 
     # ----------------------------------------------------------------- routing
     def _route(self, x_bsh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -348,7 +350,8 @@ class ParallelMoE(torch.nn.Module):
         share = load / (tokens * self.top_k)
         self.last_load = load
         self.load_total = load if self.load_total is None else self.load_total + load
-        self.last_aux_loss = self.num_experts * (share * prob_sums / tokens).sum()
+        aux = self.last_aux_loss = self.num_experts * (share * prob_sums / tokens).sum()
+        self.aux_loss_total = aux if self.aux_loss_total is None else self.aux_loss_total + aux
         if self.balancing == "aux_loss_free" and self.training:
             with torch.no_grad():
                 total = all_reduce(load.clone(), self._dp_group)  # every replica moves its bias alike

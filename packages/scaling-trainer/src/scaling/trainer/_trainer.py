@@ -185,8 +185,7 @@ class BaseTrainer(Generic[ContextT]):
         gbs = topology.config.global_batch_size or 0
         samples_per_second = gbs / duration if duration > 0 else 0.0
         step = self.context.iterations
-        logged = step % self.config.log_interval == 0 or step == self.config.train_iterations
-        peak, tokens = self._peak_memory_and_tokens(micro_batches) if logged else (None, None)
+        peak, tokens = self._peak_memory_and_tokens(micro_batches) if self.logs_step(step) else (None, None)
         loss = float(out.loss)
         metrics: Metrics = {
             "step": self.context.iterations,
@@ -204,6 +203,11 @@ class BaseTrainer(Generic[ContextT]):
             **self.compile_log.step_metrics(self.context.iterations),
         }
         return {k: v for k, v in metrics.items() if v is not None}
+
+    def logs_step(self, step: int) -> bool:
+        """Whether step ``step`` is logged (``log_interval``, and the last): measurements that cost
+        a collective or a host sync run on those steps only."""
+        return step % self.config.log_interval == 0 or step == self.config.train_iterations
 
     def _peak_memory_and_tokens(self, micro_batches: Sequence[object]) -> tuple[float | None, float | None]:
         """Peak memory (MiB, max over all ranks) and this step's tokens (summed over DP), or None."""
