@@ -288,19 +288,23 @@ def test_moe_checkpoint_resumes_at_another_expert_parallel_size(tiny_corpus, ref
 def test_moe_metrics_are_one_process_s_at_pp2_and_dp2_ep2(tiny_corpus):
     """Both blocks MoE: at pp2 (one per stage) every rank logs the metrics of both, and at dp2·ep2
     the loads are summed over the data-parallel ranks, so every rank logs what one process does,
-    every step (they differed: 1.8125 against 1.5625)."""
+    every step (they differed: 1.8125 against 1.5625); activation checkpointing's recomputation of
+    a block is not counted twice."""
     runs = {}
-    for name, sizes, topology in (
-        ("one", {}, {}),
-        ("pp2", {"pp": 2}, {}),
-        ("dp2-ep2", {"dp": 2}, {"expert_parallel_size": 2}),
-    ):
+    layouts = {
+        "one": ({}, {}, "none"),
+        "pp2": ({"pp": 2}, {}, "none"),
+        "dp2-ep2": ({"dp": 2}, {"expert_parallel_size": 2}, "none"),
+        "one-recomputed": ({}, {}, "every_layer"),  # the recomputation in the backward is not counted again
+    }
+    for name, (sizes, topology, checkpointing) in layouts.items():
         cfg = tiny_config(tiny_corpus, steps=3, topology=topology, **sizes)
         cfg["trainer"]["log_interval"] = 1
         cfg["transformer_architecture"]["moe"] = {"every": 1, "num_experts": 4, "top_k": 2}
+        cfg["transformer_architecture"]["activation_checkpointing"] = checkpointing
         runs[name] = run_distributed(train_worker, 2 if sizes else 1, cfg, timeout_seconds=180)
     (expected,) = runs["one"]
-    for name in ("pp2", "dp2-ep2"):
+    for name in ("pp2", "dp2-ep2", "one-recomputed"):
         for rank, history in enumerate(runs[name]):
             for step, (got, want) in enumerate(zip(history, expected, strict=True), 1):
                 for key in ("moe/aux_loss", "moe/max_load_ratio", "moe/min_load_ratio"):

@@ -348,6 +348,8 @@ class ParallelMoE(torch.nn.Module):
         all_reduce(stats, self._cp_group)
         load, prob_sums, tokens = stats[: self.num_experts], stats[self.num_experts : -1], stats[-1]
         share = load / (tokens * self.top_k)
+        if torch._C._current_graph_task_id() != -1:  # activation checkpointing's recomputation: counted already
+            return self._aux_share(share, probs, tokens)
         self.last_load = load
         self.load_total = load if self.load_total is None else self.load_total + load
         aux = self.last_aux_loss = self.num_experts * (share * prob_sums / tokens).sum()
@@ -356,9 +358,12 @@ class ParallelMoE(torch.nn.Module):
             with torch.no_grad():
                 total = all_reduce(load.clone(), self._dp_group)  # every replica moves its bias alike
                 self.expert_bias.add_(self.bias_update_rate * torch.sign(total.mean() - total))
+        return self._aux_share(share, probs, tokens)
+
+    def _aux_share(self, share: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
+        """This rank's tokens' part of E·Σ f_e P_e (to inject), times the CP ranks the gradient is averaged over."""
         if self.balancing != "aux_loss" or not self.training or not torch.is_grad_enabled():
             return None
-        # This rank's tokens' part of E·Σ f_e P_e, times the CP ranks the gradient is averaged over.
         ranks = 1 if self._cp_group is None else dist.get_world_size(self._cp_group)
         return self.num_experts * ranks * (share * probs.sum(0) / tokens).sum()
 
