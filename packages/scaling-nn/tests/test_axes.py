@@ -115,6 +115,8 @@ def test_topology_with_an_axis_is_refused_by_name():
         ParallelSelfAttention(AttentionConfig(8, 2), topology=topo, cp=topo.axis("cp"))
     with pytest.raises(ValueError, match=r"ParallelMoE: topology= and ep= are both given"):
         ParallelMoE(MoEConfig(8, 8, 2), topology=topo, ep=topo.axis("ep"))
+    with pytest.raises(ValueError, match=r"ParallelMoE: topology= and device= are both given"):
+        ParallelMoE(MoEConfig(8, 8, 2), topology=topo, device="cpu")
     # One rank's axis (or none) is one device: the layer is a plain one there.
     layer = RowParallelLinear(4, 4, tp=topo.axis("tp"), device="cpu")
     assert layer.weight.shape == (4, 4) and layer.weight.device == torch.device("cpu")

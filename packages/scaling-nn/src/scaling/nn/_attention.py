@@ -190,9 +190,9 @@ class ParallelSelfAttention(torch.nn.Module):
         super().__init__()
         c = self.config = config
         check_dtype(c.dtype, "ParallelSelfAttention")
+        tp_ = self._tp = tp_info(topology, tp, device, "ParallelSelfAttention")
+        tp_axis = topology.axis("tp") if topology is not None else tp
         cp_axis = axis_from(topology, "cp", cp, "ParallelSelfAttention")
-        tp_axis = axis_from(topology, "tp", tp, "ParallelSelfAttention")
-        tp_ = self._tp = tp_info(None, tp_axis, topology.device if topology is not None else device)
         hidden_size = c.hidden_size
         nq, nkv = c.num_attention_heads, c.num_kv_heads or c.num_attention_heads
         if c.head_dim is None and hidden_size % nq != 0:

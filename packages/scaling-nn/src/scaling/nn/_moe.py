@@ -257,13 +257,13 @@ class ParallelMoE(torch.nn.Module):
         super().__init__()
         c = self.config = config
         check_dtype(c.dtype, "ParallelMoE")
+        tp_ = self._tp = tp_info(topology, tp, device, "ParallelMoE")
         axes = {name: axis_from(topology, name, given, "ParallelMoE") for name, given in
                 (("tp", tp), ("ep", ep), ("cp", cp), ("dp_cp", dp_cp))}  # fmt: skip
         self.grouped_gemm = c.grouped_gemm
         ep_axis = axes["ep"]
         ep_size = 1 if ep_axis is None else ep_axis.size
         check_moe(c.num_experts, c.top_k, ep_size, c.score_function, c.balancing)
-        tp_ = self._tp = tp_info(None, axes["tp"], topology.device if topology is not None else device)
         check_divisible("ffn_size", c.ffn_size, tp_.size, "ParallelMoE")
         hidden_size, ffn_size, num_experts = c.hidden_size, c.ffn_size, c.num_experts
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, c.top_k
