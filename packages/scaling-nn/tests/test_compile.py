@@ -110,7 +110,7 @@ def test_the_loss_compiles_with_the_layers_unless_told_not_to():
     assert_parity(grad, expected_grad, rtol=0, atol=0, name="logits' gradient")
 
 
-def test_each_cpu_capability_gets_its_own_inductor_cache(monkeypatch):
+def test_each_cpu_capability_gets_its_own_inductor_cache(monkeypatch, tmp_path):
     # Kernels an avx2 run left in inductor's cache crashed a later avx512 run on the same machine.
     import getpass
     import os
@@ -118,21 +118,27 @@ def test_each_cpu_capability_gets_its_own_inductor_cache(monkeypatch):
 
     from scaling.nn import _compile
 
-    choose = _compile._inductor_cache_per_cpu_capability.__wrapped__  # the once-per-process rule itself
     default = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
-    for capability, before, after in [
-        ("avx2", None, f"{default}_avx2"),
-        ("default", default, f"{default}_default"),  # torch's own default, written on first use: not chosen
-        ("avx2", "/data/mine", "/data/mine"),  # chosen by the user: kept
-        (None, None, None),  # without the variable nothing changes
+    mine = tmp_path / "mine"
+    for capability, before, cache_dir, after in [
+        ("avx2", None, None, f"{default}_avx2"),
+        ("default", default, None, f"{default}_default"),  # torch's own default, written on first use: not chosen
+        # The same call again after the variable went back to torch's default (a test worker's
+        # environment restored between tasks): checked every time, not once per process.
+        ("default", default, None, f"{default}_default"),
+        ("avx512", f"{default}_avx2", None, f"{default}_avx512"),  # another capability in the same process
+        ("avx2", "/data/mine", None, "/data/mine"),  # chosen by the user: kept
+        (None, None, None, None),  # without the variable nothing changes
+        ("avx2", default, mine, str(mine.resolve() / "avx2")),  # CompileConfig.cache_dir: its own subfolder
+        (None, default, mine, str(mine.resolve())),
     ]:
         for name, value in (("ATEN_CPU_CAPABILITY", capability), ("TORCHINDUCTOR_CACHE_DIR", before)):
             if value is None:
                 monkeypatch.delenv(name, raising=False)
             else:
                 monkeypatch.setenv(name, value)
-        choose()
-        assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == after, (capability, before)
+        _compile._use_cache_dir(cache_dir)
+        assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == after, (capability, before, cache_dir)
 
 
 RESTART = """

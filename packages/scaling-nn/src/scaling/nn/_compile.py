@@ -137,42 +137,50 @@ def _keep_collectives_eager() -> None:
     torch.compiler.assume_constant_result(cuda_capability)
 
 
-@functools.cache
 def _use_cache_dir(cache_dir: Path | None) -> None:
     """Point torch's compile caches at ``cache_dir`` (a per-capability subfolder when
-    ``ATEN_CPU_CAPABILITY`` is set, see below), or leave torch's default; then the capability
-    rule. Once per process and folder, not once per compiled layer."""
+    ``ATEN_CPU_CAPABILITY`` is set), or leave torch's default; then the capability rule
+    (:func:`_default_cache_dir`). Checked at every call (a string comparison; the folder is
+    made once): a process that compiles under several configs, or whose environment another
+    caller changed, gets the folder of the config at hand (a cached once-per-process setting
+    let a test worker compile under ``ATEN_CPU_CAPABILITY=default`` into the host's folder,
+    whose kernels then failed to build or trained on NaN)."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY") or None
     if cache_dir is not None:
-        folder = cache_dir
-        capability = os.environ.get("ATEN_CPU_CAPABILITY")
-        if capability:
-            folder = folder / re.sub(r"[^A-Za-z0-9_]", "_", capability)
-        folder.mkdir(parents=True, exist_ok=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder.resolve())
-        return
-    _inductor_cache_per_cpu_capability()
+        target = _made_folder(cache_dir, capability)
+    else:
+        current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        default = _default_cache_dir()
+        # torch writes its default into the variable on first use (importing torch._dynamo does):
+        # that value is still "not chosen by the user"; nor is a folder this function chose.
+        chosen_here = current is not None and current.startswith(default + "_")
+        if capability is None or (current not in (None, default) and not chosen_here):
+            return
+        target = f"{default}_{re.sub(r'[^A-Za-z0-9_]', '_', capability)}"
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") != target:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = target
 
 
 @functools.cache
-def _inductor_cache_per_cpu_capability() -> None:
-    """Give inductor a cache folder of its own for each ``ATEN_CPU_CAPABILITY`` (once per process).
+def _made_folder(cache_dir: Path, capability: str | None) -> str:
+    """``cache_dir`` (with a subfolder per ``ATEN_CPU_CAPABILITY`` when it is set), made; its absolute path."""
+    folder = cache_dir / re.sub(r"[^A-Za-z0-9_]", "_", capability) if capability else cache_dir
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder.resolve())
 
-    Inductor's on-disk cache does not tell kernels built under one capability from another's:
-    after a run under ``ATEN_CPU_CAPABILITY=avx2`` filled it, a run under ``avx512`` on the same
-    machine loaded them and died (SIGABRT), or trained on NaN losses (seen 2026-11-28, torch
-    2.13). With the variable set and ``TORCHINDUCTOR_CACHE_DIR`` not, the cache goes to
-    ``<tmp>/torchinductor_<user>_<capability>`` (torch's default folder with the capability
-    appended); without the variable nothing changes.
+
+@functools.cache
+def _default_cache_dir() -> str:
+    """torch's default inductor cache folder, ``<tmp>/torchinductor_<user>``.
+
+    Inductor's on-disk cache does not tell kernels built under one ``ATEN_CPU_CAPABILITY`` from
+    another's: after a run under ``avx2`` filled it, a run under ``avx512`` on the same machine
+    loaded them and died (SIGABRT), or trained on NaN losses (seen 2026-11-28, torch 2.13). With
+    the variable set and ``TORCHINDUCTOR_CACHE_DIR`` not chosen, the cache goes to this folder
+    with the capability appended; without the variable nothing changes.
     """
-    capability = os.environ.get("ATEN_CPU_CAPABILITY")
-    if not capability:
-        return
-    # torch writes its default into the variable on first use (importing torch._dynamo does):
-    # that value is still "not chosen by the user".
     user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())  # torch's default_cache_dir() sanitises so
-    default = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default) == default:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}_{re.sub(r'[^A-Za-z0-9_]', '_', capability)}"
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
 
 
 def compile_layer(module: torch.nn.Module, config: CompileConfig) -> None:
