@@ -2,6 +2,7 @@
 
 Run: python bench/float8_layers.py [--hidden 2048] [--ffn 5632] [--heads 16] [--kv-heads 16]
      [--tokens 8192] [--device cuda|cpu] [--dtype bf16] [--scaling tensorwise|rowwise] [--iters 10]
+     [--compile]
 
 For each linear of one Llama-style block (the fused QKV projection, the attention output,
 the MLP's gate, up and down projections) at ``--tokens`` tokens, it times forward + backward
@@ -10,7 +11,9 @@ of the layer in ``--dtype`` (``F.linear`` through autograd: the reference) and i
 one run, alternating the two. It prints each layer's milliseconds, the ratio float8 /
 reference (below 1: float8 pays), the share of the float8 time spent outside the three
 products (the casts, amax and scales: the same layer timed with its products only, through
-``torch._scaled_mm`` on operands cast once), and the layer's FLOPs. On CPU torch's float8
+``torch._scaled_mm`` on operands cast once), and the layer's FLOPs. ``--compile`` compiles both
+sides' layer (``torch.compile``, inductor), as the app's compiled float8 step runs it: eager, the
+casts and amax are a dozen unfused elementwise kernels around each product. On CPU torch's float8
 products are slow reference kernels, so read the CPU table as the bench working, not as
 figures; the figures are a card's (``scripts/gpu_check``).
 """
@@ -57,7 +60,13 @@ def layers(hidden: int, ffn: int, heads: int, kv_heads: int) -> dict[str, tuple[
 
 
 def measure(
-    shape: tuple[int, int], tokens: int, dtype: torch.dtype, device: torch.device, scaling: str, iters: int
+    shape: tuple[int, int],
+    tokens: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    scaling: str,
+    iters: int,
+    compile: bool = False,
 ) -> dict[str, float]:
     """Median seconds of forward + backward: reference, float8, float8's products alone."""
     in_f, out_f = shape
@@ -76,12 +85,20 @@ def measure(
         torch._scaled_mm(g8, w8.t().contiguous().t(), scale_a=one, scale_b=one, out_dtype=dtype)  # input grad
         torch._scaled_mm(g8.t().contiguous(), x8.t().contiguous().t(), scale_a=one, scale_b=one, out_dtype=dtype)
 
+    def reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.linear(a, b)
+
+    def low(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return float8_linear(a, b, None, config)
+
+    ref_fn, fp8_fn = (torch.compile(reference), torch.compile(low)) if compile else (reference, low)
     sides: dict[str, Callable[[], object]] = {
-        "reference": lambda: torch.autograd.backward(F.linear(x, w), grad),
-        "float8": lambda: torch.autograd.backward(float8_linear(x, w, None, config), grad),
+        "reference": lambda: torch.autograd.backward(ref_fn(x, w), grad),
+        "float8": lambda: torch.autograd.backward(fp8_fn(x, w), grad),
         "products": products,
     }
-    for fn in sides.values():  # warm-up
+    for fn in sides.values():  # warm-up (and, with compile, the compilation)
+        fn()
         fn()
     times: dict[str, list[float]] = {k: [] for k in sides}
     for i in range(iters):
@@ -102,20 +119,22 @@ def main() -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--scaling", choices=("tensorwise", "rowwise"), default="tensorwise")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--compile", action="store_true", help="compile each side's layer (inductor), as the app does")
     a = p.parse_args()
     if a.tokens % 16:
         p.error(f"--tokens={a.tokens} must be a multiple of 16 (float8 products take no other)")
     device, dtype = torch.device(a.device), DTYPES[a.dtype]
     print(
         f"one block: hidden {a.hidden}, ffn {a.ffn}, heads {a.heads}/{a.kv_heads or a.heads} kv, {a.tokens} tokens, "
-        f"{a.dtype} reference, float8 {a.scaling}, {device}; forward + backward, median of {a.iters}"
+        f"{a.dtype} reference, float8 {a.scaling}, {device}; forward + backward{', compiled' if a.compile else ''}, "
+        f"median of {a.iters}"
     )
     print(
         f"{'layer':16s} {'in x out':>13s} {'GFLOP':>7s} {'ref ms':>9s} {'fp8 ms':>9s} {'fp8/ref':>8s} {'outside products':>17s}"
     )
     total = {"reference": 0.0, "float8": 0.0}
     for name, (in_f, out_f) in layers(a.hidden, a.ffn, a.heads, a.kv_heads or a.heads).items():
-        t = measure((in_f, out_f), a.tokens, dtype, device, a.scaling, a.iters)
+        t = measure((in_f, out_f), a.tokens, dtype, device, a.scaling, a.iters, a.compile)
         total["reference"] += t["reference"]
         total["float8"] += t["float8"]
         outside = max(0.0, 1 - t["products"] / t["float8"])

@@ -119,8 +119,9 @@ def float8_quantize(t: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> 
 
 def _scale(t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` cast to ``dtype`` with its amax (over all, or along ``dim``) at the format's max; and the inverse scale."""
-    amax = t.detach().abs().float()
-    return float8_quantize(t, amax.amax() if dim is None else amax.amax(dim=dim, keepdim=True), dtype)
+    magnitude = t.detach().abs()  # in t's dtype: abs and max are exact, so no fp32 copy of t is needed
+    amax = magnitude.amax() if dim is None else magnitude.amax(dim=dim, keepdim=True)
+    return float8_quantize(t, amax, dtype)
 
 
 def float8_mm(
