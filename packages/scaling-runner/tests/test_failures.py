@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -181,3 +182,28 @@ def test_threads_per_rank_are_the_cores_over_the_local_ranks_unless_chosen(capsy
     assert threads_per_rank("2", chosen) is None and chosen == {"OMP_NUM_THREADS": "3"}
     assert threads_per_rank("auto", {}) is None  # torchrun picks the count, and the threads with it
     assert capsys.readouterr().err == ""
+
+
+def _torch_metrics_wrapper_hit_by_sigterm() -> None:
+    """What torch's elastic metrics wrapper raises when SIGTERM lands before its first line: the
+    handler's SignalException, then, in the wrapper's own cleanup, an UnboundLocalError."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        raise SignalException("Process 1 got signal: 15", sigval=signal.SIGTERM)
+    except SignalException:
+        raise UnboundLocalError("cannot access local variable 'start' where it is not associated with a value")  # noqa: B904 (torch's wrapper raises so)
+
+
+def test_a_signal_that_torch_turned_into_another_error_still_exits_128_plus_it(monkeypatch, capsys):
+    import torch.distributed.run
+
+    from scaling.runner.torchrun import main, signal_exception
+
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: _torch_metrics_wrapper_hit_by_sigterm())
+    assert main(["--nproc-per-node", "1", "train.py"]) == 143
+    assert '"signal": 15' in capsys.readouterr().err
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # no signal in the chain: the error stays the error
+        main(["--nproc-per-node", "1", "train.py"])
+    assert signal_exception(ValueError("x"), KeyError) is None

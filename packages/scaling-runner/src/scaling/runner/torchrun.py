@@ -28,9 +28,11 @@ import os
 import signal
 import socket
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from scaling.runner._failures import REPORT_PREFIX, REPORTED_ENV, STOP_PREFIX, shell_code
+
+E = TypeVar("E", bound=BaseException)
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -142,11 +144,29 @@ def main(argv: list[str] | None = None) -> int:
         for record in failure_records(exc.failures, socket.gethostname()):
             print(REPORT_PREFIX + json.dumps(record, sort_keys=True), file=sys.stderr, flush=True)
         return 1
-    except SignalException as exc:
-        stop = {"host": socket.gethostname(), "signal": int(exc.sigval)}
+    except Exception as exc:
+        # A signal to the agent. torch's elastic metrics wrapper can turn it into another error:
+        # a SIGTERM landing before the wrapper's first line raises, in its own handler, an
+        # UnboundLocalError with the SignalException as its context (seen under torch 2.13).
+        signalled = signal_exception(exc, SignalException)
+        if signalled is None:
+            raise
+        stop = {"host": socket.gethostname(), "signal": int(signalled.sigval)}
         print(STOP_PREFIX + json.dumps(stop, sort_keys=True), file=sys.stderr, flush=True)
-        return 128 + int(exc.sigval)
+        return 128 + int(signalled.sigval)
     return 0
+
+
+def signal_exception(exc: BaseException, kind: type[E]) -> E | None:
+    """``exc`` or the first exception of type ``kind`` in its chain of causes and contexts, else None."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, kind):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 if __name__ == "__main__":
