@@ -54,7 +54,6 @@ PROTOCOLS: dict[str, list[str] | str] = {
 # (tests/test_import_graph.py counts those): the optimizer's state functions read the
 # optimizer that calls them, the high-level API's optimizer the model that builds it.
 ONE_IMPLEMENTATION = {
-    "scaling.optim._state:StatefulOptimizer": "Optimizer; goes when the optimizer only updates (#48)",
     "scaling.trainer.auto._optimizer:PlannedModel": "ParallelModel; goes when the high-level API builds the "
     "same parts as the first way in (#49)",
 }

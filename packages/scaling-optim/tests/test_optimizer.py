@@ -262,7 +262,7 @@ def _overlapped_gather():
             topology=topo,
             model=model,
         )
-        gather = opt.spaces[0].shard_gather
+        gather = opt.data_parallel.spaces[0].shard_gather
         entries = [sorted({gather.entry_of[i] for i in (2 * k, 2 * k + 1)}) for k in range(2)]
         seen, losses = [], []
         for step in range(3):

@@ -6,6 +6,7 @@ from scaling.optim import Optimizer, OptimizerStepOutput
 
 def test_public_api():
     assert sorted(scaling.optim.__all__) == [
+        "DataParallel",
         "GradientReducer",
         "LearningRateScheduler",
         "LearningRateSchedulerConfig",

@@ -35,7 +35,7 @@ def _lifecycle():
 
     def inside_first(module, args, output):
         # runs after the gatherer's own post-hook: layer 0 freed, layer 2 already prefetching
-        seen["prefetching"] = sorted(opt.gatherer._pending)
+        seen["prefetching"] = sorted(opt.data_parallel.gatherer._pending)
         seen["first_freed"] = all(p.untyped_storage().nbytes() == 0 for p in layers[0].parameters())
 
     def inside_last(module, args):
@@ -157,7 +157,7 @@ def _frozen():
     opt.step()
     with opt.full_parameters():
         frozen_kept = all(torch.equal(p, q) for p, q in zip(layers[2].parameters(), plain[2:]))
-    return seen, frozen_kept, [s.name for s in opt.gatherer.frozen]
+    return seen, frozen_kept, [s.name for s in opt.data_parallel.gatherer.frozen]
 
 
 @pytest.mark.distributed
@@ -186,7 +186,7 @@ def _offload_overlap():
             x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + topo.axis("dp").rank))
             opt.backward(layers(x).pow(2).mean())
             opt.step()
-            in_flight.append(opt._host_update.in_flight)  # handed to a thread, not waited for
+            in_flight.append(opt.data_parallel._host_update.in_flight)  # handed to a thread, not waited for
         with opt.full_parameters():
             runs[offload] = ([p.detach().clone() for p in layers.parameters()], in_flight)
 
@@ -259,7 +259,7 @@ def _offload_per_layer():
         opt.finish_parameter_gather()
     finally:
         optimizer_module.apply_updates = real
-    return released, opt._host_update.layers
+    return released, opt.data_parallel._host_update.layers
 
 
 @pytest.mark.distributed
@@ -305,7 +305,11 @@ def _float8_all_gather(all_gather, offload=False):
         opt.backward(loss)
         opt.step()
         losses.append(loss.item())
-    nbytes, calls, amax_reductions = opt.gatherer.sent_bytes, opt.gatherer.gathers, opt.gatherer.amax_reductions
+    nbytes, calls, amax_reductions = (
+        opt.data_parallel.gatherer.sent_bytes,
+        opt.data_parallel.gatherer.gathers,
+        opt.data_parallel.gatherer.amax_reductions,
+    )
     held = layers[0].float8_weight
     with torch.no_grad():
         gathered_out = layers(x)

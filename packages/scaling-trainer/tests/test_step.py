@@ -89,7 +89,7 @@ def train_one_step(tp: int, pp: int, batches_per_replica: list[list[Pair]]) -> t
     recorder.reset_counters()
     out = train_step(module, batches_per_replica[topo.axis("dp").rank], optimizer, mse)
     weights = {n: (p.detach().clone(), meta.parallel_dim) for n, p, meta in module.named_parameters_with_meta()}
-    reducer = optimizer.spaces[0].reducer
+    reducer = optimizer.data_parallel.spaces[0].reducer
     # DP all-reduces of the step, and the buckets one backward launches (no reducer without DP).
     dp = recorder.group_name(topo.axis("dp").group)
     calls = recorder.calls_by_op_and_group().get(("all_reduce", dp), 0)

@@ -40,7 +40,7 @@ def accumulating_worker(zero_stage: int, use_no_sync: bool) -> tuple[list[float]
     dp = recorder.group_name(model.topology.axis("dp").group)
     calls = recorder.calls_by_op_and_group()
     reductions = calls.get(("all_reduce", dp), 0) + calls.get(("reduce_scatter", dp), 0)
-    reducer: Any = optimizer.reducer if optimizer.engine is None else optimizer.engine.spaces[0].reducer
+    reducer: Any = optimizer.reducer if optimizer.engine is None else optimizer.engine.data_parallel.spaces[0].reducer
     return losses, reductions, len(reducer.buckets)
 
 

@@ -6,6 +6,7 @@ from scaling.optim._config import (
     OptimizerConfig,
     OptimizerParamGroupConfig,
 )
+from scaling.optim._data_parallel import DataParallel
 from scaling.optim._loss_scaler import LossScaler
 from scaling.optim._lr_scheduler import LearningRateScheduler
 from scaling.optim._optimizer import Optimizer
@@ -16,6 +17,7 @@ from scaling.optim._step_output import OptimizerStepOutput
 from scaling.optim._zero3 import check_sharding
 
 __all__ = [
+    "DataParallel",
     "GradientReducer",
     "LearningRateScheduler",
     "LearningRateSchedulerConfig",

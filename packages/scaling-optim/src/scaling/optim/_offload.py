@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 from scaling.optim._slots import ParamSlot
-from scaling.optim._update import UpdateItem
 
 
 class HostUpdate:
@@ -168,27 +167,26 @@ class LayeredHostUpdate:
         self,
         slots: Sequence[ParamSlot],
         grads: Sequence[torch.Tensor],
-        item: Callable[[int, torch.Tensor], UpdateItem],
-        update: Callable[[list[UpdateItem]], None],
+        update: Callable[[list[int], list[torch.Tensor]], None],
     ) -> None:
         """Start the update: each layer's gradients to the host now, and in the thread, layer by
-        layer, ``update`` of its items (``item(slot index, host gradient)``) and the copy of the
-        updated master shards into the device shards."""
+        layer, ``update(slot indices, host gradients)`` and the copy of the updated master shards
+        into the device shards."""
         pieces = []
         for indices in self.layers:
             host, arrived = self.copies.to_host([grads[i] for i in indices])
-            items = [item(i, grad) for i, grad in zip(indices, host)]
             shards = [(s.param_shard, s.master) for s in (slots[i] for i in indices)]
-            pieces.append(functools.partial(self._piece, arrived, items, update, shards))
+            pieces.append(functools.partial(self._piece, arrived, indices, host, update, shards))
         self.thread.start(pieces)
 
     def _piece(
         self,
         arrived: Callable[[], None],
-        items: list[UpdateItem],
-        update: Callable[[list[UpdateItem]], None],
+        indices: list[int],
+        host: list[torch.Tensor],
+        update: Callable[[list[int], list[torch.Tensor]], None],
         shards: list[tuple[torch.Tensor | None, torch.Tensor | None]],
     ) -> None:
         arrived()
-        update(items)
+        update(indices, host)
         self.copies.to_device([(shard, master) for shard, master in shards if shard is not None and master is not None])

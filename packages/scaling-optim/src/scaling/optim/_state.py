@@ -12,36 +12,18 @@ of the full logical shape loads as well (one process, inference tools).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from scaling.optim._comm import all_gather_chunks
-from scaling.optim._config import OptimizerConfig
-from scaling.optim._loss_scaler import LossScaler
-from scaling.optim._param_group import OptimizerParamGroup
 from scaling.optim._slots import ParamSlot
-from scaling.optim._spaces import ShardSpace
-from scaling.optim._zero3 import ParameterGatherer
-from scaling.topology import Topology
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
     from scaling.config import StateDict
-
-
-class StatefulOptimizer(Protocol):
-    """What the state functions read and restore (``Optimizer`` has it)."""
-
-    topology: Topology
-    config: OptimizerConfig
-    slots: list[ParamSlot]
-    spaces: list[ShardSpace]
-    parameter_groups: list[OptimizerParamGroup]
-    loss_scaler: LossScaler
-    gatherer: ParameterGatherer | None
-    step_count: int
+    from scaling.optim._data_parallel import DataParallel
 
 
 # DTensor (and sympy with it: ~0.35 s of CPU) is imported where a state dict is built or read,
@@ -55,17 +37,17 @@ def _entries(slot: ParamSlot) -> dict[str, torch.Tensor]:
     return out
 
 
-def optimizer_state(opt: StatefulOptimizer) -> StateDict:
-    """Counters, loss scaler, schedules and per-parameter DTensors (see the module docstring).
+def parameter_state(dp: DataParallel) -> dict[str, dict[str, DTensor]]:
+    """Per-parameter DTensors of each state tensor, by ``meta.key`` then name (see the module docstring).
 
-    Each kind of parameter's ZeRO shards are gathered over its shard group (``opt.spaces``).
+    Each kind of parameter's ZeRO shards are gathered over its shard group (``dp.spaces``).
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    topo = opt.topology
+    topo = dp.topology
     mesh = topo.device_mesh["dp", "tp"]
     owners, outputs = [], []
-    for space in opt.spaces:
+    for space in dp.spaces:
         chunks, fulls = [], []
         for slot in space.slots:
             for name, owned in _entries(slot).items():
@@ -81,7 +63,7 @@ def optimizer_state(opt: StatefulOptimizer) -> StateDict:
                 fulls.append(full)
                 owners.append((slot, name))
         group = space.shard_group if space.world > 1 else None
-        all_gather_chunks(chunks, fulls, group, opt.config.allreduce_bucket_size)
+        all_gather_chunks(chunks, fulls, group, dp.config.allreduce_bucket_size)
         outputs += fulls
     params: dict[str, dict[str, DTensor]] = {}
     for (slot, name), full in zip(owners, outputs):
@@ -99,12 +81,7 @@ def optimizer_state(opt: StatefulOptimizer) -> StateDict:
             shape=logical,
             stride=torch.empty(logical, device="meta").stride(),
         )
-    return {
-        "step": opt.step_count,
-        "loss_scaler": opt.loss_scaler.state_dict(),
-        "groups": {g.name: g.scheduler.state_dict() for g in opt.parameter_groups},
-        "params": params,
-    }
+    return params
 
 
 def _tp_local(slot: ParamSlot, value: torch.Tensor, key: str, name: str, tp_rank: int) -> torch.Tensor:
@@ -125,23 +102,20 @@ def _tp_local(slot: ParamSlot, value: torch.Tensor, key: str, name: str, tp_rank
     return value
 
 
-def load_optimizer_state(opt: StatefulOptimizer, state: StateDict) -> None:
-    """Load a state from :func:`optimizer_state` saved with any layout (after DCP filled it in).
+def load_parameter_state(dp: DataParallel, params: StateDict) -> None:
+    """Load :func:`parameter_state`'s entries saved with any layout (after DCP filled them in).
 
     Raises:
-        ValueError: groups or parameter keys differ, a state tensor is missing, or a
-            tensor's shape is neither the logical nor this rank's local shape.
+        ValueError: parameter keys differ, a state tensor is missing, or a tensor's shape is
+            neither the logical nor this rank's local shape.
     """
-    groups = {g.name: g for g in opt.parameter_groups}
-    if set(state["groups"]) != set(groups):
-        raise ValueError(f"optimizer state has groups {sorted(state['groups'])}, this optimizer {sorted(groups)}")
-    keys = {slot.meta.key for slot in opt.slots}
-    if set(state["params"]) != keys:
-        missing, extra = sorted(keys - set(state["params"])), sorted(set(state["params"]) - keys)
+    keys = {slot.meta.key for slot in dp.slots}
+    if set(params) != keys:
+        missing, extra = sorted(keys - set(params)), sorted(set(params) - keys)
         raise ValueError(f"optimizer state parameter keys differ: missing {missing}, unexpected {extra}")
-    tp_rank = opt.topology.axis("tp").rank
-    for slot in opt.slots:
-        entry = state["params"][slot.meta.key]
+    tp_rank = dp.topology.axis("tp").rank
+    for slot in dp.slots:
+        entry = params[slot.meta.key]
         targets = dict(slot.state)
         if slot.master is not None or slot.param_shard is not None:
             # fp32 parameters are their own master and come from the model checkpoint,
@@ -155,11 +129,7 @@ def load_optimizer_state(opt: StatefulOptimizer, state: StateDict) -> None:
                 )
             local = _tp_local(slot, entry[name], slot.meta.key, name, tp_rank)
             target.copy_(local.reshape(-1)[slot.start : slot.end])
-    if opt.gatherer is not None:
-        for slot in opt.slots:
+    if dp.gatherer is not None:
+        for slot in dp.slots:
             if slot.master is not None and slot.param_shard is not None:
                 slot.param_shard.copy_(slot.master)
-    opt.step_count = int(state["step"])
-    opt.loss_scaler.load_state_dict(state["loss_scaler"])
-    for name, sched_state in state["groups"].items():
-        groups[name].scheduler.load_state_dict(sched_state)

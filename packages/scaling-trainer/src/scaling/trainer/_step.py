@@ -7,9 +7,9 @@ A step takes one global batch's micro-batches on this rank and
    this CP rank's slice of each sequence (``batch.context_parallel_split``);
 2. runs the stage's pipeline schedule (forward, backward, transfers: ``scaling.pipeline``),
    the loss going through the optimizer's ``backward`` (loss scaling);
-3. finishes the data-parallel gradient reduction (under ZeRO 0-1 it starts in the last
-   micro-batch's backward: once per step) and sums tied weights' gradients over
-   the stages that hold a copy;
+3. finishes the data-parallel gradient reduction (the optimizer's ``data_parallel``
+   component; under ZeRO 0-1 it starts in the last micro-batch's backward: once per step)
+   and sums tied weights' gradients over the stages that hold a copy;
 4. steps the optimizer;
 5. returns the loss and metrics, the same on every rank (``_results.py``).
 
@@ -94,8 +94,9 @@ def train_step(
     batches = _placed(module.topology, micro_batches, sync_batch_to_model_parallel)
     if not module.training:  # train() walks every submodule: only when needed, not every step
         module.train()
+    data_parallel = optimizer.data_parallel  # what DP does to gradients; the optimizer updates
     optimizer.zero_grad()
-    optimizer.set_gradient_accumulation_steps(len(batches))  # DP reduction in the last backward
+    data_parallel.set_gradient_accumulation_steps(len(batches))  # DP reduction in the last backward
     results = StepResults(module, metrics_aggregation_fn)
     try:
         with record_function("train_step: schedule"):  # the phases, named in a profiler's trace
@@ -107,7 +108,7 @@ def train_step(
                 before_first_wait=results.post_receive,
             )
         # An overlapped DP reduction adds its averages into .grad: finish it before the tied sum.
-        optimizer.finish_gradient_reduction()
+        data_parallel.finish_gradient_reduction()
         module.reduce_tied_gradients()
         with record_function("train_step: optimizer"):
             report = optimizer.step()
