@@ -46,9 +46,12 @@ def _train(dp, ep, micro, zero=0, balancing="aux_loss", dtype=torch.float32):
     for _ in range(STEPS):
         x, target = (torch.randn(micro, 2, TOKENS, H, generator=g).to(dtype) for _ in range(2))
         optimizer.zero_grad()
+        moe.load_total = None
         for m in mine:
             optimizer.backward((moe(x[m]) - target[m]).pow(2).mean() / len(mine))
         norms.append(optimizer.step().global_grad_norm)
+        with optimizer.data_parallel.whole([moe.expert_bias]):  # as the transformer app's trainer
+            moe.end_step()
     with optimizer.full_parameters():
         return {n: p.detach().clone() for n, p in moe.named_parameters()}, norms
 
@@ -68,16 +71,18 @@ def test_expert_parallel_training_matches_one_process(dp, ep, zero):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_zero3_keeps_the_balancing_bias_moved_in_forward():
-    """The aux-loss-free bias is a frozen parameter moved in place during the forward: ZeRO-3 writes
-    it back into its shard before freeing it, so ZeRO-3 trains as ZeRO 0 does."""
-    plain = run_distributed(_train, 4, 4, 2, 4, 0, "aux_loss_free", timeout_seconds=120)
-    sharded = run_distributed(_train, 4, 4, 2, 4, 3, "aux_loss_free", timeout_seconds=120)
-    for (expected, expected_norms), (params, norms) in zip(plain, sharded):
-        assert expected["expert_bias"].abs().sum() > 0  # the bias moved
-        assert_parity(norms, expected_norms, rtol=1e-5, name="gradient norms")
-        for name, value in params.items():
-            assert_parity(value, expected[name], rtol=1e-5, atol=1e-7, name=name)
+def test_aux_loss_free_bias_moves_per_step_as_in_one_process_under_zero0_and_zero3():
+    """The aux-loss-free bias is a frozen parameter moved once per step by the step's load over every
+    DP rank (``end_step``), so dp4·ep2 (one micro-batch a rank) moves it as one process with four
+    micro-batches does; under ZeRO-3 its layer is gathered for the move (``DataParallel.whole``)
+    and the change is written back into the shard."""
+    ((expected, expected_norms),) = run_distributed(_train, 1, 1, 1, 4, 0, "aux_loss_free", timeout_seconds=120)
+    assert expected["expert_bias"].abs().sum() > 0  # the bias moved
+    for zero in (0, 3):
+        for params, norms in run_distributed(_train, 4, 4, 2, 4, zero, "aux_loss_free", timeout_seconds=120):
+            assert_parity(norms, expected_norms, rtol=1e-5, name=f"gradient norms (zero {zero})")
+            for name, value in params.items():
+                assert_parity(value, expected[name], rtol=1e-5, atol=1e-7, name=f"{name} (zero {zero})")
 
 
 @pytest.mark.distributed

@@ -38,7 +38,7 @@ class MoEConfig(BaseConfig):
         "aux_loss", description="Load balancing: auxiliary loss, aux-loss-free per-expert bias, or none."
     )
     aux_loss_coefficient: float = Field(1e-2, ge=0.0, description="Weight of the auxiliary balancing loss.")
-    bias_update_rate: float = Field(1e-3, ge=0.0, description="Step of the aux-loss-free bias per forward.")
+    bias_update_rate: float = Field(1e-3, ge=0.0, description="Step of the aux-loss-free bias per optimizer step.")
 
 
 class TransformerArchitectureConfig(BaseConfig):

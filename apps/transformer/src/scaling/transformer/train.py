@@ -57,6 +57,13 @@ class TransformerTrainer(BaseTrainer[TransformerContext]):
         for layer in moe_layers:
             layer.aux_loss_scale, layer.load_total, layer.aux_loss_total = scale, None, None
         metrics = super().train_step()
+        # Aux-loss-free balancing moves each bias once per step, by the step's load, before a
+        # checkpoint can be taken (under ZeRO-3 with the biases' layers gathered for it).
+        biases = [layer.expert_bias for layer in moe_layers if layer.balancing == "aux_loss_free"]
+        if biases:
+            with self.optimizer.data_parallel.whole(biases):
+                for layer in moe_layers:
+                    layer.end_step()
         config = self.context.config
         if config.transformer_architecture.moe is not None and self.logs_step(self.context.iterations):
             metrics.update(self._moe_metrics(moe_layers, micro_batches))

@@ -14,9 +14,11 @@ what one process computes for the same micro-batch, so a data-parallel run sums 
 per-micro-batch losses. Its gradient is injected in the backward (scaled by
 ``aux_loss_coefficient · aux_loss_scale``), so it needs no path to the model's loss and
 works on any pipeline stage. ``"aux_loss_free"`` (DeepSeek-V3): a per-expert bias added
-to the scores for the top-k choice only, moved after each training forward by
-``bias_update_rate`` towards the mean load (``b_e += rate · sign(mean - load_e)``), the
-load summed over every DP × CP rank so that every replica keeps the same bias.
+to the scores for the top-k choice only, moved once per optimizer step (``end_step``, which a
+trainer calls after the step) by ``bias_update_rate`` towards the mean load
+(``b_e += rate · sign(mean - load_e)``), the load being the step's: its micro-batches summed,
+over every DP × CP rank, so that every replica keeps the same bias and every layout moves it
+as one process does.
 ``"none"``: neither.
 
 **Dispatch (dropless).** The T·k (token, expert) pairs are sorted by expert; with expert
@@ -234,7 +236,8 @@ class ParallelMoE(torch.nn.Module):
     After each forward ``last_aux_loss`` (the unweighted auxiliary loss of the micro-batch,
     detached) and ``last_load`` (``[E]`` routing slots each expert got in it) hold what a
     trainer logs; ``load_total`` and ``aux_loss_total`` sum them over the micro-batches until a
-    trainer sets them to None (per step).
+    trainer sets them to None (per step); :meth:`end_step` moves the aux-loss-free bias by
+    ``load_total``.
     ``aux_loss_scale`` multiplies the injected gradient (a trainer sets it to its loss scale
     over its micro-batch count, as the main loss is scaled).
 
@@ -354,11 +357,21 @@ class ParallelMoE(torch.nn.Module):
         self.load_total = load if self.load_total is None else self.load_total + load
         aux = self.last_aux_loss = self.num_experts * (share * prob_sums / tokens).sum()
         self.aux_loss_total = aux if self.aux_loss_total is None else self.aux_loss_total + aux
-        if self.balancing == "aux_loss_free" and self.training:
-            with torch.no_grad():
-                total = all_reduce(load.clone(), self._dp_group)  # every replica moves its bias alike
-                self.expert_bias.add_(self.bias_update_rate * torch.sign(total.mean() - total))
         return self._aux_share(share, probs, tokens)
+
+    @torch.no_grad()
+    def end_step(self) -> None:
+        """After an optimizer step, with ``"aux_loss_free"`` balancing: move the bias by the step's load
+        (``load_total``: its micro-batches, summed over every DP × CP rank), as DeepSeek-V3 does once per
+        step; every replica moves it alike. Else, or with no load counted since it was reset, nothing.
+
+        A trainer calls it on every rank of the layer's stage, with the bias whole (under ZeRO-3
+        inside ``optimizer.data_parallel.whole([layer.expert_bias])``), before a checkpoint is taken.
+        """
+        if self.balancing != "aux_loss_free" or self.load_total is None:
+            return
+        total = all_reduce(self.load_total.clone(), self._dp_group)
+        self.expert_bias.add_(self.bias_update_rate * torch.sign(total.mean() - total))
 
     def _aux_share(self, share: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
         """This rank's tokens' part of E·Σ f_e P_e (to inject), times the CP ranks the gradient is averaged over."""

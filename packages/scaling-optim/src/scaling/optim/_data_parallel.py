@@ -13,7 +13,7 @@ which ZeRO stage or offload mode runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING
 
@@ -346,6 +346,17 @@ class DataParallel:
         with ExitStack() as stack:
             for gatherer in self._gatherers():
                 stack.enter_context(gatherer.full_parameters())
+            yield
+
+    @contextmanager
+    def whole(self, params: Collection[torch.Tensor]) -> Iterator[None]:
+        """``params`` whole inside the block (ZeRO-3 gathers the layers holding them, and frees them
+        after it; otherwise a no-op). A frozen parameter changed in place there keeps the change
+        (an aux-loss-free balancing bias moved between steps). Every rank enters it alike."""
+        self.finish_parameter_gather()
+        with ExitStack() as stack:
+            for gatherer in self._gatherers():
+                stack.enter_context(gatherer.whole(params))
             yield
 
     @torch.no_grad()

@@ -40,7 +40,7 @@ tensors saved for backward see the same values they were computed with.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -316,6 +316,21 @@ class ParameterGatherer:
     def free_all(self) -> None:
         for index in range(len(self.layers)):
             self.free(index)
+
+    @contextmanager
+    def whole(self, params: Collection[torch.Tensor]) -> Iterator[None]:
+        """The layers holding any of ``params`` whole (exact) inside the block, and freed after it;
+        a frozen parameter changed in place there is written back into its shard. Every rank of
+        the shard group enters it with the same parameters."""
+        wanted = {id(p) for p in params}
+        indices = [i for i, layer in enumerate(self.layers) if any(id(s.param) in wanted for s in layer)]
+        for index in indices:
+            self.gather(index, exact=True)
+        try:
+            yield
+        finally:
+            for index in indices:
+                self.free(index)
 
     @contextmanager
     def full_parameters(self) -> Iterator[None]:
