@@ -8,31 +8,18 @@ data parallelism's modes.
 
 import ast
 import inspect
+import os
+import sys
 
 import pytest
 import torch
 
 import scaling.optim._optimizer
-from scaling.nn import ParameterMeta
-from scaling.optim import (
-    DataParallel,
-    Optimizer,
-    OptimizerConfig,
-    OptimizerParamGroup,
-    OptimizerParamGroupConfig,
-)
+from scaling.optim import DataParallel, Optimizer, OptimizerConfig
 from scaling.testing import make_topology, run_distributed
 
-
-def model() -> tuple[torch.nn.Sequential, list[OptimizerParamGroup]]:
-    torch.manual_seed(0)
-    layers = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
-    for index, layer in enumerate(layers):
-        for name, p in layer.named_parameters():
-            ParameterMeta(name, tuple(p.shape), layer_index=index).attach(p)
-    triples = [(p.parameter_meta.key, p, p.parameter_meta) for p in layers.parameters()]
-    return layers, [OptimizerParamGroup(triples, OptimizerParamGroupConfig(name="all"))]
-
+sys.path.insert(0, os.path.dirname(__file__))
+from optim_models import model  # noqa: E402
 
 MODES = {
     "zero0": {"zero_stage": 0},

@@ -3,6 +3,9 @@
 Numerical parity of ZeRO-3 with one process (DP=2, also with TP=2) is in test_parity.py.
 """
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -10,15 +13,8 @@ from scaling.nn import ParameterMeta, float8_supported
 from scaling.optim import Optimizer, OptimizerConfig, OptimizerParamGroup, OptimizerParamGroupConfig
 from scaling.testing import make_topology, run_distributed
 
-
-def model():
-    torch.manual_seed(0)
-    layers = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
-    for index, layer in enumerate(layers):
-        for name, p in layer.named_parameters():
-            ParameterMeta(name, tuple(p.shape), layer_index=index).attach(p)
-    triples = [(p.parameter_meta.key, p, p.parameter_meta) for p in layers.parameters()]
-    return layers, [OptimizerParamGroup(triples, OptimizerParamGroupConfig(name="all"))]
+sys.path.insert(0, os.path.dirname(__file__))
+from optim_models import model  # noqa: E402
 
 
 def _lifecycle():
