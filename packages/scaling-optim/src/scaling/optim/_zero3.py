@@ -334,7 +334,8 @@ class ParameterGatherer:
 
     @contextmanager
     def full_parameters(self) -> Iterator[None]:
-        """Every parameter whole inside the block (read-only: edits are not written back)."""
+        """Every parameter whole inside the block. Read-only for trained parameters (the owned shards and
+        masters are the truth; see ``sync_from_parameters``); a frozen one changed in place is written back."""
         self.gather_all()
         try:
             yield
