@@ -37,13 +37,8 @@ class Optimizer:
         topology: an initialised :class:`~scaling.topology.Topology`; gradients are
             averaged over DP × CP (``axis("dp_cp")``), ``reduce_over_tp`` gradients summed
             over its ``axis("tp")``, and the norm reduced over ``axis("replica")`` and DP × CP.
-        zero3_modules: with ``zero_stage=3`` only: the layers in forward order, for a
-            model that does not name them (default: ``model.layer_modules()``). Their
-            trained parameters are freed at once and gathered around each layer's forward
-            and backward; use :meth:`full_parameters` to read them outside a forward.
-        model: the module (or modules) holding the parameters, the same as a later
-            :meth:`attach_model` (which ``BaseTrainer`` calls): ZeRO-3 and
-            ``config.overlap_param_gather`` hook into it.
+        zero3_modules, model: what ZeRO-3 and ``overlap_param_gather`` hook into
+            (:class:`DataParallel`; ``BaseTrainer`` attaches its model itself).
 
     What data parallelism does (placement, reduction, ZeRO, offload, the hooks) is
     ``self.data_parallel``'s (:class:`DataParallel`); this class scales the loss, takes the
@@ -51,16 +46,12 @@ class Optimizer:
     advances the learning rates.
 
     Raises:
-        ValueError: duplicate group names, a parameter in two groups, ``zero3_modules``
-            without ``zero_stage=3``, a ZeRO-3 parameter sharing storage, or a ``model``
-            that does not name its layers under ZeRO-3 (see :meth:`attach_model`).
+        ValueError: duplicate group names, or :class:`DataParallel`'s refusals.
 
     Example::
 
         opt = Optimizer(config=OptimizerConfig(), parameter_groups=groups, topology=topology)
-        opt.zero_grad()
-        opt.backward(loss)
-        out = opt.step()  # OptimizerStepOutput
+        opt.zero_grad(); opt.backward(loss); out = opt.step()  # OptimizerStepOutput
     """
 
     def __init__(
@@ -83,7 +74,6 @@ class Optimizer:
         self.data_parallel = DataParallel(config, self.parameter_groups, topology, zero3_modules, model)
         self.slots = self.data_parallel.slots
 
-    # ------------------------------------------------ data parallelism's, kept for the walkthrough
     def attach_model(self, model: torch.nn.Module | Sequence[torch.nn.Module]) -> None:
         """:meth:`DataParallel.attach_model`: ZeRO-3 and ``overlap_param_gather`` hook into the model."""
         self.data_parallel.attach_model(model)
@@ -117,7 +107,6 @@ class Optimizer:
         """Take the parameters' values as the masters: :meth:`DataParallel.sync_from_parameters`."""
         self.data_parallel.sync_from_parameters()
 
-    # ------------------------------------------------------------------ step
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` multiplied by the current loss scale.
 
@@ -158,7 +147,7 @@ class Optimizer:
                     "non_finite_policy='skip'"
                 )
             self.loss_scaler.update(overflow=True)
-            return self._output(None, None, lrs, overflow=True)
+            return self._output(None, None, lrs, skip=True)
         norm = math.sqrt(norm_sq) / scale
         factor = 1.0 / scale
         clipped = norm
@@ -172,37 +161,32 @@ class Optimizer:
         step = self.step_count
 
         def update(indices: list[int], owned: list[torch.Tensor]) -> None:
-            apply_updates(self.config, [self._update_item(i, g, lrs) for i, g in zip(indices, owned)], step)
+            items = []
+            for slot, grad in zip((self.slots[i] for i in indices), owned):
+                group = self.parameter_groups[slot.group_index].config
+                lr, decay = lrs[group.name], group.weight_decay
+                items.append(UpdateItem(slot.work_param(), grad, slot.state, lr, decay, group.independent_weight_decay))
+            apply_updates(self.config, items, step)
 
         dp.update(grads, update)
         dp.end_step()
         for group in self.parameter_groups:
             group.scheduler.step()
         self.loss_scaler.update(overflow=False)
-        return self._output(norm, clipped, lrs, overflow=False)
+        return self._output(norm, clipped, lrs, skip=False)
 
-    def _update_item(self, index: int, grad: torch.Tensor, lrs: dict[str, float]) -> UpdateItem:
-        slot = self.slots[index]
-        group = self.parameter_groups[slot.group_index].config
-        return UpdateItem(
-            slot.work_param(), grad, slot.state, lrs[group.name], group.weight_decay, group.independent_weight_decay
-        )
-
-    def _output(
-        self, norm: float | None, clipped: float | None, lrs: dict[str, float], overflow: bool
-    ) -> OptimizerStepOutput:
+    def _output(self, norm: float | None, clip: float | None, lrs: dict[str, float], skip: bool) -> OptimizerStepOutput:
         return OptimizerStepOutput(
             global_grad_norm=norm,
-            global_grad_norm_clipped=clipped,
+            global_grad_norm_clipped=clip,
             learning_rates=lrs,
-            overflow=overflow,
-            skipped=overflow,
+            overflow=skip,
+            skipped=skip,
             no_overflow_steps=self.loss_scaler.no_overflow_steps,
             current_loss_scale=self.loss_scaler.scale,
             step=self.step_count,
         )
 
-    # ------------------------------------------------------------- accessors
     @property
     def learning_rates(self) -> dict[str, float]:
         """LR the next update of each group uses, by group name."""
