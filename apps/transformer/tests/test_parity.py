@@ -230,6 +230,22 @@ def test_cp2_checkpoint_resumes_at_cp1_and_cp4(tiny_corpus, reference_losses, tm
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.parametrize(("saved_at", "resumed_at"), [(1, 2), (2, 1)], ids=["pp1-to-pp2", "pp2-to-pp1"])
+def test_tied_embeddings_resume_at_another_pipeline_size(tiny_corpus, reference_losses, tmp_path, saved_at, resumed_at):
+    """One stage saves the tied embedding once; two stages read the head's copy (weights and
+    optimizer state) from it, and one stage takes two stages' checkpoint with its extra copy."""
+    ckpt = str(tmp_path / "ckpt")
+    first = tiny_config(tiny_corpus, pp=saved_at, steps=STEPS, trainer={"save_dir": ckpt, "save_interval": 5})
+    first["trainer"]["train_iterations"] = 5
+    run_distributed(train_worker, saved_at, first, timeout_seconds=180)
+    second = tiny_config(tiny_corpus, pp=resumed_at, steps=STEPS, trainer={"load_dir": ckpt})
+    resumed = run_distributed(train_worker, resumed_at, second, timeout_seconds=180)
+    for rank, history in enumerate(resumed):
+        assert_parity(losses(history), reference_losses[5:], rtol=1e-5, name=f"rank {rank} resumed at pp{resumed_at}")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_cp4_dp2_ring(tiny_corpus, reference_losses):
     cfg = tiny_config(tiny_corpus, cp=4, dp=2, steps=STEPS, optimizer={"zero_stage": 2})
     _check(run_distributed(train_worker, 8, cfg, timeout_seconds=300), reference_losses, "cp4·dp2 ring zero2")

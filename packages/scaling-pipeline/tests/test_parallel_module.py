@@ -8,11 +8,12 @@ import sys
 import pytest
 import torch
 
+from scaling.nn import TiedLayerSpec
 from scaling.pipeline import ParallelModule
 from scaling.topology import Topology, TopologyConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
-from pipeline_test_model import loss_function, micro_batches, specs  # noqa: E402
+from pipeline_test_model import Block, loss_function, micro_batches, specs  # noqa: E402
 
 
 def topology() -> Topology:
@@ -168,3 +169,20 @@ def test_executor_grad_leaves_follow_the_transport_flatten_order() -> None:
     assert len(got) == len(expected) == 6
     assert all(g is e for g, e in zip(got, expected))
     assert all(g is e for g, e in zip(_grad_leaves(obj), expected))  # cached field names: the same walk
+
+
+def test_tied_copies_name_every_other_layer_of_the_group() -> None:
+    """With one stage the tied weight is one parameter (saved once); tied_copies names the keys the
+    head's copy has at more stages, for the checkpointer to read it from."""
+    tied = [
+        TiedLayerSpec("tie", ["linear.weight"], Block, 6),
+        *specs(2),
+        TiedLayerSpec("tie", "linear.weight", Block, 6),
+    ]
+    module = ParallelModule(tied, topology())
+    assert "layers.3.linear.weight" not in [n for n, _, _ in module.named_parameters_with_meta()]
+    assert module.tied_copies() == {
+        "layers.0.linear.weight": ["layers.3.linear.weight"],
+        "layers.3.linear.weight": ["layers.0.linear.weight"],
+    }
+    assert ParallelModule(specs(2), topology()).tied_copies() == {}

@@ -191,6 +191,20 @@ class ParallelModule(torch.nn.Module):
                     stages[spec.key].append(vs % self.num_stages)
         return {k: sorted(v) for k, v in sorted(stages.items()) if len(v) > 1}
 
+    def tied_copies(self) -> dict[str, list[str]]:
+        """Every tied weight's checkpoint key -> the keys of its copies in the other layers of its
+        group (``layers.{j}.{path}``), over the whole model, whichever stage holds them.
+
+        A checkpoint saved with one stage holds a tied weight once; the checkpointer reads a stage's
+        missing copy from one of these (``load_checkpoint(aliases=...)``).
+        """
+        groups: dict[tuple[str, str], list[str]] = {}
+        for i, spec in enumerate(self.layer_specs):
+            if isinstance(spec, TiedLayerSpec):
+                for path in spec.tied_weight_attributes:
+                    groups.setdefault((spec.key, path), []).append(f"layers.{i}.{path}")
+        return {key: [k for k in keys if k != key] for keys in groups.values() if len(keys) > 1 for key in keys}
+
     def reduce_tied_gradients(self) -> None:
         """Sum the gradients of tied weights over the stages that hold a copy."""
         if self._tied:  # nothing tied across stages: skip the walk over every parameter

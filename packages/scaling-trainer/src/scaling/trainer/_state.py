@@ -10,7 +10,7 @@ position) goes to ``extra.json``, with the world size and the run's config.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,6 +46,9 @@ class ModelState:
         before_read: waits for parameter updates still in flight (default: nothing).
         after_load: tells whoever keeps a copy of the parameters that they were written
             (the optimizer's master weights and ZeRO-3 shards; default: nothing).
+        tied_copies: parameter key -> the keys of its pipeline-tied copies
+            (``ParallelModule.tied_copies``; default: none), read in its place when a
+            checkpoint saved with fewer stages lacks it.
     """
 
     def __init__(
@@ -54,9 +57,11 @@ class ModelState:
         topology: Topology,
         before_read: Callable[[], None] = lambda: None,
         after_load: Callable[[], None] = lambda: None,
+        tied_copies: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self._named, self._topology = named_parameters, topology
         self._before_read, self._after_load = before_read, after_load
+        self.tied_copies: Mapping[str, Sequence[str]] = tied_copies or {}
 
     def _parameters(self) -> NamedParameters:
         return list(self._named())
@@ -235,6 +240,7 @@ class TrainerCheckpointer:
                 allowed_unexpected=cfg.allowed_unexpected_keys_in_checkpoint,
                 # Without optimizer states the checkpoint's optimizer keys are simply not read.
                 ignored=[*cfg.ignore_keys_in_checkpoint, *([] if cfg.load_optimizer_states else [r"optimizer\..*"])],
+                aliases=model.tied_copies if isinstance(model := self.states.get("model"), ModelState) else None,
             )
             # The optimizer's master weights / ZeRO-3 shards start from the loaded parameters
             # (its own state, loaded next, overrides them where it has them).

@@ -139,7 +139,11 @@ class BaseTrainer(Generic[ContextT]):
         )
         self.compile_log = CompileLog(parallel_module, topology.global_rank, topology.device)
         model_state = ModelState(
-            parallel_module.named_parameters_with_meta, topology, self.wait_for_parameters, self.parameters_loaded
+            parallel_module.named_parameters_with_meta,
+            topology,
+            self.wait_for_parameters,
+            self.parameters_loaded,
+            tied_copies=parallel_module.tied_copies(),
         )
         self.checkpointer = TrainerCheckpointer(
             config,

@@ -6,7 +6,7 @@ import inspect
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -104,6 +104,15 @@ def _matches(key: str, patterns: Sequence[str]) -> bool:
     return any(re.fullmatch(p, key) for p in patterns)
 
 
+def _copies(key: str, aliases: Mapping[str, Sequence[str]]) -> list[str]:
+    """``key`` with the parameter key it names (a whole dot-separated run) replaced by each copy's key."""
+    padded = f".{key}."
+    for name, others in aliases.items():
+        if f".{name}." in padded:
+            return [padded.replace(f".{name}.", f".{other}.", 1)[1:-1] for other in others]
+    return []
+
+
 def load_checkpoint(
     load_dir: str | Path,
     state_template: StateDict,
@@ -114,6 +123,7 @@ def load_checkpoint(
     allowed_missing: Sequence[str] = (),
     allowed_unexpected: Sequence[str] = (),
     ignored: Sequence[str] = (),
+    aliases: Mapping[str, Sequence[str]] | None = None,
     process_group: ProcessGroup | None = None,
 ) -> LoadedCheckpoint:
     """Verify and load a checkpoint into this rank's ``state_template`` (any layout).
@@ -133,6 +143,10 @@ def load_checkpoint(
         allowed_missing: regexes (full match) of template keys that may be absent.
         allowed_unexpected: regexes of checkpoint keys no rank's template holds.
         ignored: regexes of keys never loaded (the template keeps its values).
+        aliases: parameter key -> the keys of copies of the same tensor (pipeline-tied
+            weights, ``ParallelModule.tied_copies()``): a template key naming a parameter the
+            checkpoint lacks is read from a copy it holds, and a copy no template names is
+            not unexpected.
         process_group: the group to run on (default: the world).
 
     Raises:
@@ -152,7 +166,15 @@ def load_checkpoint(
             skipped.append((str(cand), str(e)))
             continue
         loaded = _load_verified(
-            step_dir, cand, marker, state_template, process_group, allowed_missing, allowed_unexpected, ignored
+            step_dir,
+            cand,
+            marker,
+            state_template,
+            process_group,
+            allowed_missing,
+            allowed_unexpected,
+            ignored,
+            aliases or {},
         )
         loaded.skipped = skipped
         return loaded
@@ -179,6 +201,7 @@ def _load_verified(
     allowed_missing: Sequence[str],
     allowed_unexpected: Sequence[str],
     ignored: Sequence[str],
+    aliases: Mapping[str, Sequence[str]],
 ) -> LoadedCheckpoint:
     rank, world = _world(pg)
     metadata = safe_load_metadata(step_dir / ".metadata")
@@ -193,11 +216,19 @@ def _load_verified(
     t_tensors, t_scalars = flatten_state(template)
     wanted = [k for k in [*t_tensors, *t_scalars] if not _matches(k, ignored)]
     present = set(ckpt_tensors) | set(scalar_values)
-    missing = sorted(k for k in wanted if k not in present)
+    # A template tensor the checkpoint holds under a copy's key only is read from that copy.
+    read_from = {k: next((c for c in _copies(k, aliases) if c in ckpt_tensors), k) for k in t_tensors}
+    missing = sorted(k for k in wanted if k not in present and read_from.get(k, k) not in ckpt_tensors)
     bad_missing = [k for k in missing if not _matches(k, allowed_missing)]
     all_template_keys = {k for part in _all_gather(sorted(set(t_tensors) | set(t_scalars)), pg, world) for k in part}
     candidates = set(ckpt_tensors) | set(saved_scalars["values"]) | set(saved_scalars["per_rank_only"])
-    unexpected = sorted(k for k in candidates if k not in all_template_keys and not _matches(k, ignored))
+    unexpected = sorted(
+        k
+        for k in candidates
+        if k not in all_template_keys
+        and not _matches(k, ignored)
+        and not any(c in all_template_keys for c in _copies(k, aliases))
+    )
     bad_unexpected = [k for k in unexpected if not _matches(k, allowed_unexpected)]
     errors = []
     if bad_missing:
@@ -209,7 +240,8 @@ def _load_verified(
             f"checkpoint {step_dir} has keys no rank expects: {bad_unexpected}; "
             "allow them with allowed_unexpected=[regex] or skip them with ignored=[regex]"
         )
-    to_load = {k: t for k, t in t_tensors.items() if k in wanted and k in ckpt_tensors}
+    # Keyed by the checkpoint's key: DCP reads that entry into the template's tensor.
+    to_load = {read_from[k]: t for k, t in t_tensors.items() if k in wanted and read_from[k] in ckpt_tensors}
     for k, t in to_load.items():
         if tuple(t.shape) != tuple(ckpt_tensors[k].size):
             errors.append(f"{k}: checkpoint shape {list(ckpt_tensors[k].size)} != model shape {list(t.shape)}")
