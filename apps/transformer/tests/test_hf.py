@@ -1,11 +1,12 @@
-"""Hugging Face interop with a tiny random LlamaForCausalLM (no download)."""
+"""Hugging Face interop with tiny random models of every family import-hf reads (no download)."""
 
 import json
+import re
 
 import pytest
 import torch
 import yaml
-from transformer_testlib import TINY_VOCAB, tiny_config, train_worker
+from transformer_testlib import TINY_VOCAB, logits_worker, tiny_config, train_worker
 
 from scaling.testing import run_distributed
 from scaling.transformer.__main__ import main
@@ -77,7 +78,7 @@ def test_other_architecture_is_refused(tmp_path):
     cfg.update(model_type="mistral", architectures=["MistralForCausalLM"])
     (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(
-        ValueError, match=r"model_type='mistral', architectures=\['MistralForCausalLM'\] is not a Llama"
+        ValueError, match=r"model_type='mistral', architectures=\['MistralForCausalLM'\] is not a checkpoint import"
     ):
         import_hf(tmp_path / "hf", tmp_path / "ours")
 
@@ -155,6 +156,144 @@ def _tiny_mixtral(tmp_path):
 def test_mixtral_import_logits_and_export_roundtrip(tmp_path):
     moe = _roundtrip(tmp_path, _tiny_mixtral(tmp_path)).transformer_architecture.moe
     assert (moe.num_experts, moe.top_k, moe.every, moe.ffn_size) == (4, 2, 1, 48)
+
+
+# Llama 3.1's RoPE scaling with a pretraining context short enough that every frequency of the
+# tiny heads is scaled or blended (wavelengths 6.3 to 664 against band edges 4 and 16).
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}  # fmt: skip
+
+
+def _family(name, vocab_size=101):
+    """(model class, config) of a tiny random model of each family the app reads (transformers writes
+    rope_theta into the rope_scaling dict it is given: each config gets its own copy)."""
+    t = transformers
+    tiny = {**TINY, "vocab_size": vocab_size}
+    return {
+        "llama3.1": (t.LlamaForCausalLM, lambda: t.LlamaConfig(**tiny, rope_scaling=dict(LLAMA3_ROPE))),
+        "llama3.2": (t.LlamaForCausalLM, lambda: t.LlamaConfig(**tiny, rope_scaling=dict(LLAMA3_ROPE), tie_word_embeddings=True)),
+        "qwen2.5": (t.Qwen2ForCausalLM, lambda: t.Qwen2Config(**tiny, tie_word_embeddings=True)),
+        # Qwen3 sets the head size apart from the width (heads x head_dim = 64 > hidden 32).
+        "qwen3": (t.Qwen3ForCausalLM, lambda: t.Qwen3Config(**tiny, head_dim=16)),
+        "qwen3-moe": (t.Qwen3MoeForCausalLM, lambda: t.Qwen3MoeConfig(
+            **tiny, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True)),
+        # Block 0 dense (decoder_sparse_step 2), top-k scores not renormalised.
+        "qwen3-moe-sparse-step": (t.Qwen3MoeForCausalLM, lambda: t.Qwen3MoeConfig(
+            **tiny, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=2)),
+    }[name]  # fmt: skip
+
+
+FAMILIES = ["llama3.1", "llama3.2", "qwen2.5", "qwen3", "qwen3-moe", "qwen3-moe-sparse-step"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_import_logits_export_roundtrip_and_tensors_bitwise(tmp_path, family):
+    """HF -> ours: logits within 1e-5 of transformers; ours -> HF: from_pretrained's logits and greedy
+    tokens equal, and every tensor bitwise what the original folder held."""
+    from safetensors.torch import load_file
+
+    model_cls, config = _family(family)
+    arch = _roundtrip(tmp_path, _saved(tmp_path, model_cls, config())).transformer_architecture
+    before, after = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
+    # The parameter count the planner and MFU use is the model's (the MoE's frozen routing bias aside).
+    ours, _ = load_model(tmp_path / "ours" / CHECKPOINT_SUBDIR)
+    assert arch.num_parameters() == sum(p.numel() for p in ours.parameters() if p.requires_grad)
+
+
+def test_llama3_rope_scaling_is_transformers_frequencies():
+    """The scaled inverse frequencies are transformers' own (the oracle), and differ from plain RoPE."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from scaling.nn import RopeScaling, RotaryEmbedding
+
+    # Llama 3.1 8B's RoPE: theta 5e5, 128 channels per head, 8k pretraining context stretched 8x to 128k.
+    llama31 = {**LLAMA3_ROPE, "original_max_position_embeddings": 8192}
+    hf_config = transformers.LlamaConfig(
+        hidden_size=32, num_attention_heads=4, head_dim=128, max_position_embeddings=131072, rope_theta=500000.0,
+        rope_scaling=llama31,
+    )  # fmt: skip
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    scaling = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    ours = RotaryEmbedding(128, base=500000.0, scaling=scaling).inv_freq
+    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=0)
+    assert not torch.allclose(RotaryEmbedding(128, base=500000.0).inv_freq, expected)
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
+            "rope_type='yarn' is not supported",
+        ),
+        ({"use_sliding_window": True}, "use_sliding_window=True, layer_types with [] is not supported"),
+        ({"mlp_only_layers": [0]}, "mlp_only_layers=[0] is not supported"),
+        ({"attention_bias": True}, "attention_bias=True is not supported for model_type='qwen3_moe'"),
+    ],
+    ids=["yarn", "sliding-window", "mlp-only-layers", "qwen3-attention-bias"],
+)
+def test_unsupported_settings_are_refused_naming_them(tmp_path, change, said):
+    model_cls, config = _family("qwen3-moe")
+    _saved(tmp_path, model_cls, config())
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ValueError, match=re.escape(said)):
+        import_hf(tmp_path / "hf", tmp_path / "ours")
+    assert not (tmp_path / "ours").exists()
+
+
+def test_a_missing_tensor_is_refused_naming_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model_cls, config = _family("qwen3")
+    _saved(tmp_path, model_cls, config())
+    state = load_file(tmp_path / "hf" / "model.safetensors")
+    del state["model.layers.1.self_attn.k_norm.weight"]
+    save_file(state, tmp_path / "hf" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"lack 1 tensor\(s\) .*'model.layers.1.self_attn.k_norm.weight'"):
+        import_hf(tmp_path / "hf", tmp_path / "ours")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("family", "layout"),
+    [
+        ("llama3.1", {"tp": 2}),
+        ("qwen3", {"tp": 2}),
+        ("qwen2.5", {"pp": 2}),
+        ("qwen3-moe", {"dp": 2, "topology": {"expert_parallel_size": 2}}),
+        ("qwen3-moe", {"tp": 2}),
+        pytest.param("qwen3-moe-sparse-step", {"pp": 2}, marks=pytest.mark.slow),
+    ],
+    ids=["llama3.1-tp2", "qwen3-tp2", "qwen2.5-pp2", "qwen3-moe-ep2", "qwen3-moe-tp2", "qwen3-moe-pp2"],
+)
+def test_imported_family_gives_transformers_logits_at_a_layout(tiny_corpus, tmp_path, family, layout):
+    """import-hf, then the model at a multi-rank layout (its trainer loading the import): the logits of
+    every last-stage rank are transformers' (fp32, 1e-5)."""
+    model_cls, config = _family(family, vocab_size=TINY_VOCAB)
+    hf_model = _saved(tmp_path, model_cls, config())
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    sizes = {k: v for k, v in layout.items() if k != "topology"}
+    load = {
+        "load_dir": str(tmp_path / "ours" / CHECKPOINT_SUBDIR),
+        "load_optimizer_states": False,
+        "load_context": False,
+    }
+    cfg = tiny_config(tiny_corpus, **sizes, trainer=load, topology=layout.get("topology", {}))
+    cfg["transformer_architecture"] = yaml.safe_load((tmp_path / "ours" / "config.yml").read_text())[
+        "transformer_architecture"
+    ]
+    ids = torch.randint(0, TINY_VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = hf_model(ids).logits
+    results = run_distributed(logits_worker, cfg["runner"]["nproc_per_node"], cfg, ids, timeout_seconds=180)
+    last = [r for r in results if r is not None]
+    assert len(last) == (2 if "pp" not in sizes else 1)
+    for logits in last:
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -6,12 +6,16 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import yaml
 
-from scaling.topology import use_deterministic_algorithms
+from scaling.topology import Topology, use_deterministic_algorithms
 from scaling.transformer import train
 from scaling.transformer.__main__ import DEFAULT_CONFIG
+from scaling.transformer.config import TransformerConfig
 from scaling.transformer.corpus import preprocess
+from scaling.transformer.data import TransformerBatch
 
 TINY_MODULES = ("colorsys", "bisect", "heapq", "fnmatch", "getopt", "glob", "quopri", "sched", "numbers", "shlex")
 TINY_VOCAB = 300
@@ -72,3 +76,32 @@ def train_worker(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
 def losses(history: list[dict[str, Any]], key: str = "training/loss") -> list[float]:
     return [m[key] for m in history if key in m]
+
+
+def logits_worker(cfg: dict[str, Any], ids: torch.Tensor) -> torch.Tensor | None:
+    """Runs on every rank: the model of ``cfg`` at its layout, loaded from ``trainer.load_dir``, on the
+    plain batch ``ids`` (forward-only schedule). Returns the whole-vocabulary logits ``[b, s, V]`` on
+    the last pipeline stage (gathered over TP), None elsewhere."""
+    config = TransformerConfig.from_dict(cfg)
+    topology = Topology.from_env(config.topology)
+    try:
+        trainer = train.build_trainer(config, topology)
+        batch = TransformerBatch(ids, ids, None, None)
+        seen: list[torch.Tensor] = []
+
+        def keep(output: Any, targets: Any) -> tuple[torch.Tensor, dict[str, float]]:
+            seen.append(output.logits.detach())
+            return output.logits.sum() * 0, {}
+
+        trainer.parallel_module.eval()
+        trainer.parallel_module.run_schedule([batch], keep, forward_only=True)
+        if not seen:
+            return None
+        tp, logits = topology.axis("tp"), seen[0].contiguous()
+        if tp.size > 1:
+            blocks = [torch.empty_like(logits) for _ in range(tp.size)]
+            dist.all_gather(blocks, logits, group=tp.group)
+            logits = torch.cat(blocks, -1)
+        return logits[..., : config.transformer_architecture.vocab_size]
+    finally:
+        topology.destroy()

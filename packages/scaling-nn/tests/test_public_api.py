@@ -21,6 +21,7 @@ EXPECTED = [
     "ParallelSwiGLUMLP",
     "ParameterMeta",
     "RMSNorm",
+    "RopeScaling",
     "RotaryEmbedding",
     "RowParallelLinear",
     "TensorParallelLinear",

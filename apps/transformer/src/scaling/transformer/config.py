@@ -10,7 +10,14 @@ import torch
 from pydantic import Field, model_validator
 
 from scaling.config import BaseConfig
-from scaling.nn import CompileConfig, Float8Config, check_compile_layout, check_context_parallel, check_moe
+from scaling.nn import (
+    CompileConfig,
+    Float8Config,
+    RopeScaling,
+    check_compile_layout,
+    check_context_parallel,
+    check_moe,
+)
 from scaling.runner import LaunchedConfig
 from scaling.trainer import TrainingAppConfig
 
@@ -34,11 +41,42 @@ class MoEConfig(BaseConfig):
     num_shared_experts: int = Field(0, ge=0, description="Experts every token goes through (DeepSeek's shared).")
     ffn_size: int | None = Field(None, ge=1, description="Inner size of an expert; None = the dense MLP's.")
     score_function: Literal["softmax", "sigmoid"] = Field("softmax", description="Router scores.")
+    normalize_top_k: bool = Field(
+        True,
+        description="Renormalise a token's top-k scores to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob); "
+        "sigmoid scores always are.",
+    )
     balancing: Literal["aux_loss", "aux_loss_free", "none"] = Field(
         "aux_loss", description="Load balancing: auxiliary loss, aux-loss-free per-expert bias, or none."
     )
     aux_loss_coefficient: float = Field(1e-2, ge=0.0, description="Weight of the auxiliary balancing loss.")
     bias_update_rate: float = Field(1e-3, ge=0.0, description="Step of the aux-loss-free bias per optimizer step.")
+
+
+class RopeScalingConfig(BaseConfig):
+    """RoPE frequency scaling for contexts longer than pretraining (``scaling.nn.RopeScaling``)."""
+
+    rope_type: Literal["linear", "llama3"] = Field(
+        "llama3",
+        description="'llama3' (Llama 3.1+: long wavelengths divided by factor, short ones kept, blended between) "
+        "or 'linear' (every frequency divided by factor).",
+    )
+    factor: float = Field(8.0, gt=0.0, description="Context extension factor; > 0.")
+    low_freq_factor: float = Field(1.0, gt=0.0, description="llama3: the long-wavelength band edge; > 0.")
+    high_freq_factor: float = Field(4.0, gt=0.0, description="llama3: the short-wavelength edge; > low_freq_factor.")
+    original_max_position_embeddings: int = Field(8192, ge=1, description="llama3: the pretraining context.")
+
+    @model_validator(mode="after")
+    def _check_band(self) -> RopeScalingConfig:
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"transformer_architecture.rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
+                f"low_freq_factor={self.low_freq_factor} (Llama 3.1 uses 4.0 and 1.0)"
+            )
+        return self
+
+    def to_nn(self) -> RopeScaling:
+        return RopeScaling(**self.as_dict())
 
 
 class TransformerArchitectureConfig(BaseConfig):
@@ -56,6 +94,9 @@ class TransformerArchitectureConfig(BaseConfig):
     num_kv_heads: int | None = Field(
         None, ge=1, description="Key/value heads (GQA; 1 = MQA); divides num_attention_heads. None = MHA."
     )
+    head_dim: int | None = Field(
+        None, ge=1, description="Channels per head (Qwen3 sets it apart from the width); None = hidden_size / heads."
+    )
     mlp_type: Literal["gelu", "swiglu"] = Field("swiglu", description="Feed-forward block: 'gelu' or 'swiglu'.")
     mlp_factor: float = Field(
         8 / 3, gt=0.0, description="Intermediate size = round(mlp_factor * hidden_size), rounded up to a multiple of 8."
@@ -72,17 +113,25 @@ class TransformerArchitectureConfig(BaseConfig):
     rotary_percentage: float = Field(
         1.0, ge=0.0, le=1.0, description="Fraction of each head rotated by RoPE, in [0, 1]; 0 = no RoPE."
     )
+    rope_scaling: RopeScalingConfig | None = Field(
+        None, description="RoPE frequency scaling (Llama 3.1+ checkpoints carry 'llama3'); None = plain RoPE."
+    )
     max_sequence_length: int = Field(
         2048, ge=1, description="Longest sequence (positions) the model is trained or asked to generate for."
     )
     bias: bool = Field(False, description="Biases on the attention and MLP projections (and LayerNorm).")
+    qkv_bias: bool = Field(
+        False, description="Biases on the query, key and value projections only (Qwen2/2.5); implied by bias."
+    )
     tied_embeddings: bool = Field(True, description="The LM head reuses the input embedding matrix.")
     embedding_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout after the embedding, in [0, 1).")
     attention_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on attention probabilities, [0, 1).")
     hidden_dropout: float = Field(
         0.0, ge=0.0, lt=1.0, description="Dropout on attention and MLP outputs before the residual add, [0, 1)."
     )
-    qk_norm: bool = Field(False, description="RMS-normalise queries and keys per head before attention.")
+    qk_norm: bool = Field(
+        False, description="RMS-normalise queries and keys per head before RoPE (Qwen3, OLMo 2), with norm_eps."
+    )
     causal: bool = Field(True, description="Causal (decoder) attention; False = bidirectional.")
     init_std: float = Field(
         0.02, gt=0.0, description="Std of the normal initialisation; output projections use init_std/sqrt(2*layers)."
@@ -116,6 +165,11 @@ class TransformerArchitectureConfig(BaseConfig):
         return self.num_kv_heads or self.num_attention_heads
 
     @property
+    def head_size(self) -> int:
+        """Channels per head: ``head_dim``, else ``hidden_size / num_attention_heads``."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
     def ffn_size(self) -> int:
         if self.intermediate_size is not None:
             return self.intermediate_size
@@ -130,34 +184,39 @@ class TransformerArchitectureConfig(BaseConfig):
         """Parameters of the whole model (tied embedding counted once); ``active``: those one token uses
         (with mixture-of-experts blocks: the router, its top-k and the shared experts)."""
         h, v, f, layers = self.hidden_size, self.vocab_size, self.ffn_size, self.num_layers
-        d = h // self.num_attention_heads
-        attn = h * (self.num_attention_heads + 2 * self.kv_heads) * d + self.num_attention_heads * d * h
-        mlp = (3 if self.mlp_type == "swiglu" else 2) * h * f
+        d, nq, nkv = self.head_size, self.num_attention_heads, self.kv_heads
+        bias = int(self.bias)
+        attn = h * (nq + 2 * nkv) * d + nq * d * h + bias * h + 2 * d * int(self.qk_norm)
+        attn += (nq + 2 * nkv) * d * int(self.bias or self.qkv_bias)
+        inner = 2 if self.mlp_type == "swiglu" else 1
+        mlp = (inner + 1) * h * f + bias * (inner * f + h)
+        # Two norms per block and the final one: weights, and biases for a LayerNorm with bias.
+        norm = h * (2 if self.norm == "layernorm" and self.bias else 1)
         embeddings = v * h * (1 if self.tied_embeddings else 2)
         mlps = layers * mlp
         if self.moe is not None:
             moe, blocks = self.moe, layers // self.moe.every
             experts = (moe.top_k if active else moe.num_experts) + moe.num_shared_experts
             mlps += blocks * (moe.num_experts * h + experts * 3 * h * (moe.ffn_size or f) - mlp)
-        return embeddings + layers * (attn + 2 * h) + mlps + h
+        return embeddings + layers * (attn + 2 * norm) + mlps + norm
 
     @model_validator(mode="after")
     def _check_shape(self) -> TransformerArchitectureConfig:
         heads, kv = self.num_attention_heads, self.kv_heads
-        if self.hidden_size % heads:
+        if self.head_dim is None and self.hidden_size % heads:
             raise ValueError(
                 f"transformer_architecture.num_attention_heads={heads} does not divide hidden_size="
-                f"{self.hidden_size}; choose num_attention_heads in {_divisors(self.hidden_size)}"
+                f"{self.hidden_size}; choose num_attention_heads in {_divisors(self.hidden_size)} or set head_dim"
             )
         if heads % kv:
             raise ValueError(
                 f"transformer_architecture.num_attention_heads={heads} is not divisible by num_kv_heads={kv}; "
                 f"choose num_kv_heads in {_divisors(heads)}"
             )
-        if self.rotary_percentage > 0 and int(self.hidden_size // heads * self.rotary_percentage) < 2:
+        if self.rotary_percentage > 0 and int(self.head_size * self.rotary_percentage) < 2:
             raise ValueError(
                 f"transformer_architecture.rotary_percentage={self.rotary_percentage} rotates fewer than 2 of the "
-                f"{self.hidden_size // heads} channels per head; raise it or set 0 to disable RoPE"
+                f"{self.head_size} channels per head; raise it or set 0 to disable RoPE"
             )
         if self.moe is not None and self.moe.every > self.num_layers:
             # Block i is MoE when (i + 1) % every == 0: none of num_layers blocks would be, and the

@@ -1,29 +1,36 @@
-"""Hugging Face interop: Llama and Mixtral checkpoints (config.json + safetensors) in and out.
+"""Hugging Face interop: Llama 2/3.x, Qwen2/2.5, Qwen3, Qwen3-MoE and Mixtral checkpoints
+(config.json + safetensors) in and out.
 
 Name map (ours <- HF), ``N`` blocks, block ``i`` is our layer ``i + 1``:
 
 - ``layers.0.embedding.weight`` <- ``model.embed_tokens.weight``
 - ``layers.{i+1}.input_norm.weight`` <- ``model.layers.{i}.input_layernorm.weight``
-- ``layers.{i+1}.attention.qkv.weight`` <- ``q_proj``, ``k_proj``, ``v_proj`` regrouped per kv head
-  (the query heads of group ``g``, key ``g``, value ``g``: scaling.nn's fused layout)
+- ``layers.{i+1}.attention.qkv.{weight,bias}`` <- ``q_proj``, ``k_proj``, ``v_proj`` regrouped per kv
+  head (the query heads of group ``g``, key ``g``, value ``g``: scaling.nn's fused layout)
+- ``layers.{i+1}.attention.{q,k}_norm`` <- ``self_attn.{q,k}_norm.weight`` (Qwen3's QK-norm)
 - ``layers.{i+1}.attention.dense.weight`` <- ``self_attn.o_proj.weight``
 - ``layers.{i+1}.mlp_norm.weight`` <- ``post_attention_layernorm.weight``
 - ``layers.{i+1}.mlp.{gate,up,down}_proj.weight`` <- ``mlp.{gate,up,down}_proj.weight``
 - ``layers.{N+1}.norm.weight`` <- ``model.norm.weight``;
   ``layers.{N+1}.embedding.weight`` <- ``lm_head.weight`` (absent when tied)
 
-Mixtral (every block a mixture of experts, softmax router, top-k renormalised): instead of
-the MLP,
+Mixture-of-experts blocks, instead of the MLP (softmax router, top-k, renormalised as
+``moe.normalize_top_k`` says):
 
-- ``layers.{i+1}.mlp.router`` <- ``model.layers.{i}.block_sparse_moe.gate.weight``
-- ``layers.{i+1}.mlp.experts.{e}.{gate,up,down}`` <- ``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``
-  (the checkpoint layout every transformers version reads and writes; transformers 5 fuses
-  the experts in memory only)
+- ``layers.{i+1}.mlp.router`` <- Mixtral ``block_sparse_moe.gate.weight``, Qwen3-MoE ``mlp.gate.weight``
+- ``layers.{i+1}.mlp.experts.{e}.{gate,up,down}`` <- Mixtral ``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``,
+  Qwen3-MoE ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (the checkpoint layouts every transformers
+  version reads and writes; transformers 5 fuses the experts in memory only)
+
+Which family an export writes follows from the architecture: mixture of experts with QK-norm is
+Qwen3-MoE, without it Mixtral; dense with QK-norm is Qwen3, with biases on the QKV projection only
+Qwen2, otherwise Llama.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,107 +39,184 @@ from scaling.config import JsonDict
 from scaling.data import load_tokenizer
 from scaling.nn import named_parameters_with_meta, write_peft_adapter
 from scaling.trainer import checkpoint
-from scaling.transformer.config import MoEConfig, TransformerArchitectureConfig, TransformerConfig
+from scaling.transformer.config import (
+    MoEConfig,
+    RopeScalingConfig,
+    TransformerArchitectureConfig,
+    TransformerConfig,
+)
 from scaling.transformer.corpus import EOD_TOKEN, default_paths
 from scaling.transformer.inference import TransformerLM, latest_config, load_model
 
 CHECKPOINT_SUBDIR = "checkpoint"
 
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+@dataclass(frozen=True)
+class _Family:
+    """What one HF model type fixes of the architecture, and where its MoE weights live."""
+
+    architecture: str
+    qk_norm: bool = False
+    qkv_bias_only: bool = False  # Qwen2: biases on q/k/v, none on o_proj or the MLP
+    moe_module: str | None = None  # the block's MoE submodule (a mixture-of-experts family)
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # our gate, up, down
 
 
-def _moe_from_hf(hf: JsonDict, source: Path) -> MoEConfig:
-    if hf.get("sliding_window") is not None or float(hf.get("router_jitter_noise") or 0.0) != 0.0:
+FAMILIES = {
+    "llama": _Family("LlamaForCausalLM"),
+    "qwen2": _Family("Qwen2ForCausalLM", qkv_bias_only=True),
+    "qwen3": _Family("Qwen3ForCausalLM", qk_norm=True),
+    "mixtral": _Family("MixtralForCausalLM", moe_module="block_sparse_moe", expert_names=("w1", "w3", "w2")),
+    "qwen3_moe": _Family("Qwen3MoeForCausalLM", qk_norm=True, moe_module="mlp"),
+}
+_NAMES = ", ".join(f"{kind!r} / {f.architecture}" for kind, f in FAMILIES.items())
+
+
+def family_of(arch: TransformerArchitectureConfig) -> str:
+    """The HF model type an export of ``arch`` writes (see the module docstring)."""
+    if arch.moe is not None:
+        return "qwen3_moe" if arch.qk_norm else "mixtral"
+    if arch.qk_norm:
+        return "qwen3"
+    return "qwen2" if arch.qkv_bias and not arch.bias else "llama"
+
+
+def _moe_from_hf(hf: JsonDict, kind: str, source: Path) -> MoEConfig:
+    if kind == "mixtral":
+        if hf.get("sliding_window") is not None or float(hf.get("router_jitter_noise") or 0.0) != 0.0:
+            raise ValueError(
+                f"{source}: sliding_window={hf.get('sliding_window')}, router_jitter_noise="
+                f"{hf.get('router_jitter_noise')} are not supported; only full attention and a noise-free router"
+            )
+        return MoEConfig(
+            every=1,
+            num_experts=hf.get("num_local_experts") or hf["num_experts"],
+            top_k=hf["num_experts_per_tok"],
+            ffn_size=hf["intermediate_size"],
+            aux_loss_coefficient=float(hf.get("router_aux_loss_coef", 0.001)),
+        )
+    if hf.get("mlp_only_layers"):
         raise ValueError(
-            f"{source}: sliding_window={hf.get('sliding_window')}, router_jitter_noise="
-            f"{hf.get('router_jitter_noise')} are not supported; only full attention and a noise-free router"
+            f"{source}: mlp_only_layers={hf['mlp_only_layers']} is not supported; the app places dense blocks by "
+            "decoder_sparse_step (moe.every) only"
         )
     return MoEConfig(
-        every=1,
-        num_experts=hf["num_local_experts"],
+        every=hf.get("decoder_sparse_step", 1),
+        num_experts=hf.get("num_experts") or hf["num_local_experts"],
         top_k=hf["num_experts_per_tok"],
-        ffn_size=hf["intermediate_size"],
+        ffn_size=hf["moe_intermediate_size"],
+        normalize_top_k=bool(hf.get("norm_topk_prob", False)),
         aux_loss_coefficient=float(hf.get("router_aux_loss_coef", 0.001)),
     )
+
+
+def _rope_from_hf(hf: JsonDict, source: Path) -> tuple[float, RopeScalingConfig | None]:
+    """RoPE base and scaling from ``rope_parameters`` (transformers >= 5) or ``rope_theta``/``rope_scaling``."""
+    rope: JsonDict = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0)
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor={partial} is not supported; only whole heads rotated")
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in ("linear", "llama3"):
+        raise ValueError(
+            f"{source}: rope_type={rope_type!r} is not supported; import-hf reads 'default', 'linear' and 'llama3'"
+        )
+    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    scaling = {k: rope[k] for k in fields if k in rope}
+    return theta, RopeScalingConfig(rope_type=rope_type, **scaling)
 
 
 def _arch_from_hf(hf: JsonDict, source: Path) -> TransformerArchitectureConfig:
     kind = hf.get("model_type")
     archs = hf.get("architectures") or []
-    if kind not in _ARCHITECTURES or any(a != _ARCHITECTURES[kind] for a in archs):
+    family = FAMILIES.get(str(kind))
+    if family is None or any(a != family.architecture for a in archs):
         raise ValueError(
-            f"{source}: model_type={kind!r}, architectures={archs} is not a Llama or Mixtral checkpoint; "
-            "import-hf reads model_type='llama' / LlamaForCausalLM and 'mixtral' / MixtralForCausalLM"
-        )
-    # transformers >= 5 writes rope_parameters={"rope_theta", "rope_type"}; older versions rope_theta/rope_scaling.
-    rope = dict(hf.get("rope_parameters") or {})
-    rope_type = rope.get("rope_type", "default")
-    if hf.get("rope_scaling") or rope_type != "default":
-        raise ValueError(
-            f"{source}: rope_scaling={hf.get('rope_scaling')}, rope_type={rope_type!r} is not supported; "
-            "only plain RoPE (rope_type='default')"
+            f"{source}: model_type={kind!r}, architectures={archs} is not a checkpoint import-hf reads; "
+            f"it reads {_NAMES}"
         )
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
-    if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
+    windows = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
+    if hf.get("use_sliding_window") or windows:
+        raise ValueError(
+            f"{source}: use_sliding_window={hf.get('use_sliding_window')}, layer_types with {windows[:1]} is not "
+            "supported; only full attention"
+        )
+    bias = bool(hf.get("attention_bias", False))
+    if kind == "llama" and bias != bool(hf.get("mlp_bias", False)):
         raise ValueError(
             f"{source}: attention_bias={hf.get('attention_bias')} with mlp_bias={hf.get('mlp_bias')}; our "
             "transformer_architecture.bias switches both together"
         )
+    if kind != "llama" and bias:
+        raise ValueError(f"{source}: attention_bias=True is not supported for model_type={kind!r}")
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    if head_dim * heads != hf["hidden_size"]:
-        raise ValueError(f"{source}: head_dim={head_dim} x {heads} heads != hidden_size={hf['hidden_size']}")
+    rotary_base, rope_scaling = _rope_from_hf(hf, source)
     return TransformerArchitectureConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"],
         num_attention_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=None if head_dim * heads == hf["hidden_size"] else head_dim,
         mlp_type="swiglu",
         intermediate_size=hf["intermediate_size"],
         norm="rmsnorm",
         norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rotary_base=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+        rotary_base=rotary_base,
+        rope_scaling=rope_scaling,
         max_sequence_length=hf.get("max_position_embeddings", 2048),
-        bias=bool(hf.get("attention_bias", False)),
+        bias=bias,
+        qkv_bias=family.qkv_bias_only,
+        qk_norm=family.qk_norm,
         tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        moe=_moe_from_hf(hf, source) if kind == "mixtral" else None,
+        moe=_moe_from_hf(hf, str(kind), source) if family.moe_module else None,
     )
 
 
-def _check_exportable(arch: TransformerArchitectureConfig) -> None:
+def _check_exportable(arch: TransformerArchitectureConfig) -> str:
+    """The family ``arch`` exports as; raises ValueError naming the fields no family has."""
+    kind = family_of(arch)
     wrong: dict[str, tuple[object, object]] = {
         "mlp_type": (arch.mlp_type, "swiglu"),
         "norm": (arch.norm, "rmsnorm"),
         "rotary_percentage": (arch.rotary_percentage, 1.0),
         "rotary_interleaved": (arch.rotary_interleaved, False),
-        "qk_norm": (arch.qk_norm, False),
         "causal": (arch.causal, True),
     }
+    if kind != "llama":
+        wrong["bias"] = (arch.bias, False)
+    if kind in ("qwen3", "qwen3_moe", "mixtral"):
+        wrong["qkv_bias"] = (arch.qkv_bias, False)
     moe = arch.moe
     if moe is not None:
         wrong.update(
             {
-                "moe.every": (moe.every, 1),
                 "moe.num_shared_experts": (moe.num_shared_experts, 0),
                 "moe.score_function": (moe.score_function, "softmax"),
-                # Mixtral's router has no bias: an aux-loss-free model would route differently.
+                # Their routers have no bias: an aux-loss-free model would route differently.
                 "moe.balancing": ("aux_loss_free" if moe.balancing == "aux_loss_free" else "aux_loss", "aux_loss"),
-                "bias": (arch.bias, False),
             }
         )
+        if kind == "mixtral":
+            wrong.update({"moe.every": (moe.every, 1), "moe.normalize_top_k": (moe.normalize_top_k, True)})
     bad = {k: v for k, (v, want) in wrong.items() if v != want}
     if bad:
         raise ValueError(
-            f"export-hf writes the Llama or Mixtral architecture, which needs {', '.join(f'{k}={wrong[k][1]!r}' for k in bad)}; "
-            f"this model has {bad}"
+            f"export-hf writes this model as {FAMILIES[kind].architecture}, which needs "
+            f"{', '.join(f'{k}={wrong[k][1]!r}' for k in bad)}; this model has {bad}"
         )
+    return kind
 
 
 def _mapping(arch: TransformerArchitectureConfig) -> dict[str, str]:
     """Our parameter name -> HF name (the fused qkv excluded)."""
+    family = FAMILIES[family_of(arch)]
     n = arch.num_layers
     names = {
         "layers.0.embedding.weight": "model.embed_tokens.weight",
@@ -145,12 +229,15 @@ def _mapping(arch: TransformerArchitectureConfig) -> dict[str, str]:
         names[f"{ours}.input_norm.weight"] = f"{hf}.input_layernorm.weight"
         names[f"{ours}.attention.dense.weight"] = f"{hf}.self_attn.o_proj.weight"
         names[f"{ours}.mlp_norm.weight"] = f"{hf}.post_attention_layernorm.weight"
-        if arch.moe is not None:
-            moe = f"{hf}.block_sparse_moe"
+        if arch.qk_norm:
+            names[f"{ours}.attention.q_norm"] = f"{hf}.self_attn.q_norm.weight"
+            names[f"{ours}.attention.k_norm"] = f"{hf}.self_attn.k_norm.weight"
+        if arch.moe is not None and (i + 1) % arch.moe.every == 0:
+            moe = f"{hf}.{family.moe_module}"
             names[f"{ours}.mlp.router"] = f"{moe}.gate.weight"
             for e in range(arch.moe.num_experts):
-                for proj, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
-                    names[f"{ours}.mlp.experts.{e}.{proj}"] = f"{moe}.experts.{e}.{w}.weight"
+                for proj, theirs in zip(("gate", "up", "down"), family.expert_names):
+                    names[f"{ours}.mlp.experts.{e}.{proj}"] = f"{moe}.experts.{e}.{theirs}.weight"
             continue
         for proj in ("gate_proj", "up_proj", "down_proj"):
             names[f"{ours}.mlp.{proj}.weight"] = f"{hf}.mlp.{proj}.weight"
@@ -161,6 +248,10 @@ def _mapping(arch: TransformerArchitectureConfig) -> dict[str, str]:
     return names
 
 
+def _qkv_suffixes(arch: TransformerArchitectureConfig) -> tuple[str, ...]:
+    return ("weight", "bias") if arch.bias or arch.qkv_bias else ("weight",)
+
+
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nkv: int) -> torch.Tensor:
     rest = q.shape[1:]
     return torch.cat([q.reshape(nkv, -1, *rest), k.reshape(nkv, -1, *rest), v.reshape(nkv, -1, *rest)], 1).reshape(
@@ -169,7 +260,7 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nkv: int) -> to
 
 
 def _split_qkv(qkv: torch.Tensor, arch: TransformerArchitectureConfig) -> tuple[torch.Tensor, ...]:
-    nkv, d = arch.kv_heads, arch.hidden_size // arch.num_attention_heads
+    nkv, d = arch.kv_heads, arch.head_size
     r = arch.num_attention_heads // nkv
     groups = qkv.reshape(nkv, (r + 2) * d, *qkv.shape[1:])
     q, k, v = groups.split([r * d, d, d], dim=1)
@@ -198,10 +289,11 @@ def _output_folder(path: str | Path) -> Path:
 
 
 def import_hf(hf_dir: str | Path, output_dir: str | Path) -> Path:
-    """Convert a Llama or Mixtral HF folder into ``output_dir/config.yml`` and ``output_dir/checkpoint``.
+    """Convert an HF folder of a family in :data:`FAMILIES` into ``output_dir/config.yml`` and
+    ``output_dir/checkpoint``.
 
     Raises:
-        ValueError: for another architecture or unsupported settings (named).
+        ValueError: for another architecture, unsupported settings, or a tensor the folder lacks (named).
         FileNotFoundError: when ``config.json`` or the safetensors files are missing.
     """
     from safetensors import SafetensorError
@@ -234,12 +326,21 @@ def import_hf(hf_dir: str | Path, output_dir: str | Path) -> Path:
     )
     model = TransformerLM(arch)
     params = dict(model.named_parameters())
+    mapping = _mapping(arch)
+    qkv = [f"model.layers.{i}.self_attn.{x}_proj.{suffix}" for i in range(arch.num_layers) for x in "qkv"
+           for suffix in _qkv_suffixes(arch)]  # fmt: skip
+    missing = [name for name in [*mapping.values(), *qkv] if name not in hf_state]
+    if missing:
+        raise ValueError(
+            f"{hf_dir}: the safetensors files lack {len(missing)} tensor(s) a {hf_config.get('model_type')} model of "
+            f"this config.json has, e.g. {missing[:3]}; is the folder complete?"
+        )
     with torch.no_grad():
-        for ours, theirs in _mapping(arch).items():
+        for ours, theirs in mapping.items():
             params[ours].copy_(hf_state[theirs])
         for i in range(arch.num_layers):
             p = f"model.layers.{i}.self_attn"
-            for suffix in ("weight", "bias") if arch.bias else ("weight",):
+            for suffix in _qkv_suffixes(arch):
                 q, k, v = (hf_state[f"{p}.{x}_proj.{suffix}"] for x in "qkv")
                 fused = _fuse_qkv(q, k, v, arch.kv_heads)
                 params[f"layers.{i + 1}.attention.qkv.{suffix}"].copy_(fused)
@@ -249,14 +350,67 @@ def import_hf(hf_dir: str | Path, output_dir: str | Path) -> Path:
     return out
 
 
+def _hf_config(arch: TransformerArchitectureConfig, kind: str) -> JsonDict:
+    """The ``config.json`` of ``arch`` as HF model type ``kind`` (read by transformers 4 and 5)."""
+    rope: JsonDict = {"rope_theta": arch.rotary_base, "rope_type": "default"}
+    if arch.rope_scaling is not None:
+        rope = {"rope_theta": arch.rotary_base, **arch.rope_scaling.as_dict()}
+    hf: JsonDict = {
+        "architectures": [FAMILIES[kind].architecture],
+        "model_type": kind,
+        "vocab_size": arch.vocab_size,
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.ffn_size,
+        "num_hidden_layers": arch.num_layers,
+        "num_attention_heads": arch.num_attention_heads,
+        "num_key_value_heads": arch.kv_heads,
+        "head_dim": arch.head_size,
+        "hidden_act": "silu",
+        "max_position_embeddings": arch.max_sequence_length,
+        "rms_norm_eps": arch.norm_eps,
+        "rope_theta": arch.rotary_base,
+        "rope_parameters": rope,
+        "tie_word_embeddings": arch.tied_embeddings,
+        "torch_dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[arch.precision],
+    }
+    if arch.rope_scaling is not None:  # transformers 4 reads the scaling from here
+        hf["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if kind == "llama":
+        hf.update(attention_bias=arch.bias, mlp_bias=arch.bias)
+    if kind in ("qwen2", "qwen3", "qwen3_moe"):
+        hf.update(use_sliding_window=False, sliding_window=None)
+    if kind in ("qwen3", "qwen3_moe"):
+        hf.update(attention_bias=False)
+    moe = arch.moe
+    if moe is not None:
+        hf.update(
+            num_experts_per_tok=moe.top_k,
+            router_aux_loss_coef=moe.aux_loss_coefficient,
+            output_router_logits=False,
+        )
+    if moe is not None and kind == "mixtral":
+        hf.update(
+            intermediate_size=moe.ffn_size or arch.ffn_size, num_local_experts=moe.num_experts, sliding_window=None
+        )
+    if moe is not None and kind == "qwen3_moe":
+        hf.update(
+            moe_intermediate_size=moe.ffn_size or arch.ffn_size,
+            num_experts=moe.num_experts,
+            norm_topk_prob=moe.normalize_top_k,
+            decoder_sparse_step=moe.every,
+            mlp_only_layers=[],
+        )
+    return hf
+
+
 def export_hf(
     checkpoint: str | Path,
     output_dir: str | Path,
     config_path: str | Path | None = None,
     tokenizer: str | Path | None = None,
 ) -> Path:
-    """Write a checkpoint of any layout as a Llama (or, with MoE blocks, Mixtral) HF folder (``config.json``,
-    ``model.safetensors``) with its tokenizer (``tokenizer.json``, ``tokenizer_config.json``,
+    """Write a checkpoint of any layout as an HF folder of its family (Llama, Qwen2, Qwen3, Mixtral or
+    Qwen3-MoE: :func:`family_of`; ``config.json``, ``model.safetensors``) with its tokenizer (``tokenizer.json``, ``tokenizer_config.json``,
     ``generation_config.json``), so ``AutoTokenizer``, ``AutoModelForCausalLM`` and
     ``pipeline("text-generation")`` load the folder as it is.
 
@@ -268,7 +422,7 @@ def export_hf(
         The folder (``tokenizer.json`` is in it when a tokenizer was found).
 
     Raises:
-        ValueError: when the architecture is not Llama- or Mixtral-compatible (the fields are named),
+        ValueError: when the architecture fits no family (the fields are named),
             or the tokenizer has more tokens than the model's vocabulary.
         FileNotFoundError: ``tokenizer`` was given and does not exist.
     """
@@ -278,7 +432,7 @@ def export_hf(
     config = TransformerConfig.from_yaml(config_path) if config_path is not None else None
     model, config = load_model(checkpoint, config)
     arch = config.transformer_architecture
-    _check_exportable(arch)
+    kind = _check_exportable(arch)
     if tokenizer is not None and not Path(tokenizer).is_file():
         raise FileNotFoundError(f"--tokenizer {str(tokenizer)!r} does not exist; give the path of a tokenizer.json")
     found = Path(tokenizer or config.data.tokenizer_path or default_paths(config.data.default_corpus_dir)["tokenizer"])
@@ -287,38 +441,10 @@ def export_hf(
     state = {theirs: params[ours].detach().contiguous() for ours, theirs in _mapping(arch).items()}
     for i in range(arch.num_layers):
         p = f"model.layers.{i}.self_attn"
-        for suffix in ("weight", "bias") if arch.bias else ("weight",):
+        for suffix in _qkv_suffixes(arch):
             q, k, v = _split_qkv(params[f"layers.{i + 1}.attention.qkv.{suffix}"].detach(), arch)
             state.update({f"{p}.q_proj.{suffix}": q, f"{p}.k_proj.{suffix}": k, f"{p}.v_proj.{suffix}": v})
-    kind = "llama" if arch.moe is None else "mixtral"
-    hf_config: JsonDict = {
-        "architectures": [_ARCHITECTURES[kind]],
-        "model_type": kind,
-        "vocab_size": arch.vocab_size,
-        "hidden_size": arch.hidden_size,
-        "intermediate_size": arch.ffn_size,
-        "num_hidden_layers": arch.num_layers,
-        "num_attention_heads": arch.num_attention_heads,
-        "num_key_value_heads": arch.kv_heads,
-        "head_dim": arch.hidden_size // arch.num_attention_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": arch.max_sequence_length,
-        "rms_norm_eps": arch.norm_eps,
-        "rope_theta": arch.rotary_base,
-        "rope_parameters": {"rope_theta": arch.rotary_base, "rope_type": "default"},
-        "attention_bias": arch.bias,
-        "mlp_bias": arch.bias,
-        "tie_word_embeddings": arch.tied_embeddings,
-        "torch_dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[arch.precision],
-    }
-    if arch.moe is not None:
-        hf_config.update(
-            intermediate_size=arch.moe.ffn_size or arch.ffn_size,
-            num_local_experts=arch.moe.num_experts,
-            num_experts_per_tok=arch.moe.top_k,
-            router_aux_loss_coef=arch.moe.aux_loss_coefficient,
-            sliding_window=None,
-        )
+    hf_config = _hf_config(arch, kind)
     out.mkdir(parents=True, exist_ok=True)
     if shipped is not None:
         hf_config.update(_write_tokenizer(shipped, out, arch))

@@ -94,8 +94,8 @@ def _padded_block(block: TransformerBlock, x_bsh: torch.Tensor, cache: KVCache, 
     h = block.input_norm(x_bsh)
     q, k, v = attn._project(h)
     if attn.qk_norm:
-        q = F.rms_norm(q, (attn.head_dim,), attn.q_norm, 1e-6)
-        k = F.rms_norm(k, (attn.head_dim,), attn.k_norm, 1e-6)
+        q = F.rms_norm(q, (attn.head_dim,), attn.q_norm, attn.qk_norm_eps)
+        k = F.rms_norm(k, (attn.head_dim,), attn.k_norm, attn.qk_norm_eps)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     s, offset = q.shape[2], cache.seq_len
     positions_bt = (real_bt.long().cumsum(-1) - 1).clamp(min=0)

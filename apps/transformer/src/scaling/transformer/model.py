@@ -161,13 +161,17 @@ class TransformerBlock(BaseLayer[TransformerLayerIO, TransformerLayerIO]):
                 arch.hidden_size,
                 arch.num_attention_heads,
                 arch.kv_heads,
+                head_dim=arch.head_size,
                 bias=arch.bias,
+                qkv_bias=arch.bias or arch.qkv_bias,
                 dtype=arch.dtype,
                 causal=arch.causal,
                 rotary_percentage=arch.rotary_percentage,
                 rotary_base=arch.rotary_base,
                 rotary_interleaved=arch.rotary_interleaved,
+                rotary_scaling=None if arch.rope_scaling is None else arch.rope_scaling.to_nn(),
                 qk_norm=arch.qk_norm,
+                qk_norm_eps=arch.norm_eps,
                 attention_dropout=arch.attention_dropout,
                 sequence_parallel=arch.sequence_parallel,
                 checkpoint_core_attention=arch.activation_checkpointing == "selective",
@@ -190,6 +194,7 @@ class TransformerBlock(BaseLayer[TransformerLayerIO, TransformerLayerIO]):
                     arch.moe.num_experts,
                     top_k=arch.moe.top_k,
                     score_function=arch.moe.score_function,
+                    normalize_top_k=arch.moe.normalize_top_k,
                     num_shared_experts=arch.moe.num_shared_experts,
                     balancing=arch.moe.balancing,
                     aux_loss_coefficient=arch.moe.aux_loss_coefficient,
@@ -325,8 +330,10 @@ class TransformerLoss:
 
 
 def flops_per_token(arch: TransformerArchitectureConfig, sequence_length: int) -> float:
-    """Training FLOPs per token: ``6 N + 12 L H S`` (N active parameters, L layers, H hidden, S sequence)."""
-    return 6.0 * arch.num_parameters(active=True) + 12.0 * arch.num_layers * arch.hidden_size * sequence_length
+    """Training FLOPs per token: ``6 N + 12 L H S`` (N active parameters, L layers, H the attention width:
+    heads × head size, the hidden size unless ``head_dim`` is set; S sequence)."""
+    width = arch.num_attention_heads * arch.head_size
+    return 6.0 * arch.num_parameters(active=True) + 12.0 * arch.num_layers * width * sequence_length
 
 
 def check_fp8(config: TransformerConfig) -> None:

@@ -53,7 +53,7 @@ from scaling.nn._mlp import ParallelMLP, ParallelSwiGLUMLP
 from scaling.nn._moe import MoEConfig, ParallelMoE, check_moe
 from scaling.nn._norm import LayerNorm, RMSNorm, reduce_sequence_parallel_gradients
 from scaling.nn._peft import export_peft_adapter, load_peft_adapter, write_peft_adapter
-from scaling.nn._rotary import KVCache, RotaryEmbedding
+from scaling.nn._rotary import KVCache, RopeScaling, RotaryEmbedding
 
 __all__ = [
     "AttentionConfig",
@@ -76,6 +76,7 @@ __all__ = [
     "ParallelSwiGLUMLP",
     "ParameterMeta",
     "RMSNorm",
+    "RopeScaling",
     "RotaryEmbedding",
     "RowParallelLinear",
     "TensorParallelLinear",

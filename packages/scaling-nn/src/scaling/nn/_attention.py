@@ -57,7 +57,13 @@ from scaling.nn._init import (
     tp_info,
 )
 from scaling.nn._linear import ColumnParallelLinear, RowParallelLinear
-from scaling.nn._rotary import KVCache, RotaryEmbedding, document_ids_and_positions, packed_attention_mask
+from scaling.nn._rotary import (
+    KVCache,
+    RopeScaling,
+    RotaryEmbedding,
+    document_ids_and_positions,
+    packed_attention_mask,
+)
 from scaling.topology import zigzag_indices
 
 if TYPE_CHECKING:
@@ -109,6 +115,7 @@ class AttentionConfig:
         num_kv_heads: key/value heads (default: ``num_attention_heads``; 1 is MQA).
         head_dim: channels per head (default ``hidden_size // num_attention_heads``).
         bias: biases on the QKV and output projections.
+        qkv_bias: biases on the QKV projection (Qwen2's layout: no output bias); None: ``bias``.
         dtype: parameter dtype.
         fused_qkv: one ``qkv`` projection (layout in the module docstring) instead of
             ``query``, ``key``, ``value``.
@@ -116,7 +123,9 @@ class AttentionConfig:
         rotary_percentage: fraction of each head rotated by RoPE; 0 disables RoPE.
         rotary_base: RoPE frequency base.
         rotary_interleaved: interleaved instead of half-split RoPE channel pairs.
+        rotary_scaling: RoPE frequency scaling for long contexts (:class:`RopeScaling`).
         qk_norm: RMS-normalise queries and keys per head (weights ``q_norm``, ``k_norm``).
+        qk_norm_eps: epsilon of those norms.
         attention_dropout: dropout on the attention probabilities (training only).
         sequence_parallel: input and output split along dim 1 over TP.
         checkpoint_core_attention: recompute softmax(QK^T)V in the backward (selective
@@ -136,13 +145,16 @@ class AttentionConfig:
     num_kv_heads: int | None = None
     head_dim: int | None = None
     bias: bool = True
+    qkv_bias: bool | None = None
     dtype: torch.dtype = torch.float32
     fused_qkv: bool = True
     causal: bool = True
     rotary_percentage: float = 1.0
     rotary_base: float = 10000.0
     rotary_interleaved: bool = False
+    rotary_scaling: RopeScaling | None = None
     qk_norm: bool = False
+    qk_norm_eps: float = 1e-6
     attention_dropout: float = 0.0
     sequence_parallel: bool = False
     checkpoint_core_attention: bool = False
@@ -236,9 +248,10 @@ class ParallelSelfAttention(torch.nn.Module):
         self.attention_dropout, self.rng_tracker = c.attention_dropout, rng_tracker
         self.checkpoint_core_attention = c.checkpoint_core_attention
         init = c.init_method or default_weight_init
+        qkv_bias = c.bias if c.qkv_bias is None else c.qkv_bias
         column = partial(
             ColumnParallelLinear,
-            bias=c.bias,
+            bias=qkv_bias,
             dtype=c.dtype,
             init_method=init,
             sequence_parallel=c.sequence_parallel,
@@ -250,8 +263,8 @@ class ParallelSelfAttention(torch.nn.Module):
         else:
             self.query = column(hidden_size, nq * d)
             if self.kv_replicated:
-                key = _ReplicatedLinear(hidden_size, nkv * d, c.bias, tp_, c.dtype, init)
-                value = _ReplicatedLinear(hidden_size, nkv * d, c.bias, tp_, c.dtype, init)
+                key = _ReplicatedLinear(hidden_size, nkv * d, qkv_bias, tp_, c.dtype, init)
+                value = _ReplicatedLinear(hidden_size, nkv * d, qkv_bias, tp_, c.dtype, init)
                 group_index = tp_.rank * nkv // tp_.size
                 for proj in (key, value):
                     proj.rows = (group_index * d, (group_index + 1) * d)
@@ -261,14 +274,14 @@ class ParallelSelfAttention(torch.nn.Module):
                 self.key = column(hidden_size, nkv * d)
                 self.value = column(hidden_size, nkv * d)
         self.rotary = (
-            RotaryEmbedding(d, c.rotary_percentage, c.rotary_base, c.rotary_interleaved)
+            RotaryEmbedding(d, c.rotary_percentage, c.rotary_base, c.rotary_interleaved, c.rotary_scaling)
             if c.rotary_percentage > 0
             else None
         )
         if c.qk_norm:
             self.q_norm = sharded_parameter((d,), torch.nn.init.ones_, tp_, None, c.dtype, "q_norm")
             self.k_norm = sharded_parameter((d,), torch.nn.init.ones_, tp_, None, c.dtype, "k_norm")
-        self.qk_norm = c.qk_norm
+        self.qk_norm, self.qk_norm_eps = c.qk_norm, c.qk_norm_eps
         self.dense = RowParallelLinear(
             nq * d,
             hidden_size,
@@ -349,8 +362,9 @@ class ParallelSelfAttention(torch.nn.Module):
         b, s = q.shape[0], q.shape[1]
         if self.qk_norm:
             group = self._tp.group
-            q = F.rms_norm(q, (self.head_dim,), copy_to_model_parallel_region(self.q_norm, group), 1e-6)
-            k = F.rms_norm(k, (self.head_dim,), copy_to_model_parallel_region(self.k_norm, group), 1e-6)
+            eps = self.qk_norm_eps
+            q = F.rms_norm(q, (self.head_dim,), copy_to_model_parallel_region(self.q_norm, group), eps)
+            k = F.rms_norm(k, (self.head_dim,), copy_to_model_parallel_region(self.k_norm, group), eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, n, s, d]
         if self._cp_size > 1:
             if kv_cache is not None:

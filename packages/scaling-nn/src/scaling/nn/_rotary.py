@@ -5,9 +5,72 @@ Shape legend: b batch, h heads, s query length, k key length, d head dim.
 
 from __future__ import annotations
 
+import math
 import weakref
+from dataclasses import dataclass
 
 import torch
+
+ROPE_SCALING_TYPES = ("linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Frequency scaling of RoPE for contexts longer than pretraining (HF's ``rope_parameters``).
+
+    Attributes:
+        rope_type: ``"linear"`` (every frequency divided by ``factor``: position
+            interpolation) or ``"llama3"`` (Llama 3.1+: wavelengths longer than
+            ``original_max_position_embeddings / low_freq_factor`` divided by ``factor``,
+            those shorter than ``original_max_position_embeddings / high_freq_factor``
+            kept, and a smooth blend in between).
+        factor: how much longer the context is than the pretraining one; > 0.
+        low_freq_factor, high_freq_factor: the band edges (``"llama3"`` only);
+            ``high_freq_factor > low_freq_factor > 0``.
+        original_max_position_embeddings: the pretraining context (``"llama3"`` only).
+
+    Raises:
+        ValueError: an unknown ``rope_type`` or a value outside its range (named).
+
+    Example::
+
+        RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)  # Llama 3.1
+    """
+
+    rope_type: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_SCALING_TYPES:
+            raise ValueError(f"RopeScaling: rope_type={self.rope_type!r}; choose one of {ROPE_SCALING_TYPES}")
+        if not self.factor > 0:
+            raise ValueError(f"RopeScaling: factor={self.factor} must be > 0")
+        if self.rope_type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                f"RopeScaling: low_freq_factor={self.low_freq_factor}, high_freq_factor={self.high_freq_factor}; "
+                "llama3 scaling needs 0 < low_freq_factor < high_freq_factor"
+            )
+        if self.original_max_position_embeddings < 1:
+            raise ValueError(
+                f"RopeScaling: original_max_position_embeddings={self.original_max_position_embeddings} must be >= 1"
+            )
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """The scaled inverse frequencies (same dtype as ``inv_freq``)."""
+        if self.rope_type == "linear":
+            return inv_freq / self.factor
+        context = self.original_max_position_embeddings
+        wavelength = 2 * math.pi / inv_freq
+        long = wavelength > context / self.low_freq_factor
+        short = wavelength < context / self.high_freq_factor
+        # 0 at the long-wavelength edge of the band, 1 at the short one.
+        smooth = (context / wavelength - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        blended = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        return torch.where(long, inv_freq / self.factor, torch.where(short, inv_freq, blended))
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -20,6 +83,7 @@ class RotaryEmbedding(torch.nn.Module):
         base: frequency base (``theta``).
         interleaved: rotate channel pairs ``(0, 1), (2, 3), ...`` (GPT-J / Meta Llama
             checkpoints) instead of the half-split pairs ``(i, i + r/2)`` (GPT-NeoX / HF Llama).
+        scaling: frequency scaling for long contexts (:class:`RopeScaling`); None: none.
 
     Raises:
         ValueError: when ``rotary_percentage`` is outside ``(0, 1]`` or leaves no channel.
@@ -28,7 +92,12 @@ class RotaryEmbedding(torch.nn.Module):
     inv_freq: torch.Tensor  # registered buffer
 
     def __init__(
-        self, head_dim: int, rotary_percentage: float = 1.0, base: float = 10000.0, interleaved: bool = False
+        self,
+        head_dim: int,
+        rotary_percentage: float = 1.0,
+        base: float = 10000.0,
+        interleaved: bool = False,
+        scaling: RopeScaling | None = None,
     ) -> None:
         super().__init__()
         rotary_dim = int(head_dim * rotary_percentage)
@@ -40,8 +109,10 @@ class RotaryEmbedding(torch.nn.Module):
             )
         self.rotary_dim = rotary_dim
         self.interleaved = interleaved
-        self.base = base
+        self.base, self.scaling = base, scaling
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+        if scaling is not None:
+            inv_freq = scaling.apply(inv_freq)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def forward(self, x_bhsd: torch.Tensor, positions_bs: torch.Tensor) -> torch.Tensor:
@@ -66,7 +137,8 @@ class RotaryEmbedding(torch.nn.Module):
         return rotated if whole else torch.cat((rotated, x_bhsd[..., r:]), dim=-1)
 
     def extra_repr(self) -> str:
-        return f"rotary_dim={self.rotary_dim}, base={self.base}, interleaved={self.interleaved}"
+        scaling = "" if self.scaling is None else f", scaling={self.scaling}"
+        return f"rotary_dim={self.rotary_dim}, base={self.base}, interleaved={self.interleaved}{scaling}"
 
 
 class KVCache:
