@@ -395,3 +395,33 @@ def test_import_and_export_refuse_bad_arguments_in_one_line(tmp_path, capsys, mo
     err = capsys.readouterr().err
     assert code == 2 and said in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "out").exists() and not (tmp_path / "back").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_export_of_a_qwen3_moe_trained_at_ep2_tp2_pp2_loads_in_transformers(tiny_corpus, tmp_path):
+    """import-hf, train 2 steps at dp2·ep2·tp2·pp2 (8 ranks), export-hf: from_pretrained gives the
+    logits of our one-process model of that checkpoint (1e-5) and the same greedy tokens, and the
+    weights moved (the export is of the trained model, not the import)."""
+    model_cls, config = _family("qwen3-moe", vocab_size=TINY_VOCAB)
+    hf_model = _saved(tmp_path, model_cls, config())
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    save = tmp_path / "trained"
+    trainer = {"load_dir": str(tmp_path / "ours" / CHECKPOINT_SUBDIR), "load_optimizer_states": False,
+               "load_context": False, "save_dir": str(save), "save_interval": 2}  # fmt: skip
+    cfg = tiny_config(tiny_corpus, dp=2, tp=2, pp=2, steps=2, trainer=trainer, topology={"expert_parallel_size": 2})
+    cfg["transformer_architecture"] = yaml.safe_load((tmp_path / "ours" / "config.yml").read_text())[
+        "transformer_architecture"
+    ]
+    run_distributed(train_worker, 8, cfg, timeout_seconds=300)
+    assert main(["export-hf", str(save), str(tmp_path / "back")]) == 0
+    ours, _ = load_model(save)
+    back = model_cls.from_pretrained(tmp_path / "back").eval()
+    ids = torch.randint(0, TINY_VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = ours(ids)
+        torch.testing.assert_close(back(ids).logits, expected, rtol=1e-5, atol=1e-5)
+        assert (expected - hf_model(ids).logits).abs().max() > 1e-4  # trained: not the imported weights
+    prompt = ids[:1, :5]
+    hf_tokens = back.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)[0, 5:].tolist()
+    assert generate(ours, [prompt[0].tolist()], 8) == [hf_tokens]

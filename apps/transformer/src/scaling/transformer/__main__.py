@@ -1,13 +1,14 @@
-"""`scaling-transformer` (or `python -m scaling.transformer`): preprocess | train | generate | import-hf | export-hf.
+"""`scaling-transformer` (or `python -m scaling.transformer`): preprocess | train | generate | import-hf | export-hf | presets.
 
 scaling-transformer preprocess                      # build the default corpus and tokenizer
 scaling-transformer train                           # train the bundled config (1 CPU process)
 scaling-transformer train my.yml topology.model_parallel_size=2 runner.nproc_per_node=2
 scaling-transformer train --template                # every setting, commented
 scaling-transformer generate --checkpoint runs/transformer/checkpoints --prompt "def "
-scaling-transformer import-hf HF_DIR OUT_DIR        # Llama safetensors -> our checkpoint + config.yml
-scaling-transformer export-hf OUT_DIR HF_DIR        # ours -> Llama config.json + safetensors
+scaling-transformer import-hf HF_DIR OUT_DIR        # Llama/Qwen/Mixtral safetensors -> our checkpoint + config.yml
+scaling-transformer export-hf OUT_DIR HF_DIR        # ours -> the family's config.json + safetensors
 scaling-transformer export-hf CKPT HF_DIR --peft-dir ADAPTER_DIR   # + the LoRA adapter in PEFT format
+scaling-transformer presets                         # the named architectures (transformer_architecture.preset)
 """
 
 from __future__ import annotations
@@ -138,6 +139,22 @@ def _export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _presets(args: argparse.Namespace) -> int:
+    from scaling.transformer.config import TransformerArchitectureConfig
+    from scaling.transformer.hf import FAMILIES, family_of
+    from scaling.transformer.presets import PRESETS
+
+    print(f"{'preset':<16} {'exports as':<20} {'layers':>6} {'hidden':>6} {'parameters':>15} {'active':>15}")
+    for name in PRESETS:
+        arch = TransformerArchitectureConfig(preset=name)
+        family = FAMILIES[family_of(arch)].architecture
+        print(
+            f"{name:<16} {family:<20} {arch.num_layers:>6} {arch.hidden_size:>6} "
+            f"{arch.num_parameters():>15,} {arch.num_parameters(active=True):>15,}"
+        )
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scaling-transformer", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -163,11 +180,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=_generate)
-    p = sub.add_parser("import-hf", help="Llama-architecture HF folder -> our checkpoint + config.yml")
+    p = sub.add_parser(
+        "import-hf", help="HF folder (Llama, Qwen2/3, Qwen3-MoE, Mixtral) -> our checkpoint + config.yml"
+    )
     p.add_argument("hf_dir")
     p.add_argument("output")
     p.set_defaults(fn=_import_hf)
-    p = sub.add_parser("export-hf", help="our checkpoint -> Llama-architecture HF folder")
+    p = sub.add_parser("export-hf", help="our checkpoint -> an HF folder of its family")
     p.add_argument("checkpoint")
     p.add_argument("output")
     p.add_argument("--config", default=None, help="config YAML (default: the one saved with the checkpoint)")
@@ -178,6 +197,8 @@ def _parser() -> argparse.ArgumentParser:
         "--peft-dir", default=None, help="also write the LoRA adapter (finetuning.method=lora) as a PEFT folder"
     )
     p.set_defaults(fn=_export_hf)
+    p = sub.add_parser("presets", help="list the named architectures (transformer_architecture.preset)")
+    p.set_defaults(fn=_presets)
     return parser
 
 

@@ -82,6 +82,12 @@ class RopeScalingConfig(BaseConfig):
 class TransformerArchitectureConfig(BaseConfig):
     """The shape of a GPT/Llama-style decoder."""
 
+    preset: str | None = Field(
+        None,
+        description="Start from a named architecture (`scaling-transformer presets` lists them: llama3_8b, "
+        "qwen3_30b_a3b, tiny_llama3, ...); fields set beside it replace the preset's.",
+    )
+
     vocab_size: int = Field(
         1024,
         ge=1,
@@ -159,6 +165,13 @@ class TransformerArchitectureConfig(BaseConfig):
         description="With topology.context_parallel_size > 1: 'ring' passes key/value blocks round the CP ranks; "
         "'all_to_all' trades heads for sequence (needs the heads of a TP rank to divide by the CP size).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: object) -> object:
+        from scaling.transformer.presets import apply_preset
+
+        return apply_preset(data) if isinstance(data, dict) else data
 
     @property
     def kv_heads(self) -> int:
