@@ -90,7 +90,12 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
         (["transformer_architecture.moe.top_k=9"], r"top_k=9 must be between 1 and num_experts=8"),
         (
             ["transformer_architecture.moe.every=3"],  # 2 blocks: (i + 1) % 3 == 0 for neither
-            r"transformer_architecture.moe.every=3 is more than num_layers=2: no block would be a mixture of experts",
+            r"transformer_architecture.moe.every=3 with first_dense_layers=0 leaves none of the num_layers=2 blocks a "
+            "mixture of experts",
+        ),
+        (
+            ["transformer_architecture.moe.num_groups=3"],
+            r"num_groups=3 must divide num_experts=8 into groups of at least 2 experts .* \[1, 2, 4\]",
         ),
         (
             [
@@ -147,6 +152,7 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
         "ep-experts",
         "moe-top-k",
         "moe-no-block",
+        "moe-groups",
         "fp8-shape",
         "fp8-tokens",
         "vocab-beyond-uint32",

@@ -279,6 +279,22 @@ def test_moe_expert_parallel(tiny_corpus, reference_losses_moe, sizes, world):
     _check(run_distributed(train_worker, world, cfg, timeout_seconds=300), reference_losses_moe, f"moe {sizes}")
 
 
+# DeepSeek-V3's MoE: the first block dense, sigmoid scores with the aux-loss-free bias, 8 experts in
+# 4 groups of which a token's best 2 are open to it, top-2, weights times 2.5, a shared expert.
+DEEPSEEK_MOE = {"moe": {"first_dense_layers": 1, "num_experts": 8, "top_k": 2, "num_shared_experts": 1,
+                        "score_function": "sigmoid", "balancing": "aux_loss_free", "num_groups": 4, "top_groups": 2,
+                        "routed_scaling_factor": 2.5, "bias_update_rate": 0.01}}  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_deepseek_v3_moe_at_dp2_ep2_matches_one_process(tiny_corpus):
+    reference = _reference(tiny_corpus, DEEPSEEK_MOE)
+    cfg = tiny_config(tiny_corpus, dp=2, steps=STEPS, topology={"expert_parallel_size": 2})
+    cfg["transformer_architecture"].update(DEEPSEEK_MOE)
+    _check(run_distributed(train_worker, 2, cfg, timeout_seconds=180), reference, "deepseek-v3 moe dp2·ep2")
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_moe_checkpoint_resumes_at_another_expert_parallel_size(tiny_corpus, reference_losses_moe, tmp_path):

@@ -59,6 +59,54 @@ def test_matches_a_per_token_reference(score_function, shared):
     assert load.sum() == 2 * 5 * 2 and moe.last_aux_loss > 0
 
 
+def _deepseek_v3(num_groups, top_groups):
+    """transformers' DeepseekV3MoE (8 experts in 4 groups, 2 of them kept, top-2, scaling 2.5, a shared
+    expert, a correction bias) with random weights, and ours with its weights."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    config = transformers.DeepseekV3Config(hidden_size=H, moe_intermediate_size=FFN, n_routed_experts=8,
+                                           num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                           n_shared_experts=1, norm_topk_prob=True)  # fmt: skip
+    torch.manual_seed(0)
+    hf = DeepseekV3MoE(config)
+    with torch.no_grad():
+        for p in [*hf.parameters(), *hf.buffers()]:
+            p.normal_(0, 0.3)
+    ours = ParallelMoE(MoEConfig(H, FFN, 8, top_k=2, score_function="sigmoid", balancing="aux_loss_free",
+                                 num_shared_experts=1, num_groups=num_groups, top_groups=top_groups,
+                                 routed_scaling_factor=2.5))  # fmt: skip
+    with torch.no_grad():
+        ours.router.copy_(hf.gate.weight)
+        ours.expert_bias.copy_(hf.gate.e_score_correction_bias)
+        for e in range(8):
+            gate, up = hf.experts.gate_up_proj[e].chunk(2)
+            for name, w in (("gate", gate), ("up", up), ("down", hf.experts.down_proj[e])):
+                ours.experts[str(e)][name].copy_(w)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(ours.shared, name).weight.copy_(getattr(hf.shared_experts, name).weight)
+    return hf, ours
+
+
+def test_deepseek_v3_routing_matches_transformers():
+    """Sigmoid scores with the correction bias, group-limited top-k, renormalised and scaled, plus the
+    shared expert: transformers' DeepseekV3MoE output (fp32, 1e-5); without the group limit it differs."""
+    hf, ours = _deepseek_v3(4, 2)
+    x = torch.randn(2, 7, H, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(x)
+        close(ours(x), expected, "DeepSeek-V3 MoE output", rtol=1e-5)
+        _, ungrouped = _deepseek_v3(1, 1)
+        assert not torch.allclose(ungrouped(x), expected, atol=1e-3)
+
+
+def test_group_limited_routing_picks_within_the_best_groups():
+    torch.manual_seed(0)
+    moe = ParallelMoE(MoEConfig(H, FFN, 8, top_k=2, num_groups=4, top_groups=1))
+    _, top, _ = moe._route(torch.randn(3, 5, H))
+    assert (top // 2 == top[:, :1] // 2).all()  # both experts of a token in one group of 2
+
+
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason=f"torch {torch.__version__} has no _grouped_mm")
 @pytest.mark.parametrize(("dtype", "grouped_calls"), [(torch.bfloat16, 12), (torch.float32, 0)])
 def test_grouped_experts_equal_the_per_expert_loop_bitwise(monkeypatch, dtype, grouped_calls):
@@ -181,11 +229,12 @@ def test_aux_loss_free_bias_moves_once_per_step_by_the_step_s_load():
     close(moe(x), _reference_output(moe, x), "biased routing", rtol=1e-5)  # the bias picks, the scores weigh
 
 
-def _ep_parity(dp, tp, ep, sequence_parallel, dtype=torch.float32):
+def _ep_parity(dp, tp, ep, sequence_parallel, dtype=torch.float32, routing=None):
     topo = make_topology(model_parallel_size=tp, data_parallel_size=dp, expert_parallel_size=ep)
     d, t = topo.axis("dp").rank, topo.axis("tp").rank
     # bf16: the experts as grouped matrix multiplies (forced on CPU, where the default loops).
     kwargs = dict(top_k=2, num_shared_experts=1, aux_loss_coefficient=0.1, dtype=dtype, grouped_gemm=True)
+    kwargs.update(routing or {})
     rtol = 1e-6 if dtype == torch.float32 else 2e-2
     torch.manual_seed(0)
     moe = ParallelMoE(MoEConfig(H, FFN, E, sequence_parallel=sequence_parallel, **kwargs), topology=topo)
@@ -256,6 +305,15 @@ def test_expert_parallel_matches_one_process(dp, tp, ep, sequence_parallel):
 
 
 @pytest.mark.distributed
+def test_deepseek_v3_routing_at_ep2_matches_one_process():
+    """Sigmoid, aux-loss-free bias, groups of 2 experts with one kept, scaling 2.5: every rank's
+    output and gradients are one process's."""
+    routing = dict(score_function="sigmoid", balancing="aux_loss_free", num_groups=2, top_groups=1,
+                   routed_scaling_factor=2.5)  # fmt: skip
+    assert run_distributed(_ep_parity, 2, 2, 1, 2, False, torch.float32, routing, timeout_seconds=120) == [True] * 2
+
+
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_expert_parallel_in_bf16_with_grouped_experts_matches_one_process():
     """bf16: the experts run as grouped matrix multiplies (rows from both EP ranks, regrouped by
@@ -272,5 +330,13 @@ def test_bad_configuration_names_values_and_choices():
         check_moe(4, 5, 1, "softmax", "aux_loss")
     with pytest.raises(ValueError, match=r"score_function='relu'; choose one of \['softmax', 'sigmoid'\]"):
         check_moe(4, 2, 1, "relu", "aux_loss")
+    with pytest.raises(
+        ValueError, match=r"num_groups=3 must divide num_experts=8 into groups of at least 2 .* \[1, 2, 4\]"
+    ):
+        check_moe(8, 2, 1, "sigmoid", "aux_loss_free", num_groups=3)
+    with pytest.raises(
+        ValueError, match=r"top_groups=1 must be between 1 and num_groups=4, and its groups must hold top_k=4"
+    ):
+        check_moe(8, 4, 1, "sigmoid", "aux_loss_free", num_groups=4, top_groups=1)
     with pytest.raises(ValueError, match=r"balancing='capacity'; choose one of"):
         ParallelMoE(MoEConfig(H, FFN, E, balancing="capacity"))

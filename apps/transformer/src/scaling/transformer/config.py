@@ -36,6 +36,9 @@ class MoEConfig(BaseConfig):
     every: int = Field(
         1, ge=1, description="Block i (from 0) is MoE when (i + 1) % every == 0: 1 = every block, 2 = every other."
     )
+    first_dense_layers: int = Field(
+        0, ge=0, description="The first blocks stay dense whatever `every` says (DeepSeek-V3's first_k_dense_replace)."
+    )
     num_experts: int = Field(8, ge=1, description="Routed experts per MoE block; divisible by expert_parallel_size.")
     top_k: int = Field(2, ge=1, description="Experts per token, <= num_experts.")
     num_shared_experts: int = Field(0, ge=0, description="Experts every token goes through (DeepSeek's shared).")
@@ -45,6 +48,15 @@ class MoEConfig(BaseConfig):
         True,
         description="Renormalise a token's top-k scores to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob); "
         "sigmoid scores always are.",
+    )
+    routed_scaling_factor: float = Field(
+        1.0, gt=0.0, description="Multiplies the routed experts' weights (DeepSeek-V3: 2.5)."
+    )
+    num_groups: int = Field(
+        1, ge=1, description="Group-limited routing: experts in this many equal groups (DeepSeek-V3's n_group)."
+    )
+    top_groups: int = Field(
+        1, ge=1, description="A token picks its experts in its best top_groups groups only (topk_group)."
     )
     balancing: Literal["aux_loss", "aux_loss_free", "none"] = Field(
         "aux_loss", description="Load balancing: auxiliary loss, aux-loss-free per-expert bias, or none."
@@ -193,6 +205,11 @@ class TransformerArchitectureConfig(BaseConfig):
     def dtype(self) -> torch.dtype:
         return DTYPES[self.precision]
 
+    def is_moe_block(self, index: int) -> bool:
+        """Whether block ``index`` (from 0) is a mixture of experts (``moe.every``, ``moe.first_dense_layers``)."""
+        moe = self.moe
+        return moe is not None and index >= moe.first_dense_layers and (index + 1) % moe.every == 0
+
     def num_parameters(self, active: bool = False) -> int:
         """Parameters of the whole model (tied embedding counted once); ``active``: those one token uses
         (with mixture-of-experts blocks: the router, its top-k and the shared experts)."""
@@ -208,7 +225,7 @@ class TransformerArchitectureConfig(BaseConfig):
         embeddings = v * h * (1 if self.tied_embeddings else 2)
         mlps = layers * mlp
         if self.moe is not None:
-            moe, blocks = self.moe, layers // self.moe.every
+            moe, blocks = self.moe, sum(self.is_moe_block(i) for i in range(layers))
             experts = (moe.top_k if active else moe.num_experts) + moe.num_shared_experts
             mlps += blocks * (moe.num_experts * h + experts * 3 * h * (moe.ffn_size or f) - mlp)
         return embeddings + layers * (attn + 2 * norm) + mlps + norm
@@ -231,12 +248,12 @@ class TransformerArchitectureConfig(BaseConfig):
                 f"transformer_architecture.rotary_percentage={self.rotary_percentage} rotates fewer than 2 of the "
                 f"{self.head_size} channels per head; raise it or set 0 to disable RoPE"
             )
-        if self.moe is not None and self.moe.every > self.num_layers:
-            # Block i is MoE when (i + 1) % every == 0: none of num_layers blocks would be, and the
-            # run would train a dense model while the config says MoE.
+        if self.moe is not None and not any(self.is_moe_block(i) for i in range(self.num_layers)):
+            # The run would train a dense model while the config says MoE.
             raise ValueError(
-                f"transformer_architecture.moe.every={self.moe.every} is more than num_layers={self.num_layers}: "
-                f"no block would be a mixture of experts; set moe.every <= {self.num_layers} or moe: null"
+                f"transformer_architecture.moe.every={self.moe.every} with first_dense_layers="
+                f"{self.moe.first_dense_layers} leaves none of the num_layers={self.num_layers} blocks a mixture of "
+                "experts; lower them or set moe: null"
             )
         return self
 
@@ -417,6 +434,8 @@ class TransformerConfig(TrainingAppConfig, LaunchedConfig):
                 self.topology.expert_parallel_size,
                 arch.moe.score_function,
                 arch.moe.balancing,
+                arch.moe.num_groups,
+                arch.moe.top_groups,
             )
             if (arch.moe.ffn_size or arch.ffn_size) % tp:
                 raise ValueError(

@@ -199,6 +199,9 @@ def _check_exportable(arch: TransformerArchitectureConfig) -> str:
             {
                 "moe.num_shared_experts": (moe.num_shared_experts, 0),
                 "moe.score_function": (moe.score_function, "softmax"),
+                "moe.first_dense_layers": (moe.first_dense_layers, 0),
+                "moe.num_groups": (moe.num_groups, 1),
+                "moe.routed_scaling_factor": (moe.routed_scaling_factor, 1.0),
                 # Their routers have no bias: an aux-loss-free model would route differently.
                 "moe.balancing": ("aux_loss_free" if moe.balancing == "aux_loss_free" else "aux_loss", "aux_loss"),
             }
@@ -232,7 +235,7 @@ def _mapping(arch: TransformerArchitectureConfig) -> dict[str, str]:
         if arch.qk_norm:
             names[f"{ours}.attention.q_norm"] = f"{hf}.self_attn.q_norm.weight"
             names[f"{ours}.attention.k_norm"] = f"{hf}.self_attn.k_norm.weight"
-        if arch.moe is not None and (i + 1) % arch.moe.every == 0:
+        if arch.is_moe_block(i):
             moe = f"{hf}.{family.moe_module}"
             names[f"{ours}.mlp.router"] = f"{moe}.gate.weight"
             for e in range(arch.moe.num_experts):

@@ -195,6 +195,9 @@ class TransformerBlock(BaseLayer[TransformerLayerIO, TransformerLayerIO]):
                     top_k=arch.moe.top_k,
                     score_function=arch.moe.score_function,
                     normalize_top_k=arch.moe.normalize_top_k,
+                    routed_scaling_factor=arch.moe.routed_scaling_factor,
+                    num_groups=arch.moe.num_groups,
+                    top_groups=arch.moe.top_groups,
                     num_shared_experts=arch.moe.num_shared_experts,
                     balancing=arch.moe.balancing,
                     aux_loss_coefficient=arch.moe.aux_loss_coefficient,
@@ -286,9 +289,8 @@ def layer_specs(
     else:
         first = LayerSpec(EmbeddingLayer, rng_tracker=rng_tracker, **common)
         last = LayerSpec(LMHeadLayer, **common)
-    every = arch.moe.every if arch.moe is not None else 0
     blocks = [
-        LayerSpec(TransformerBlock, rng_tracker=rng_tracker, moe=bool(every) and (i + 1) % every == 0, **common)
+        LayerSpec(TransformerBlock, rng_tracker=rng_tracker, moe=arch.is_moe_block(i), **common)
         for i in range(arch.num_layers)
     ]
     return [first, *blocks, last]

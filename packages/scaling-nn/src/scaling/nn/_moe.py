@@ -5,7 +5,11 @@ f an expert's inner size (``f / tp`` on a TP rank).
 
 **Routing.** ``logits = x @ W_r^T`` (``[T, E]``), scores by softmax or sigmoid, the top-k
 experts per token; their scores, renormalised to sum to 1 when ``normalize_top_k`` (always
-for sigmoid, as DeepSeek-V3 does), weight the experts' outputs.
+for sigmoid, as DeepSeek-V3 does) and times ``routed_scaling_factor``, weight the experts'
+outputs. Group-limited routing (DeepSeek-V3's ``n_group`` / ``topk_group``): the experts form
+``num_groups`` equal groups, each scored by the sum of its two best choice scores, and a
+token picks its top-k among the experts of its ``top_groups`` best groups only (with expert
+parallelism over groups, a token's pairs then reach at most ``top_groups`` ranks).
 
 **Balancing.** ``"aux_loss"`` (Switch / Mixtral): ``E · Σ_e f_e · P_e`` with ``f_e`` the
 share of the k·T routing slots that went to expert ``e`` and ``P_e`` its mean routing
@@ -87,7 +91,15 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 BALANCING = ("aux_loss", "aux_loss_free", "none")
 
 
-def check_moe(num_experts: int, top_k: int, expert_parallel_size: int, score_function: str, balancing: str) -> None:
+def check_moe(
+    num_experts: int,
+    top_k: int,
+    expert_parallel_size: int,
+    score_function: str,
+    balancing: str,
+    num_groups: int = 1,
+    top_groups: int = 1,
+) -> None:
     """Refuse an MoE configuration that cannot run (before any process group starts).
 
     Raises:
@@ -104,6 +116,17 @@ def check_moe(num_experts: int, top_k: int, expert_parallel_size: int, score_fun
         raise ValueError(
             f"MoE: num_experts={num_experts} is not divisible by expert_parallel_size={expert_parallel_size}; "
             f"choose expert_parallel_size in {choices} (it must also divide data_parallel_size)"
+        )
+    if num_groups < 1 or num_experts % num_groups or (num_groups > 1 and num_experts // num_groups < 2):
+        choices = [d for d in range(1, num_experts // 2 + 1) if num_experts % d == 0]
+        raise ValueError(
+            f"MoE: num_groups={num_groups} must divide num_experts={num_experts} into groups of at least 2 "
+            f"experts (each group is scored by its two best); choose num_groups in {choices}"
+        )
+    if not 1 <= top_groups <= num_groups or top_k > top_groups * (num_experts // num_groups):
+        raise ValueError(
+            f"MoE: top_groups={top_groups} must be between 1 and num_groups={num_groups}, and its groups must hold "
+            f"top_k={top_k} experts ({num_experts // num_groups} a group)"
         )
 
 
@@ -186,6 +209,8 @@ class MoEConfig:
         top_k: experts per token.
         score_function: ``"softmax"`` or ``"sigmoid"``.
         normalize_top_k: renormalise the top-k scores to sum to 1 (softmax; sigmoid always does).
+        routed_scaling_factor: multiplies the top-k weights (DeepSeek-V3: 2.5).
+        num_groups, top_groups: group-limited routing (module docstring); 1, 1: none.
         num_shared_experts: experts every token goes through (one SwiGLU of
             ``num_shared_experts * ffn_size``), added to the routed output.
         balancing: ``"aux_loss"``, ``"aux_loss_free"`` or ``"none"`` (module docstring).
@@ -208,6 +233,9 @@ class MoEConfig:
     top_k: int = 2
     score_function: str = "softmax"
     normalize_top_k: bool = True
+    routed_scaling_factor: float = 1.0
+    num_groups: int = 1
+    top_groups: int = 1
     num_shared_experts: int = 0
     balancing: str = "aux_loss"
     aux_loss_coefficient: float = 1e-2
@@ -266,7 +294,7 @@ class ParallelMoE(torch.nn.Module):
         self.grouped_gemm = c.grouped_gemm
         ep_axis = axes["ep"]
         ep_size = 1 if ep_axis is None else ep_axis.size
-        check_moe(c.num_experts, c.top_k, ep_size, c.score_function, c.balancing)
+        check_moe(c.num_experts, c.top_k, ep_size, c.score_function, c.balancing, c.num_groups, c.top_groups)
         check_divisible("ffn_size", c.ffn_size, tp_.size, "ParallelMoE")
         hidden_size, ffn_size, num_experts = c.hidden_size, c.ffn_size, c.num_experts
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, c.top_k
@@ -337,10 +365,17 @@ class ParallelMoE(torch.nn.Module):
         logits = logits.reshape(-1, self.num_experts)
         scores = logits.softmax(-1) if self.score_function == "softmax" else logits.sigmoid()
         choice = scores.detach() + self.expert_bias if self.balancing == "aux_loss_free" else scores.detach()
+        groups = self.config.num_groups
+        if groups > 1:  # each group scored by its two best experts; only the top_groups best stay choosable
+            group_scores = choice.view(-1, groups, self.num_experts // groups).topk(2, dim=-1).values.sum(-1)
+            best = group_scores.topk(self.config.top_groups, dim=-1).indices
+            kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            choice = choice.masked_fill(~kept.repeat_interleave(self.num_experts // groups, dim=1), float("-inf"))
         top = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, top)
         if self.normalize_top_k:
             weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights * self.config.routed_scaling_factor
         probs = scores if self.score_function == "softmax" else scores / scores.sum(-1, keepdim=True)
         return probs, top, weights
 
