@@ -94,6 +94,25 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
             "mixture of experts",
         ),
         (
+            [
+                "transformer_architecture.latent_attention={kv_lora_rank: 8}",
+                "transformer_architecture.num_kv_heads=null",
+                "transformer_architecture.qk_norm=true",
+            ],
+            r"transformer_architecture.latent_attention is set with qk_norm=True, which latent attention does not "
+            r"have; use qk_norm=False or latent_attention: null",
+        ),
+        (
+            [
+                "transformer_architecture.latent_attention={kv_lora_rank: 8}",
+                "transformer_architecture.num_kv_heads=null",
+                "topology.context_parallel_size=2",
+                "runner.nproc_per_node=2",
+            ],
+            r"topology.context_parallel_size=2 with transformer_architecture.latent_attention: latent attention has "
+            r"no context-parallel form yet",
+        ),
+        (
             ["transformer_architecture.moe.num_groups=3"],
             r"num_groups=3 must divide num_experts=8 into groups of at least 2 experts .* \[1, 2, 4\]",
         ),
@@ -152,6 +171,8 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
         "ep-experts",
         "moe-top-k",
         "moe-no-block",
+        "latent-qk-norm",
+        "latent-cp",
         "moe-groups",
         "fp8-shape",
         "fp8-tokens",

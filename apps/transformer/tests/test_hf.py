@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,9 +32,13 @@ TINY = dict(
 
 
 def _saved(tmp_path, model_cls, config):
-    """A random ``model_cls(config)`` (seed 0), saved to ``tmp_path / "hf"``."""
+    """A random ``model_cls(config)`` (seed 0), saved to ``tmp_path / "hf"``. DeepSeek's router
+    correction bias starts at zero: random values here test where it goes."""
     torch.manual_seed(0)
     model = model_cls(config).eval()
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.normal_(0, 0.05)
     model.save_pretrained(tmp_path / "hf", safe_serialization=True)
     return model
 
@@ -164,6 +169,12 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 16}  # fmt: skip
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+DEEPSEEK = dict(kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=8,
+                num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1, n_shared_experts=1,
+                moe_intermediate_size=24, num_key_value_heads=4)  # fmt: skip
+
+
 def _family(name, vocab_size=101):
     """(model class, config) of a tiny random model of each family the app reads (transformers writes
     rope_theta into the rope_scaling dict it is given: each config gets its own copy)."""
@@ -177,13 +188,31 @@ def _family(name, vocab_size=101):
         "qwen3": (t.Qwen3ForCausalLM, lambda: t.Qwen3Config(**tiny, head_dim=16)),
         "qwen3-moe": (t.Qwen3MoeForCausalLM, lambda: t.Qwen3MoeConfig(
             **tiny, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True)),
+        # Multi-head latent attention, a dense first block, 8 experts in 4 groups (2 open), a shared expert.
+        "deepseek-v3": (t.DeepseekV3ForCausalLM, lambda: t.DeepseekV3Config(**{**tiny, **DEEPSEEK}, q_lora_rank=16)),
+        "deepseek-v3-no-q-latent": (t.DeepseekV3ForCausalLM, lambda: t.DeepseekV3Config(**{**tiny, **DEEPSEEK}, q_lora_rank=None)),
+        # YaRN: DeepSeek's with its softmax correction (mscale_all_dim), Qwen3's with the cos/sin factor.
+        "deepseek-v3-yarn": (t.DeepseekV3ForCausalLM, lambda: t.DeepseekV3Config(
+            **{**tiny, **DEEPSEEK}, q_lora_rank=16, rope_scaling={**YARN, "mscale": 1.0, "mscale_all_dim": 0.707})),
+        "qwen3-yarn": (t.Qwen3ForCausalLM, lambda: t.Qwen3Config(**tiny, head_dim=16, rope_scaling=dict(YARN))),
         # Block 0 dense (decoder_sparse_step 2), top-k scores not renormalised.
         "qwen3-moe-sparse-step": (t.Qwen3MoeForCausalLM, lambda: t.Qwen3MoeConfig(
             **tiny, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=2)),
     }[name]  # fmt: skip
 
 
-FAMILIES = ["llama3.1", "llama3.2", "qwen2.5", "qwen3", "qwen3-moe", "qwen3-moe-sparse-step"]
+FAMILIES = [
+    "llama3.1",
+    "llama3.2",
+    "qwen2.5",
+    "qwen3",
+    "qwen3-moe",
+    "qwen3-moe-sparse-step",
+    "deepseek-v3",
+    "deepseek-v3-no-q-latent",
+    "deepseek-v3-yarn",
+    "qwen3-yarn",
+]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -203,37 +232,53 @@ def test_family_import_logits_export_roundtrip_and_tensors_bitwise(tmp_path, fam
     assert arch.num_parameters() == sum(p.numel() for p in ours.parameters() if p.requires_grad)
 
 
-def test_llama3_rope_scaling_is_transformers_frequencies():
-    """The scaled inverse frequencies are transformers' own (the oracle), and differ from plain RoPE."""
+# Published RoPE scalings: (transformers config, the channels rotated, our RopeScaling).
+ROPE_CASES = {
+    # Llama 3.1 8B: theta 5e5, 128 channels per head, the 8k context stretched 8x to 128k.
+    "llama3.1": (dict(head_dim=128, max_position_embeddings=131072, rope_theta=500000.0,
+                      rope_scaling={**LLAMA3_ROPE, "original_max_position_embeddings": 8192}), 128),
+    # DeepSeek-V3: YaRN over the 64 RoPE channels, 4k to 160k, its mscales (cos/sin factor 1).
+    "deepseek-v3-yarn": (dict(head_dim=64, max_position_embeddings=163840, rope_theta=10000.0,
+                              rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}), 64),
+    # Qwen3's long context: YaRN 4x over 32k, cos/sin times 0.1 ln 4 + 1.
+    "qwen3-yarn": (dict(head_dim=128, max_position_embeddings=131072, rope_theta=1000000.0,
+                        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}), 128),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+def test_rope_scaling_is_transformers_frequencies(case):
+    """The scaled inverse frequencies and the cos/sin factor are transformers' own (the oracle), and
+    differ from plain RoPE."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from scaling.nn import RopeScaling, RotaryEmbedding
+    from scaling.nn import RotaryEmbedding
+    from scaling.transformer.hf import _rope_from_hf
 
-    # Llama 3.1 8B's RoPE: theta 5e5, 128 channels per head, 8k pretraining context stretched 8x to 128k.
-    llama31 = {**LLAMA3_ROPE, "original_max_position_embeddings": 8192}
-    hf_config = transformers.LlamaConfig(
-        hidden_size=32, num_attention_heads=4, head_dim=128, max_position_embeddings=131072, rope_theta=500000.0,
-        rope_scaling=llama31,
-    )  # fmt: skip
-    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
-    scaling = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
-    ours = RotaryEmbedding(128, base=500000.0, scaling=scaling).inv_freq
-    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=0)
-    assert not torch.allclose(RotaryEmbedding(128, base=500000.0).inv_freq, expected)
+    fields, dim = ROPE_CASES[case]
+    hf_config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, **fields)
+    rope_type = fields["rope_scaling"]["rope_type"]
+    expected, factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    theta, scaling = _rope_from_hf(hf_config.to_dict(), Path("config.json"))
+    ours = RotaryEmbedding(dim, base=theta, scaling=scaling.to_nn())
+    torch.testing.assert_close(ours.inv_freq, expected, rtol=1e-6, atol=0)
+    assert ours.cos_sin_factor == pytest.approx(factor, rel=1e-12)
+    assert not torch.allclose(RotaryEmbedding(dim, base=theta).inv_freq, expected)
 
 
 @pytest.mark.parametrize(
     ("change", "said"),
     [
         (
-            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
-            "rope_type='yarn' is not supported",
+            {"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6}},
+            "rope_type='longrope' is not supported; import-hf reads 'default', 'linear', 'llama3' and 'yarn'",
         ),
         ({"use_sliding_window": True}, "use_sliding_window=True, layer_types with [] is not supported"),
         ({"mlp_only_layers": [0]}, "mlp_only_layers=[0] is not supported"),
         ({"attention_bias": True}, "attention_bias=True is not supported for model_type='qwen3_moe'"),
     ],
-    ids=["yarn", "sliding-window", "mlp-only-layers", "qwen3-attention-bias"],
+    ids=["longrope", "sliding-window", "mlp-only-layers", "qwen3-attention-bias"],
 )
 def test_unsupported_settings_are_refused_naming_them(tmp_path, change, said):
     model_cls, config = _family("qwen3-moe")
@@ -243,6 +288,15 @@ def test_unsupported_settings_are_refused_naming_them(tmp_path, change, said):
     with pytest.raises(ValueError, match=re.escape(said)):
         import_hf(tmp_path / "hf", tmp_path / "ours")
     assert not (tmp_path / "ours").exists()
+
+
+def test_peft_export_of_latent_attention_is_refused_before_anything_is_written(tmp_path):
+    model_cls, config = _family("deepseek-v3")
+    _saved(tmp_path, model_cls, config())
+    import_hf(tmp_path / "hf", tmp_path / "ours")
+    with pytest.raises(ValueError, match="PEFT adapters of a model with latent attention"):
+        export_peft(tmp_path / "ours" / CHECKPOINT_SUBDIR, tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()
 
 
 def test_a_missing_tensor_is_refused_naming_it(tmp_path):
@@ -267,8 +321,21 @@ def test_a_missing_tensor_is_refused_naming_it(tmp_path):
         ("qwen3-moe", {"dp": 2, "topology": {"expert_parallel_size": 2}}),
         ("qwen3-moe", {"tp": 2}),
         pytest.param("qwen3-moe-sparse-step", {"pp": 2}, marks=pytest.mark.slow),
+        ("deepseek-v3", {"tp": 2}),
+        ("deepseek-v3", {"dp": 2, "topology": {"expert_parallel_size": 2}}),
+        pytest.param("deepseek-v3-no-q-latent", {"pp": 2}, marks=pytest.mark.slow),
     ],
-    ids=["llama3.1-tp2", "qwen3-tp2", "qwen2.5-pp2", "qwen3-moe-ep2", "qwen3-moe-tp2", "qwen3-moe-pp2"],
+    ids=[
+        "llama3.1-tp2",
+        "qwen3-tp2",
+        "qwen2.5-pp2",
+        "qwen3-moe-ep2",
+        "qwen3-moe-tp2",
+        "qwen3-moe-pp2",
+        "deepseek-v3-tp2",
+        "deepseek-v3-ep2",
+        "deepseek-v3-pp2",
+    ],
 )
 def test_imported_family_gives_transformers_logits_at_a_layout(tiny_corpus, tmp_path, family, layout):
     """import-hf, then the model at a multi-rank layout (its trainer loading the import): the logits of

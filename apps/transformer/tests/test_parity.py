@@ -286,6 +286,23 @@ DEEPSEEK_MOE = {"moe": {"first_dense_layers": 1, "num_experts": 8, "top_k": 2, "
                         "routed_scaling_factor": 2.5, "bias_update_rate": 0.01}}  # fmt: skip
 
 
+# DeepSeek's multi-head latent attention (query and key/value latents, interleaved RoPE).
+LATENT = {"latent_attention": {"kv_lora_rank": 16, "q_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+                               "v_head_dim": 8}, "rotary_interleaved": True, "num_kv_heads": None}  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_latent_attention_at_tp2_sp_and_pp2_matches_one_process(tiny_corpus):
+    """The replicated latent projections' gradients summed over TP under sequence parallelism, and
+    the pipeline: every step's loss is one process's."""
+    reference = _reference(tiny_corpus, LATENT)
+    for sizes, sp in (({"tp": 2}, True), ({"pp": 2}, False)):
+        cfg = tiny_config(tiny_corpus, steps=STEPS, **sizes)
+        cfg["transformer_architecture"].update(LATENT, sequence_parallel=sp)
+        _check(run_distributed(train_worker, 2, cfg, timeout_seconds=180), reference, f"latent attention {sizes}")
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_deepseek_v3_moe_at_dp2_ep2_matches_one_process(tiny_corpus):

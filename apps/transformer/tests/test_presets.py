@@ -37,7 +37,9 @@ def test_fields_beside_a_preset_replace_its_and_an_unknown_one_is_named():
     assert (arch.num_layers, arch.hidden_size, arch.head_dim, arch.qk_norm) == (2, 1024, 128, True)
     # The saved config (every field explicit, the preset named) validates to the same architecture.
     assert TransformerArchitectureConfig.model_validate(arch.as_dict()) == arch
-    with pytest.raises(ValueError, match=r"preset='gpt5' is not a preset; choose one of \['llama3.1_8b'"):
+    with pytest.raises(
+        ValueError, match=r"preset='gpt5' is not a preset; choose one of \['deepseek_v3_671b', 'llama3.1_8b'"
+    ):
         TransformerArchitectureConfig(preset="gpt5")
     with pytest.raises(ValueError, match="transformer_architecture.preset"):
         TransformerConfig.from_dict({"transformer_architecture": {"preset": "llama9"}})

@@ -9,10 +9,11 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from scaling.config import BaseConfig
+from scaling.config import BaseConfig, JsonDict
 from scaling.nn import (
     CompileConfig,
     Float8Config,
+    MLAConfig,
     RopeScaling,
     check_compile_layout,
     check_context_parallel,
@@ -68,15 +69,27 @@ class MoEConfig(BaseConfig):
 class RopeScalingConfig(BaseConfig):
     """RoPE frequency scaling for contexts longer than pretraining (``scaling.nn.RopeScaling``)."""
 
-    rope_type: Literal["linear", "llama3"] = Field(
+    rope_type: Literal["linear", "llama3", "yarn"] = Field(
         "llama3",
-        description="'llama3' (Llama 3.1+: long wavelengths divided by factor, short ones kept, blended between) "
-        "or 'linear' (every frequency divided by factor).",
+        description="'llama3' (Llama 3.1+: long wavelengths divided by factor, short ones kept, blended between), "
+        "'yarn' (DeepSeek-V3, Qwen long contexts) or 'linear' (every frequency divided by factor).",
     )
     factor: float = Field(8.0, gt=0.0, description="Context extension factor; > 0.")
     low_freq_factor: float = Field(1.0, gt=0.0, description="llama3: the long-wavelength band edge; > 0.")
     high_freq_factor: float = Field(4.0, gt=0.0, description="llama3: the short-wavelength edge; > low_freq_factor.")
-    original_max_position_embeddings: int = Field(8192, ge=1, description="llama3: the pretraining context.")
+    original_max_position_embeddings: int = Field(8192, ge=1, description="llama3, yarn: the pretraining context.")
+    beta_fast: float = Field(32.0, gt=0.0, description="yarn: frequencies with more turns over the context are kept.")
+    beta_slow: float = Field(1.0, gt=0.0, description="yarn: frequencies with fewer turns are divided by factor.")
+    mscale: float | None = Field(
+        None, description="yarn: the attention factor's numerator scale (with mscale_all_dim)."
+    )
+    mscale_all_dim: float | None = Field(
+        None, description="yarn: its denominator scale; DeepSeek also scales the softmax by its square."
+    )
+    attention_factor: float | None = Field(
+        None, description="yarn: what cos and sin are multiplied by; None = from factor and the mscales."
+    )
+    truncate: bool = Field(True, description="yarn: round the ramp's ends to whole channels.")
 
     @model_validator(mode="after")
     def _check_band(self) -> RopeScalingConfig:
@@ -89,6 +102,55 @@ class RopeScalingConfig(BaseConfig):
 
     def to_nn(self) -> RopeScaling:
         return RopeScaling(**self.as_dict())
+
+    def hf_fields(self) -> JsonDict:
+        """The fields transformers reads for this ``rope_type`` (its ``rope_parameters`` keys)."""
+        keys = {
+            "linear": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+            "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                     "mscale_all_dim", "attention_factor", "truncate"),
+        }[self.rope_type]  # fmt: skip
+        values = self.as_dict()
+        return {"rope_type": self.rope_type, **{k: values[k] for k in keys if values[k] is not None}}
+
+
+class LatentAttentionConfig(BaseConfig):
+    """Multi-head latent attention (DeepSeek-V2/V3; ``scaling.nn.MultiHeadLatentAttention``)."""
+
+    kv_lora_rank: int = Field(512, ge=1, description="Key/value latent size.")
+    q_lora_rank: int | None = Field(1536, ge=1, description="Query latent size; None = queries projected directly.")
+    qk_nope_head_dim: int = Field(128, ge=1, description="Query/key channels per head without RoPE.")
+    qk_rope_head_dim: int = Field(64, ge=2, multiple_of=2, description="Query/key channels per head with RoPE; even.")
+    v_head_dim: int = Field(128, ge=1, description="Value channels per head.")
+
+    def to_nn(self, arch: TransformerArchitectureConfig) -> MLAConfig:
+        return MLAConfig(
+            arch.hidden_size,
+            arch.num_attention_heads,
+            self.kv_lora_rank,
+            self.q_lora_rank,
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+            self.v_head_dim,
+            norm_eps=arch.norm_eps,
+            dtype=arch.dtype,
+            causal=arch.causal,
+            rotary_base=arch.rotary_base,
+            rotary_interleaved=arch.rotary_interleaved,
+            rotary_scaling=None if arch.rope_scaling is None else arch.rope_scaling.to_nn(),
+            sequence_parallel=arch.sequence_parallel,
+        )
+
+    def num_parameters(self, hidden_size: int, heads: int) -> int:
+        """The attention's parameters (latent norms included)."""
+        q = self.qk_nope_head_dim + self.qk_rope_head_dim
+        queries = (
+            hidden_size * heads * q if self.q_lora_rank is None else self.q_lora_rank * (hidden_size + 1 + heads * q)
+        )
+        kv = hidden_size * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return queries + kv + heads * self.v_head_dim * hidden_size
 
 
 class TransformerArchitectureConfig(BaseConfig):
@@ -149,6 +211,11 @@ class TransformerArchitectureConfig(BaseConfig):
     )
     qk_norm: bool = Field(
         False, description="RMS-normalise queries and keys per head before RoPE (Qwen3, OLMo 2), with norm_eps."
+    )
+    latent_attention: LatentAttentionConfig | None = Field(
+        None,
+        description="Multi-head latent attention (DeepSeek-V3) instead of MHA/GQA: every head's keys and values "
+        "from one low-rank latent; rotary_interleaved says DeepSeek's RoPE layout. None = MHA/GQA.",
     )
     causal: bool = Field(True, description="Causal (decoder) attention; False = bidirectional.")
     init_std: float = Field(
@@ -218,6 +285,8 @@ class TransformerArchitectureConfig(BaseConfig):
         bias = int(self.bias)
         attn = h * (nq + 2 * nkv) * d + nq * d * h + bias * h + 2 * d * int(self.qk_norm)
         attn += (nq + 2 * nkv) * d * int(self.bias or self.qkv_bias)
+        if self.latent_attention is not None:
+            attn = self.latent_attention.num_parameters(h, nq)
         inner = 2 if self.mlp_type == "swiglu" else 1
         mlp = (inner + 1) * h * f + bias * (inner * f + h)
         # Two norms per block and the final one: weights, and biases for a LayerNorm with bias.
@@ -248,6 +317,25 @@ class TransformerArchitectureConfig(BaseConfig):
                 f"transformer_architecture.rotary_percentage={self.rotary_percentage} rotates fewer than 2 of the "
                 f"{self.head_size} channels per head; raise it or set 0 to disable RoPE"
             )
+        latent = self.latent_attention
+        if latent is not None:
+            clashes = {
+                "num_kv_heads": (self.num_kv_heads, (None, heads)),
+                "head_dim": (self.head_dim, (None,)),
+                "qk_norm": (self.qk_norm, (False,)),
+                "bias": (self.bias, (False,)),
+                "qkv_bias": (self.qkv_bias, (False,)),
+                "rotary_percentage": (self.rotary_percentage, (1.0,)),
+                "attention_dropout": (self.attention_dropout, (0.0,)),
+                "activation_checkpointing": (self.activation_checkpointing, ("none", "every_layer")),
+            }
+            bad = {k: v for k, (v, allowed) in clashes.items() if v not in allowed}
+            if bad:
+                field, value = next(iter(bad.items()))
+                raise ValueError(
+                    f"transformer_architecture.latent_attention is set with {field}={value!r}, which latent attention "
+                    f"does not have; use {field}={clashes[field][1][-1]!r} or latent_attention: null"
+                )
         if self.moe is not None and not any(self.is_moe_block(i) for i in range(self.num_layers)):
             # The run would train a dense model while the config says MoE.
             raise ValueError(
@@ -448,6 +536,11 @@ class TransformerConfig(TrainingAppConfig, LaunchedConfig):
                 "blocks: set transformer_architecture.moe, or expert_parallel_size=1"
             )
         cp, seq = self.topology.context_parallel_size, self.data.sequence_length
+        if cp > 1 and arch.latent_attention is not None:
+            raise ValueError(
+                f"topology.context_parallel_size={cp} with transformer_architecture.latent_attention: latent "
+                "attention has no context-parallel form yet; set context_parallel_size=1"
+            )
         if cp > 1:
             if seq % (2 * cp):
                 raise ValueError(

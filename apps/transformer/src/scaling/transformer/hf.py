@@ -40,6 +40,7 @@ from scaling.data import load_tokenizer
 from scaling.nn import named_parameters_with_meta, write_peft_adapter
 from scaling.trainer import checkpoint
 from scaling.transformer.config import (
+    LatentAttentionConfig,
     MoEConfig,
     RopeScalingConfig,
     TransformerArchitectureConfig,
@@ -68,12 +69,25 @@ FAMILIES = {
     "qwen3": _Family("Qwen3ForCausalLM", qk_norm=True),
     "mixtral": _Family("MixtralForCausalLM", moe_module="block_sparse_moe", expert_names=("w1", "w3", "w2")),
     "qwen3_moe": _Family("Qwen3MoeForCausalLM", qk_norm=True, moe_module="mlp"),
+    "deepseek_v3": _Family("DeepseekV3ForCausalLM", moe_module="mlp"),
+}
+# Latent attention (ours <- DeepSeek-V3's ``self_attn.*``): q_a / q directly, norms, kv_a, kv_b.
+_LATENT_NAMES = {
+    "q_a": "q_a_proj.weight",
+    "q_a_norm.weight": "q_a_layernorm.weight",
+    "q_b.weight": "q_b_proj.weight",
+    "q.weight": "q_proj.weight",
+    "kv_a": "kv_a_proj_with_mqa.weight",
+    "kv_a_norm.weight": "kv_a_layernorm.weight",
+    "kv_b.weight": "kv_b_proj.weight",
 }
 _NAMES = ", ".join(f"{kind!r} / {f.architecture}" for kind, f in FAMILIES.items())
 
 
 def family_of(arch: TransformerArchitectureConfig) -> str:
     """The HF model type an export of ``arch`` writes (see the module docstring)."""
+    if arch.latent_attention is not None:
+        return "deepseek_v3"
     if arch.moe is not None:
         return "qwen3_moe" if arch.qk_norm else "mixtral"
     if arch.qk_norm:
@@ -82,6 +96,20 @@ def family_of(arch: TransformerArchitectureConfig) -> str:
 
 
 def _moe_from_hf(hf: JsonDict, kind: str, source: Path) -> MoEConfig:
+    if kind == "deepseek_v3":  # sigmoid scores with the correction bias, groups, dense first blocks
+        return MoEConfig(
+            num_experts=hf.get("n_routed_experts") or hf["num_local_experts"],
+            top_k=hf["num_experts_per_tok"],
+            ffn_size=hf["moe_intermediate_size"],
+            score_function="sigmoid",
+            balancing="aux_loss_free",
+            normalize_top_k=bool(hf.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            num_groups=hf.get("n_group") or 1,
+            top_groups=hf.get("topk_group") or 1,
+            num_shared_experts=hf.get("n_shared_experts") or 0,
+            first_dense_layers=hf.get("first_k_dense_replace", 0),
+        )
     if kind == "mixtral":
         if hf.get("sliding_window") is not None or float(hf.get("router_jitter_noise") or 0.0) != 0.0:
             raise ValueError(
@@ -120,12 +148,15 @@ def _rope_from_hf(hf: JsonDict, source: Path) -> tuple[float, RopeScalingConfig 
         raise ValueError(f"{source}: partial_rotary_factor={partial} is not supported; only whole heads rotated")
     if rope_type == "default":
         return theta, None
-    if rope_type not in ("linear", "llama3"):
+    if rope_type not in ("linear", "llama3", "yarn"):
         raise ValueError(
-            f"{source}: rope_type={rope_type!r} is not supported; import-hf reads 'default', 'linear' and 'llama3'"
+            f"{source}: rope_type={rope_type!r} is not supported; import-hf reads 'default', 'linear', 'llama3' "
+            "and 'yarn'"
         )
-    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    scaling = {k: rope[k] for k in fields if k in rope}
+    fields = RopeScalingConfig.model_fields.keys() - {"rope_type"}
+    scaling = {k: rope[k] for k in fields if rope.get(k) is not None}
+    if rope_type == "yarn" and "factor" not in scaling:  # transformers' rule: the context ratio
+        scaling["factor"] = hf["max_position_embeddings"] / rope["original_max_position_embeddings"]
     return theta, RopeScalingConfig(rope_type=rope_type, **scaling)
 
 
@@ -157,12 +188,19 @@ def _arch_from_hf(hf: JsonDict, source: Path) -> TransformerArchitectureConfig:
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     rotary_base, rope_scaling = _rope_from_hf(hf, source)
+    latent = None
+    if kind == "deepseek_v3":
+        fields = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        latent = LatentAttentionConfig(**{k: hf[k] for k in fields})
+        head_dim = hf["hidden_size"] // heads  # its head_dim is the RoPE channels'
     return TransformerArchitectureConfig(
+        latent_attention=latent,
+        rotary_interleaved=bool(hf.get("rope_interleave", True)) if latent is not None else False,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"],
         num_attention_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        num_kv_heads=None if latent is not None else hf.get("num_key_value_heads") or heads,
         head_dim=None if head_dim * heads == hf["hidden_size"] else head_dim,
         mlp_type="swiglu",
         intermediate_size=hf["intermediate_size"],
@@ -186,15 +224,27 @@ def _check_exportable(arch: TransformerArchitectureConfig) -> str:
         "mlp_type": (arch.mlp_type, "swiglu"),
         "norm": (arch.norm, "rmsnorm"),
         "rotary_percentage": (arch.rotary_percentage, 1.0),
-        "rotary_interleaved": (arch.rotary_interleaved, False),
         "causal": (arch.causal, True),
     }
+    if kind != "deepseek_v3":  # transformers' other families rotate half-split pairs only
+        wrong["rotary_interleaved"] = (arch.rotary_interleaved, False)
     if kind != "llama":
         wrong["bias"] = (arch.bias, False)
-    if kind in ("qwen3", "qwen3_moe", "mixtral"):
+    if kind in ("qwen3", "qwen3_moe", "mixtral", "deepseek_v3"):
         wrong["qkv_bias"] = (arch.qkv_bias, False)
     moe = arch.moe
-    if moe is not None:
+    if kind == "deepseek_v3":
+        wrong["moe"] = ("null" if moe is None else "set", "set")
+    if moe is not None and kind == "deepseek_v3":
+        wrong.update(
+            {
+                "moe.every": (moe.every, 1),
+                "moe.score_function": (moe.score_function, "sigmoid"),
+                # Its router's correction bias is the aux-loss-free bias.
+                "moe.balancing": (moe.balancing, "aux_loss_free"),
+            }
+        )
+    elif moe is not None:
         wrong.update(
             {
                 "moe.num_shared_experts": (moe.num_shared_experts, 0),
@@ -235,10 +285,21 @@ def _mapping(arch: TransformerArchitectureConfig) -> dict[str, str]:
         if arch.qk_norm:
             names[f"{ours}.attention.q_norm"] = f"{hf}.self_attn.q_norm.weight"
             names[f"{ours}.attention.k_norm"] = f"{hf}.self_attn.k_norm.weight"
-        if arch.is_moe_block(i):
+        latent = arch.latent_attention
+        if latent is not None:
+            skip = ("q_a", "q_a_norm.weight", "q_b.weight") if latent.q_lora_rank is None else ("q.weight",)
+            for mine, theirs in _LATENT_NAMES.items():
+                if mine not in skip:
+                    names[f"{ours}.attention.{mine}"] = f"{hf}.self_attn.{theirs}"
+        moe_config = arch.moe
+        if moe_config is not None and arch.is_moe_block(i):
             moe = f"{hf}.{family.moe_module}"
             names[f"{ours}.mlp.router"] = f"{moe}.gate.weight"
-            for e in range(arch.moe.num_experts):
+            if family_of(arch) == "deepseek_v3":
+                names[f"{ours}.mlp.expert_bias"] = f"{moe}.gate.e_score_correction_bias"
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    names[f"{ours}.mlp.shared.{proj}.weight"] = f"{moe}.shared_experts.{proj}.weight"
+            for e in range(moe_config.num_experts):
                 for proj, theirs in zip(("gate", "up", "down"), family.expert_names):
                     names[f"{ours}.mlp.experts.{e}.{proj}"] = f"{moe}.experts.{e}.{theirs}.weight"
             continue
@@ -252,6 +313,9 @@ def _mapping(arch: TransformerArchitectureConfig) -> dict[str, str]:
 
 
 def _qkv_suffixes(arch: TransformerArchitectureConfig) -> tuple[str, ...]:
+    """The fused QKV projection's parameters (none with latent attention)."""
+    if arch.latent_attention is not None:
+        return ()
     return ("weight", "bias") if arch.bias or arch.qkv_bias else ("weight",)
 
 
@@ -357,7 +421,7 @@ def _hf_config(arch: TransformerArchitectureConfig, kind: str) -> JsonDict:
     """The ``config.json`` of ``arch`` as HF model type ``kind`` (read by transformers 4 and 5)."""
     rope: JsonDict = {"rope_theta": arch.rotary_base, "rope_type": "default"}
     if arch.rope_scaling is not None:
-        rope = {"rope_theta": arch.rotary_base, **arch.rope_scaling.as_dict()}
+        rope = {"rope_theta": arch.rotary_base, **arch.rope_scaling.hf_fields()}
     hf: JsonDict = {
         "architectures": [FAMILIES[kind].architecture],
         "model_type": kind,
@@ -394,6 +458,24 @@ def _hf_config(arch: TransformerArchitectureConfig, kind: str) -> JsonDict:
     if moe is not None and kind == "mixtral":
         hf.update(
             intermediate_size=moe.ffn_size or arch.ffn_size, num_local_experts=moe.num_experts, sliding_window=None
+        )
+    latent = arch.latent_attention
+    if moe is not None and latent is not None:  # deepseek_v3
+        hf.update(
+            latent.as_dict(),
+            head_dim=latent.qk_rope_head_dim,  # transformers' RoPE reads its size here
+            num_key_value_heads=arch.num_attention_heads,
+            rope_interleave=arch.rotary_interleaved,
+            attention_bias=False,
+            n_routed_experts=moe.num_experts,
+            moe_intermediate_size=moe.ffn_size or arch.ffn_size,
+            n_shared_experts=moe.num_shared_experts,
+            routed_scaling_factor=moe.routed_scaling_factor,
+            n_group=moe.num_groups,
+            topk_group=moe.top_groups,
+            first_k_dense_replace=moe.first_dense_layers,
+            norm_topk_prob=moe.normalize_top_k,
+            num_nextn_predict_layers=0,  # no multi-token prediction layers
         )
     if moe is not None and kind == "qwen3_moe":
         hf.update(
@@ -502,6 +584,11 @@ def check_peft_exportable(checkpoint: str | Path, config_path: str | Path | None
     else:
         config = TransformerConfig.from_dict(latest_config(checkpoint))
     _check_exportable(config.transformer_architecture)
+    if config.transformer_architecture.latent_attention is not None:
+        raise ValueError(
+            "PEFT adapters of a model with latent attention (DeepSeek-V3) are not written yet; export-hf without "
+            "--peft-dir writes the base model"
+        )
     if config.finetuning.method != "lora":
         raise ValueError(
             f"finetuning.method={config.finetuning.method!r} in the checkpoint's config; a PEFT adapter needs a "

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from scaling.config import JsonDict
-from scaling.nn import KVCache, named_parameters_with_meta, set_layer_index
+from scaling.nn import KVCache, ParallelSelfAttention, named_parameters_with_meta, set_layer_index
 from scaling.trainer import checkpoint, committed_steps
 from scaling.transformer.config import TransformerArchitectureConfig, TransformerConfig
 from scaling.transformer.finetuning import apply_finetuning
@@ -91,6 +91,11 @@ def _padded_block(block: TransformerBlock, x_bsh: torch.Tensor, cache: KVCache, 
     this reproduces its cached path (same projections, RoPE and SDPA) with one added.
     """
     attn = block.attention
+    if not isinstance(attn, ParallelSelfAttention):
+        raise ValueError(
+            "left-padded batches (prompts of different lengths) are not supported with latent attention yet; "
+            "generate the prompts one at a time"
+        )
     h = block.input_norm(x_bsh)
     q, k, v = attn._project(h)
     if attn.qk_norm:

@@ -11,6 +11,7 @@ embeddings layers ``0`` and ``N + 1`` are :class:`TiedLayerSpec` s sharing
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from scaling.nn import (
     LayerNorm,
     LayerSpec,
     MoEConfig,
+    MultiHeadLatentAttention,
     ParallelMLP,
     ParallelMoE,
     ParallelSelfAttention,
@@ -156,32 +158,38 @@ class TransformerBlock(BaseLayer[TransformerLayerIO, TransformerLayerIO]):
         self.arch, self.rng_tracker = arch, rng_tracker
         output_init = normal_init(arch.init_std / math.sqrt(2 * arch.num_layers))
         self.input_norm = make_norm(arch, topology)
-        self.attention = ParallelSelfAttention(
-            AttentionConfig(
-                arch.hidden_size,
-                arch.num_attention_heads,
-                arch.kv_heads,
-                head_dim=arch.head_size,
-                bias=arch.bias,
-                qkv_bias=arch.bias or arch.qkv_bias,
-                dtype=arch.dtype,
-                causal=arch.causal,
-                rotary_percentage=arch.rotary_percentage,
-                rotary_base=arch.rotary_base,
-                rotary_interleaved=arch.rotary_interleaved,
-                rotary_scaling=None if arch.rope_scaling is None else arch.rope_scaling.to_nn(),
-                qk_norm=arch.qk_norm,
-                qk_norm_eps=arch.norm_eps,
-                attention_dropout=arch.attention_dropout,
-                sequence_parallel=arch.sequence_parallel,
-                checkpoint_core_attention=arch.activation_checkpointing == "selective",
-                init_method=normal_init(arch.init_std),
-                output_init_method=output_init,
-                context_parallel_method=arch.context_parallel_method,
-            ),
-            topology=topology,
-            rng_tracker=rng_tracker,
-        )
+        self.attention: ParallelSelfAttention | MultiHeadLatentAttention
+        if arch.latent_attention is not None:
+            config = arch.latent_attention.to_nn(arch)
+            config = dataclasses.replace(config, init_method=normal_init(arch.init_std), output_init_method=output_init)
+            self.attention = MultiHeadLatentAttention(config, topology=topology)
+        else:
+            self.attention = ParallelSelfAttention(
+                AttentionConfig(
+                    arch.hidden_size,
+                    arch.num_attention_heads,
+                    arch.kv_heads,
+                    head_dim=arch.head_size,
+                    bias=arch.bias,
+                    qkv_bias=arch.bias or arch.qkv_bias,
+                    dtype=arch.dtype,
+                    causal=arch.causal,
+                    rotary_percentage=arch.rotary_percentage,
+                    rotary_base=arch.rotary_base,
+                    rotary_interleaved=arch.rotary_interleaved,
+                    rotary_scaling=None if arch.rope_scaling is None else arch.rope_scaling.to_nn(),
+                    qk_norm=arch.qk_norm,
+                    qk_norm_eps=arch.norm_eps,
+                    attention_dropout=arch.attention_dropout,
+                    sequence_parallel=arch.sequence_parallel,
+                    checkpoint_core_attention=arch.activation_checkpointing == "selective",
+                    init_method=normal_init(arch.init_std),
+                    output_init_method=output_init,
+                    context_parallel_method=arch.context_parallel_method,
+                ),
+                topology=topology,
+                rng_tracker=rng_tracker,
+            )
         self.mlp_norm = make_norm(arch, topology)
         mlp_class = ParallelSwiGLUMLP if arch.mlp_type == "swiglu" else ParallelMLP
         self.mlp: torch.nn.Module
@@ -334,7 +342,10 @@ class TransformerLoss:
 def flops_per_token(arch: TransformerArchitectureConfig, sequence_length: int) -> float:
     """Training FLOPs per token: ``6 N + 12 L H S`` (N active parameters, L layers, H the attention width:
     heads × head size, the hidden size unless ``head_dim`` is set; S sequence)."""
-    width = arch.num_attention_heads * arch.head_size
+    width: float = arch.num_attention_heads * arch.head_size
+    latent = arch.latent_attention
+    if latent is not None:  # QK^T over the query/key channels, AV over the value ones
+        width = arch.num_attention_heads * (latent.qk_nope_head_dim + latent.qk_rope_head_dim + latent.v_head_dim) / 2
     return 6.0 * arch.num_parameters(active=True) + 12.0 * arch.num_layers * width * sequence_length
 
 

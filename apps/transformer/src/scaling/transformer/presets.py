@@ -37,6 +37,17 @@ PRESETS: dict[str, JsonDict] = {
                       "intermediate_size": 6144, "tied_embeddings": False,
                       "moe": {"num_experts": 128, "top_k": 8, "ffn_size": 768, "normalize_top_k": True,
                               "aux_loss_coefficient": 0.001}},
+    # DeepSeek-V3 without its multi-token-prediction layer; YaRN stretches the 4k pretraining context 40x.
+    "deepseek_v3_671b": {"vocab_size": 129280, "hidden_size": 7168, "num_layers": 61, "num_attention_heads": 128,
+                         "intermediate_size": 18432, "norm_eps": 1e-6, "rotary_base": 10000.0, "rotary_interleaved": True,
+                         "max_sequence_length": 163840, "tied_embeddings": False,
+                         "rope_scaling": {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+                         "latent_attention": {"kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+                                              "qk_rope_head_dim": 64, "v_head_dim": 128},
+                         "moe": {"num_experts": 256, "top_k": 8, "ffn_size": 2048, "num_shared_experts": 1,
+                                 "score_function": "sigmoid", "balancing": "aux_loss_free", "routed_scaling_factor": 2.5,
+                                 "num_groups": 8, "top_groups": 4, "first_dense_layers": 3}},
     # Small shapes of the same families: they train on a CPU in seconds (the default corpus's 1024 tokens).
     "tiny_llama3": {**_LLAMA3, "vocab_size": 1024, "hidden_size": 128, "num_layers": 4, "num_attention_heads": 4,
                     "num_kv_heads": 2, "intermediate_size": 384, "max_sequence_length": 2048,
@@ -45,6 +56,14 @@ PRESETS: dict[str, JsonDict] = {
                        "num_kv_heads": 2, "head_dim": 64, "intermediate_size": 384, "max_sequence_length": 2048,
                        "tied_embeddings": False,
                        "moe": {"num_experts": 8, "top_k": 2, "ffn_size": 96, "normalize_top_k": True}},
+    "tiny_deepseek_v3": {"vocab_size": 1024, "hidden_size": 128, "num_layers": 4, "num_attention_heads": 4,
+                         "intermediate_size": 384, "norm_eps": 1e-6, "rotary_interleaved": True,
+                         "max_sequence_length": 2048, "tied_embeddings": False,
+                         "latent_attention": {"kv_lora_rank": 32, "q_lora_rank": 64, "qk_nope_head_dim": 32,
+                                              "qk_rope_head_dim": 16, "v_head_dim": 32},
+                         "moe": {"num_experts": 8, "top_k": 2, "ffn_size": 96, "num_shared_experts": 1,
+                                 "score_function": "sigmoid", "balancing": "aux_loss_free", "routed_scaling_factor": 2.5,
+                                 "num_groups": 4, "top_groups": 2, "first_dense_layers": 1}},
 }  # fmt: skip
 
 

@@ -49,6 +49,7 @@ from scaling.nn._lora import (
     unmerge_lora,
 )
 from scaling.nn._meta import ParameterMeta, get_parameter_meta
+from scaling.nn._mla import MLAConfig, MultiHeadLatentAttention
 from scaling.nn._mlp import ParallelMLP, ParallelSwiGLUMLP
 from scaling.nn._moe import MoEConfig, ParallelMoE, check_moe
 from scaling.nn._norm import LayerNorm, RMSNorm, reduce_sequence_parallel_gradients
@@ -69,7 +70,9 @@ __all__ = [
     "LayerNorm",
     "LayerSpec",
     "LoRAConfig",
+    "MLAConfig",
     "MoEConfig",
+    "MultiHeadLatentAttention",
     "ParallelMLP",
     "ParallelMoE",
     "ParallelSelfAttention",

@@ -11,7 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-ROPE_SCALING_TYPES = ("linear", "llama3")
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass(frozen=True)
@@ -20,14 +24,19 @@ class RopeScaling:
 
     Attributes:
         rope_type: ``"linear"`` (every frequency divided by ``factor``: position
-            interpolation) or ``"llama3"`` (Llama 3.1+: wavelengths longer than
+            interpolation), ``"llama3"`` (Llama 3.1+: wavelengths longer than
             ``original_max_position_embeddings / low_freq_factor`` divided by ``factor``,
             those shorter than ``original_max_position_embeddings / high_freq_factor``
-            kept, and a smooth blend in between).
+            kept, and a smooth blend in between) or ``"yarn"`` (YaRN, DeepSeek-V3 and Qwen's
+            long contexts: frequencies with fewer than ``beta_slow`` turns over the pretraining
+            context divided by ``factor``, more than ``beta_fast`` kept, a linear ramp in
+            between; cos and sin times :meth:`attention_factor`).
         factor: how much longer the context is than the pretraining one; > 0.
         low_freq_factor, high_freq_factor: the band edges (``"llama3"`` only);
             ``high_freq_factor > low_freq_factor > 0``.
-        original_max_position_embeddings: the pretraining context (``"llama3"`` only).
+        original_max_position_embeddings: the pretraining context (``"llama3"``, ``"yarn"``).
+        beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate: YaRN's, as
+            transformers names them (``attention_factor`` None: from ``factor`` and the mscales).
 
     Raises:
         ValueError: an unknown ``rope_type`` or a value outside its range (named).
@@ -43,6 +52,12 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_SCALING_TYPES:
@@ -59,11 +74,23 @@ class RopeScaling:
                 f"RopeScaling: original_max_position_embeddings={self.original_max_position_embeddings} must be >= 1"
             )
 
-    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
-        """The scaled inverse frequencies (same dtype as ``inv_freq``)."""
+    def inverse_frequencies(self, base: float, dim: int) -> torch.Tensor:
+        """The scaled inverse frequencies of ``dim`` rotated channels (float64, ``[dim / 2]``)."""
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
         if self.rope_type == "linear":
             return inv_freq / self.factor
         context = self.original_max_position_embeddings
+        if self.rope_type == "yarn":
+            # The channel index at which a frequency makes ``turns`` rotations over the context.
+            def channel(turns: float) -> float:
+                return dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+            low, high = channel(self.beta_fast), channel(self.beta_slow)
+            if self.truncate:
+                low, high = math.floor(low), math.ceil(high)
+            low, high = max(low, 0), min(high, dim - 1)
+            ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
+            return inv_freq / self.factor * ramp + inv_freq * (1 - ramp)
         wavelength = 2 * math.pi / inv_freq
         long = wavelength > context / self.low_freq_factor
         short = wavelength < context / self.high_freq_factor
@@ -71,6 +98,22 @@ class RopeScaling:
         smooth = (context / wavelength - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
         blended = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
         return torch.where(long, inv_freq / self.factor, torch.where(short, inv_freq, blended))
+
+    def cos_sin_factor(self) -> float:
+        """What cos and sin are multiplied by (YaRN's attention factor; 1 for the other types)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(self.factor, self.mscale_all_dim)
+        return _yarn_mscale(self.factor)
+
+    def softmax_scale_factor(self) -> float:
+        """DeepSeek's YaRN softmax-scale correction (``mscale_all_dim``), squared; 1 without it."""
+        if self.rope_type != "yarn" or not self.mscale_all_dim:
+            return 1.0
+        return _yarn_mscale(self.factor, self.mscale_all_dim) ** 2
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -110,10 +153,12 @@ class RotaryEmbedding(torch.nn.Module):
         self.rotary_dim = rotary_dim
         self.interleaved = interleaved
         self.base, self.scaling = base, scaling
-        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
-        if scaling is not None:
-            inv_freq = scaling.apply(inv_freq)
+        if scaling is None:
+            inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+        else:
+            inv_freq = scaling.inverse_frequencies(base, rotary_dim)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.cos_sin_factor = 1.0 if scaling is None else scaling.cos_sin_factor()
 
     def forward(self, x_bhsd: torch.Tensor, positions_bs: torch.Tensor) -> torch.Tensor:
         """Rotate ``x_bhsd`` by the angles of ``positions_bs`` (``[b, s]`` or ``[s]`` ints)."""
@@ -122,6 +167,8 @@ class RotaryEmbedding(torch.nn.Module):
         angles = positions_bs.to(self.inv_freq.device, torch.float32).unsqueeze(-1) * self.inv_freq
         cos = angles.cos().unsqueeze(1)  # [b, 1, s, r/2]
         sin = angles.sin().unsqueeze(1)
+        if self.cos_sin_factor != 1.0:  # YaRN
+            cos, sin = cos * self.cos_sin_factor, sin * self.cos_sin_factor
         r = self.rotary_dim
         # Whole heads rotated (the usual case): no slice and no concatenation with an empty
         # pass-through part, each of which costs a full copy in the forward or the backward.
