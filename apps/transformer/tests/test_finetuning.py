@@ -179,3 +179,26 @@ def test_lora_from_a_base_checkpoint_with_zero3_matches_one_process(tiny_corpus,
     assert reference[0] < scratch[0]  # it starts from the trained base, not from the initial weights
     for rank, history in enumerate(runs[2]):
         assert_parity(losses(history), reference, rtol=1e-5, name=f"rank {rank} LoRA-from-base losses, ZeRO-3 dp2")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_lora_on_latent_attention_at_tp2_sp_matches_one_process(tiny_corpus):
+    """LoRA on DeepSeek's latent attention (its column- and row-parallel projections) and the MLP: the
+    adapters are there, and tp2 with sequence parallelism trains as one process."""
+    latent = {"latent_attention": {"kv_lora_rank": 16, "q_lora_rank": 16, "qk_nope_head_dim": 8,
+                                   "qk_rope_head_dim": 4, "v_head_dim": 8}, "num_kv_heads": None}  # fmt: skip
+    histories = {}
+    for tp in (1, 2):
+        cfg = tiny_config(tiny_corpus, tp=tp, steps=4, finetuning=LORA)
+        cfg["transformer_architecture"].update(latent, sequence_parallel=tp == 2)
+        histories[tp] = run_distributed(train_worker, tp, cfg, timeout_seconds=180)
+    reference = losses(histories[1][0])
+    assert reference[-1] < reference[0]
+    for rank, history in enumerate(histories[2]):
+        assert_parity(losses(history), reference, rtol=1e-5, name=f"rank {rank} LoRA on latent attention, tp2 sp")
+    model = TransformerLM(TransformerArchitectureConfig(**{**tiny_config(tiny_corpus)["transformer_architecture"],
+                                                           **latent}))  # fmt: skip
+    apply_finetuning(list(enumerate(model.layers)), FinetuningConfig(**LORA))
+    adapted = {n.rsplit(".lora_A", 1)[0].split(".", 2)[2] for n, _ in model.named_parameters() if ".lora_A" in n}
+    assert {"attention.q_b", "attention.kv_b", "attention.dense"} <= adapted, adapted

@@ -293,11 +293,13 @@ LATENT = {"latent_attention": {"kv_lora_rank": 16, "q_lora_rank": 16, "qk_nope_h
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_latent_attention_at_tp2_sp_and_pp2_matches_one_process(tiny_corpus):
-    """The replicated latent projections' gradients summed over TP under sequence parallelism, and
-    the pipeline: every step's loss is one process's."""
+def test_latent_attention_at_tp2_sp_pp2_and_zero3_matches_one_process(tiny_corpus):
+    """The replicated latent projections' gradients summed over TP under sequence parallelism, the
+    pipeline, and ZeRO-3 (the latent weights gathered and sharded as any): every step's loss is one
+    process's."""
     reference = _reference(tiny_corpus, LATENT)
-    for sizes, sp in (({"tp": 2}, True), ({"pp": 2}, False)):
+    layouts = (({"tp": 2}, True), ({"pp": 2}, False), ({"dp": 2, "optimizer": {"zero_stage": 3}}, False))
+    for sizes, sp in layouts:
         cfg = tiny_config(tiny_corpus, steps=STEPS, **sizes)
         cfg["transformer_architecture"].update(LATENT, sequence_parallel=sp)
         _check(run_distributed(train_worker, 2, cfg, timeout_seconds=180), reference, f"latent attention {sizes}")
