@@ -88,7 +88,7 @@ def reference_losses(name: str) -> list[float]:
     return losses
 
 
-def train_worker(name: str, constraints: dict, compile: Any = False) -> list[float]:
+def train_worker(name: str, constraints: dict, compile: Any = False, raw: bool = False) -> list[float]:
     cls, config = MODELS[name]
     model = deferred_init(cls, config())
     plan = generate_plan(model, {**constraints, "global_batch_size": GLOBAL_BATCH, "seed": 7})
@@ -100,11 +100,12 @@ def train_worker(name: str, constraints: dict, compile: Any = False) -> list[flo
         TokenDataset(),
         compile=CompileConfig(**compile) if compile else False,
     )
-    return plain_loop(model, optimizer, scheduler, loader)
+    return plain_loop(model, optimizer, scheduler, loader, raw)
 
 
-def plain_loop(model: Any, optimizer: Any, scheduler: Any, loader: Any) -> list[float]:
-    """``STEPS`` steps of the plain loop over a parallelized model; the global loss of each."""
+def plain_loop(model: Any, optimizer: Any, scheduler: Any, loader: Any, raw: bool = False) -> list[float]:
+    """``STEPS`` steps of the plain loop over a parallelized model; the global loss of each (``raw``:
+    ``loss.item()`` of what ``model(batch)`` returned)."""
     losses = []
     for _, batch in zip(range(STEPS), loader):
         optimizer.zero_grad()
@@ -113,5 +114,5 @@ def plain_loop(model: Any, optimizer: Any, scheduler: Any, loader: Any) -> list[
         optimizer.step()
         scheduler.step()
         # model(batch) is this DP rank's loss (as with DDP); global_loss is what one device logs
-        losses.append(model.global_loss(loss))
+        losses.append(loss.item() if raw else model.global_loss(loss))
     return losses

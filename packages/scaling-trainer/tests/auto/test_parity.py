@@ -45,6 +45,21 @@ def test_layout_matches_one_process(name: str, layout: str) -> None:
     assert expected[-1] < expected[0]  # it trains
 
 
+@pytest.mark.parametrize(
+    "layout",
+    ["cp2", pytest.param("cp2_pp2", marks=pytest.mark.slow)],
+)
+def test_under_context_parallelism_loss_item_is_the_batch_loss_on_every_rank(layout: str) -> None:
+    """At cp2 each rank computes half of each sequence; what ``model(batch)`` returns prints the
+    whole batch's loss (it printed the rank's share: 4.65 where the loss was 5.61), pipelined too,
+    and training is unchanged (the one-process losses step by step)."""
+    constraints = {"context_parallel.size": 2} if layout == "cp2" else LAYOUTS["cp2_pp2"]
+    expected = reference_losses("llama")
+    world = 2 if layout == "cp2" else 4
+    for losses in run_distributed(train_worker, world, "llama", constraints, False, True, timeout_seconds=300):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0.0)
+
+
 def test_static_shapes_pp2_dp2_matches_one_process() -> None:
     # Llama's stage messages carry several tensors: after the handshake they go as one
     # payload frame without a header (pipeline_parallel.static_shapes).

@@ -42,8 +42,10 @@ class ParallelModel(torch.nn.Module):
     Under data parallelism ``model(batch)`` returns this rank's loss (as DDP does);
     :meth:`global_loss` gives the mean over the DP ranks for logging, on demand. Under
     context parallelism (a ``transformers`` causal LM) each rank computes on its slice of
-    the batch's sequences and its loss is its share, so that the mean over the DP × CP
-    ranks is the one-process loss (``_context.py``).
+    the batch's sequences; the loss it returns has the value of the whole batch's loss (what
+    ``loss.item()`` prints, the same on every CP rank: one scalar all-reduce over CP) and the
+    gradient of its share, so that the gradients averaged over the DP × CP ranks are the
+    one-process ones (``_context.py``).
     """
 
     def __init__(
@@ -62,17 +64,27 @@ class ParallelModel(torch.nn.Module):
 
     def forward(self, batch: object) -> torch.Tensor:
         batch = on_device(batch, self.topology.device)
+        cp = self.topology.axis("cp")
         if self.pipeline is not None:
             if not self.training:
                 raise RuntimeError("a pipelined model runs training steps only (model.train())")
-            return self.pipeline.run(batch).requires_grad_()
-        if self.topology.axis("cp").size > 1:
+            return self._batch_loss(self.pipeline.run(batch)).requires_grad_()
+        if cp.size > 1:
             with sliced(batch, self.topology, self.plan.context_parallel_method) as kwargs:
                 out = self.module(**kwargs)
         else:
             out = self.module(**batch) if isinstance(batch, Mapping) else self.module(batch)
         loss = getattr(out, "loss", out)
+        if cp.size > 1:  # the batch's loss as the value, this rank's share as the gradient
+            loss = loss + (self._batch_loss(loss) - loss.detach())
         return self.scale_loss(loss) if self.scale_loss is not None else loss
+
+    def _batch_loss(self, share: torch.Tensor) -> torch.Tensor:
+        """The whole batch's loss from this context-parallel rank's ``share`` (their mean; detached)."""
+        cp = self.topology.axis("cp")
+        if cp.size == 1:
+            return share.detach()
+        return all_reduce(share.detach().float().clone(), cp.group).div_(cp.size).to(share.dtype)
 
     def global_loss(self, loss: torch.Tensor) -> float:
         """The mean of ``loss`` over the data-parallel (× context-parallel) ranks: the loss one device would log.
