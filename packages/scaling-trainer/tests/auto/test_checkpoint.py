@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from auto_models import MODELS, TokenDataset, lr_scheduler_fn, optimizer_fn
@@ -159,7 +161,40 @@ def other_form_worker(path: str) -> str:
 
 def test_load_other_optimizer_form_names_it(tmp_path) -> None:
     (message,) = run_distributed(other_form_worker, 1, str(tmp_path / "plain"), timeout_seconds=300)
-    assert "pass optimizer=None" in message
+    assert "pass optimizer_state=False to load the model (and scheduler) only" in message
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+
+def model_only_worker(path: str) -> bool:
+    """One trained step saved by a plain plan; its weights load without the optimizer's state: into
+    a ZeRO-1 plan (the other form, as the refusal says), as the model alone, and into a ZeRO-3 plan
+    (whose optimizer places them in its shards); each then computes the saved model's next loss."""
+    plain = _build("gpt2", {})
+    _step(*plain[1:4], TokenDataset()[0:2])
+    save(path, _state(plain), step=1)
+    expected, batch = _weights(plain[1]), TokenDataset()[2:4]
+    with torch.no_grad():
+        next_loss = plain[1](batch).item()
+    zero1, alone, zero3 = _build("gpt2", {"zero_stage": 1}), _build("gpt2", {}), _build("gpt2", {"zero_stage": 3})
+    load(path, _state(zero1), optimizer_state=False)
+    load(path, {"model": alone[1]})  # raised a bare StopIteration
+    load(path, {"model": zero3[1], "optimizer": zero3[2]}, optimizer_state=False)
+    for objects in (zero1, alone, zero3):
+        with objects[2].engine.full_parameters() if objects[2].engine is not None else contextlib.nullcontext():
+            got = _weights(objects[1])
+        assert sorted(got) == sorted(expected)
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+        with torch.no_grad():
+            assert objects[1](batch).item() == pytest.approx(next_loss, rel=1e-6)
+    return True
+
+
+def test_the_weights_load_without_the_optimizer_state_into_any_plan(tmp_path) -> None:
+    assert run_distributed(model_only_worker, 1, str(tmp_path / "plain"), timeout_seconds=300) == [True]
 
 
 def test_save_names_objects_not_from_parallelize(tmp_path) -> None:

@@ -185,13 +185,18 @@ def save(path: str | Path, state: StateDict, step: int = 0) -> Path:
         return save_checkpoint(path, step, tree, state["model"].topology, extra={"plan": plan.to_dict()}).wait()
 
 
-def load(path: str | Path, state: StateDict, step: int | None = None) -> Plan:
+def load(path: str | Path, state: StateDict, step: int | None = None, *, optimizer_state: bool = True) -> Plan:
     """Load a checkpoint written by :func:`save` into ``state``'s objects (any layout).
 
     Args:
         path: checkpoint root.
-        state: ``{"model", "optimizer", "lr_scheduler"}`` from :func:`parallelize` under the new plan.
+        state: ``{"model", "optimizer", "lr_scheduler"}`` from :func:`parallelize` under the new
+            plan; ``{"model"}`` alone loads the weights only (a ZeRO-3 plan needs its optimizer
+            there too, to place them in its shards).
         step: the step to load (default: the latest).
+        optimizer_state: False: the weights (and the scheduler, if given) only; the optimizer
+            given places them (ZeRO-3 shards, fp32 master weights) and keeps its own state.
+            The way to load the weights of a plan whose optimizer state has the other form.
 
     Returns:
         The plan the checkpoint was saved with.
@@ -202,16 +207,21 @@ def load(path: str | Path, state: StateDict, step: int | None = None) -> Plan:
         CheckpointError: a missing or corrupt checkpoint, or keys or shapes that differ.
     """
     optimizer = state.get("optimizer")
-    if optimizer is not None:
-        _ensure_state(optimizer)
+    restored: ParallelOptimizer | None = optimizer if optimizer_state else None  # whose state is read
+    if restored is not None:
+        _ensure_state(restored)
     model: ParallelModel = state["model"]
     # A checkpoint saved before the first optimizer.step() has no state for the user's
     # optimizer (torch builds it lazily): those keys may be missing, and stay fresh.
-    fresh_ok = [rf"{_TORCH_FORM}\.state\..*"] if optimizer is not None and optimizer.engine is None else []
+    fresh_ok = [rf"{_TORCH_FORM}\.state\..*"] if restored is not None and restored.engine is None else []
+    # What the state does not ask for is not read (the optimizer's state, the scheduler's).
+    skipped = [] if restored is not None else [rf"{_TORCH_FORM}\..*", rf"{_ENGINE_FORM}\..*"]
+    skipped += [] if state.get("lr_scheduler") is not None else [r"lr_scheduler\..*"]
+    wanted = {k: v for k, v in state.items() if k != "optimizer" or restored is not None}
     with _whole_parameters(state), torch.no_grad():  # ZeRO-3: loaded into the gathered parameters
-        tree = _tree(state)
+        tree = _tree(wanted)
         try:
-            loaded = load_checkpoint(path, tree, model.topology, step=step, allowed_missing=fresh_ok)
+            loaded = load_checkpoint(path, tree, model.topology, step=step, allowed_missing=fresh_ok, ignored=skipped)
         except CheckpointError as e:
             _raise_if_other_form(tree, e)
             raise
@@ -222,10 +232,10 @@ def load(path: str | Path, state: StateDict, step: int | None = None) -> Plan:
                 local.copy_(src)
         if optimizer is not None and optimizer.engine is not None:
             optimizer.engine.sync_from_parameters()  # master weights / ZeRO-3 shards from the loaded values
-    if optimizer is not None and optimizer.engine is None:
-        _load_torch(model, optimizer, loaded.state[_TORCH_FORM], set(loaded.missing_keys))
-    elif optimizer is not None:
-        _load_engine(model, optimizer, loaded.state[_ENGINE_FORM])
+    if restored is not None and restored.engine is None:
+        _load_torch(model, restored, loaded.state[_TORCH_FORM], set(loaded.missing_keys))
+    elif restored is not None:
+        _load_engine(model, restored, loaded.state[_ENGINE_FORM])
     if state.get("lr_scheduler") is not None:
         state["lr_scheduler"].load_state_dict(loaded.state["lr_scheduler"])
     return Plan.from_dict(loaded.extra["plan"])
@@ -236,13 +246,13 @@ def _raise_if_other_form(tree: StateDict, error: CheckpointError) -> None:
         _TORCH_FORM: "zero_stage=0 and precision='float32'",
         _ENGINE_FORM: "zero_stage > 0, reduced precision or cpu_offload",
     }
+    mine = [f for f in forms if f in tree]
     for form, plan in forms.items():
-        if form not in tree and f"'{form}." in str(error) and "no rank expects" in str(error):
-            mine = next(f for f in forms if f in tree)
+        if mine and form not in tree and f"'{form}." in str(error) and "no rank expects" in str(error):
             raise ValueError(
                 f"load: the checkpoint's optimizer state was saved by a plan with {plan}, this plan has "
-                f"{forms[mine]}; load with a plan of the same kind, or pass optimizer=None to load the model "
-                "and scheduler only"
+                f"{forms[mine[0]]}; load with a plan of the same kind, or pass optimizer_state=False to load the "
+                "model (and scheduler) only"
             ) from error
 
 
