@@ -63,6 +63,45 @@ def test_parameters_freed_between_uses_and_next_layer_prefetched():
         assert seen == {"prefetching": [1], "first_freed": True, "last_whole": True}
 
 
+def _reads_between_steps():
+    topo = make_topology()
+    layers, groups = model()
+    opt = Optimizer(
+        config=OptimizerConfig(zero_stage=3),
+        parameter_groups=groups,
+        topology=topo,
+        zero3_modules=[layers[0], layers[2]],
+    )
+    opt.zero_grad()
+    opt.backward(layers(torch.randn(4, 6)).pow(2).mean())
+    opt.step()
+    weight = layers[0].weight
+    # Metadata reads as a parameter's; the values are refused with the parameter named (it segfaulted).
+    assert (weight.shape, weight.dtype, weight.requires_grad, weight.numel()) == (
+        torch.Size([5, 6]),
+        torch.float32,
+        True,
+        30,
+    )
+    with pytest.raises(RuntimeError, match=r"parameter 'layers.0.weight' is sharded by ZeRO-3 .* so norm cannot read it; "
+                                           r"read it inside `with optimizer.full_parameters\(\):`"):  # fmt: skip
+        weight.norm()
+    with pytest.raises(RuntimeError, match="so __repr__ cannot read it"):
+        repr(weight)
+    with opt.full_parameters():
+        inside = weight.norm().item()
+        assert type(weight) is torch.nn.Parameter
+    with pytest.raises(RuntimeError, match="sharded by ZeRO-3"):
+        weight.sum()  # freed again after the context
+    return inside
+
+
+@pytest.mark.distributed
+def test_a_parameter_read_between_steps_is_refused_by_name_and_whole_inside_full_parameters():
+    norms = run_distributed(_reads_between_steps, 2, timeout_seconds=60)
+    assert norms[0] == norms[1] > 0
+
+
 def _refusals():
     topo = make_topology()
     layers, groups = model()

@@ -96,3 +96,30 @@ def test_plan_optimizer_and_pipeline_constraints() -> None:
         generate_plan(
             model, {"pipeline_parallel.size": 2, "pipeline_parallel.num_micro_batches": 3, "global_batch_size": 4}
         )
+
+
+def read_worker() -> tuple[float, float]:
+    """A ZeRO-3 and a plain dp2 run of the same steps; the embedding's norm read between steps."""
+    from auto_models import MODELS, TokenDataset, lr_scheduler_fn, optimizer_fn, plain_loop
+
+    from scaling.trainer.auto import parallelize
+
+    norms = []
+    for zero in (3, 0):
+        cls, config = MODELS["gpt2"]
+        model = deferred_init(cls, config())
+        plan = generate_plan(model, {"data_parallel_size": 2, "zero_stage": zero, "global_batch_size": 4, "seed": 7})
+        model, optimizer, scheduler, loader = parallelize(plan, model, optimizer_fn, lr_scheduler_fn, TokenDataset())
+        plain_loop(model, optimizer, scheduler, loader)
+        weight = model.module.transformer.wte.weight
+        if zero == 3:  # it segfaulted
+            with pytest.raises(RuntimeError, match=r"is sharded by ZeRO-3 .* `with model.full_parameters\(\):`"):
+                weight.norm()
+        with model.full_parameters():
+            norms.append(weight.norm().item())
+    return norms[0], norms[1]
+
+
+def test_a_zero3_weight_reads_inside_full_parameters_and_is_refused_outside() -> None:
+    for zero3, plain in run_distributed(read_worker, 2, timeout_seconds=300):
+        assert zero3 == pytest.approx(plain, rel=1e-6)

@@ -35,6 +35,13 @@ is gathered, and the zero-bubble weight pass accumulates through the same hooks.
 
 Refilling goes through ``param.data`` so autograd's version counter is untouched: the
 tensors saved for backward see the same values they were computed with.
+
+A freed parameter has no storage, and torch reads a tensor's data without checking that it
+has any: ``weight.norm()`` between steps would read freed memory (a segmentation fault).
+So a freed parameter is a :class:`FreedParameter` until its layer is gathered again: its
+metadata (shape, dtype, device, grad, hooks) reads as before, and any op on its values
+raises a ``RuntimeError`` naming the parameter and the context that makes it whole
+(``optimizer.full_parameters()``).
 """
 
 from __future__ import annotations
@@ -68,10 +75,69 @@ class LayeredModule(Protocol):
     def layer_modules(self) -> Sequence[torch.nn.Module]: ...
 
 
+# What a freed parameter still answers: its metadata and storage handle, the hooks and the
+# gradient. Properties are read (``__get__``) or set (``__set__``) by name; methods by function.
+_FREED_PROPERTIES = frozenset(
+    {"shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "ndim", "layout", "_version", "grad_fn",
+     "is_cuda", "is_meta", "is_sparse", "names", "_base", "is_quantized", "is_nested", "output_nr"}
+)  # fmt: skip
+_FREED_METHODS = frozenset(
+    {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.element_size,
+     torch.Tensor.untyped_storage, torch.Tensor.data_ptr, torch.Tensor.stride, torch.Tensor.storage_offset,
+     torch.Tensor.is_contiguous, torch.Tensor.requires_grad_, torch.Tensor.register_hook,
+     torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.__hash__, torch.Tensor._is_view,
+     torch.Tensor.get_device,
+     # Differentiating with respect to it (the zero-bubble weight pass) reads none of its values,
+     # nor does making a tensor like it (a missing gradient's zeros).
+     torch.autograd.backward, torch.autograd.grad, torch.zeros_like, torch.empty_like, torch.ones_like,
+     torch.full_like, torch.Tensor.new_zeros, torch.Tensor.new_empty, torch.Tensor.new_ones, torch.Tensor.new_full}
+)  # fmt: skip
+
+
+class FreedParameter(torch.nn.Parameter):
+    """A ZeRO-3 parameter whose storage is freed (between its layer's uses): reading its values
+    raises a ``RuntimeError`` that names it, instead of reading freed memory. Its metadata reads as
+    a parameter's; the gatherer turns it back into a ``torch.nn.Parameter`` when it refills it."""
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., object],
+        types: Collection[type],
+        args: Sequence[object] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
+        owner = getattr(func, "__self__", None)
+        name = getattr(owner, "__name__", "") if getattr(func, "__name__", "") in ("__get__", "__set__") else ""
+        if name in _FREED_PROPERTIES or func in _FREED_METHODS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        param = next(a for a in args if isinstance(a, FreedParameter))
+        meta = getattr(param, "parameter_meta", None)
+        what = (
+            f"parameter {meta.key!r}"
+            if isinstance(meta, ParameterMeta)
+            else f"a parameter of shape {list(param.shape)}"
+        )
+        raise RuntimeError(
+            f"{what} is sharded by ZeRO-3 (zero_stage=3): between its layer's uses this rank holds only its shard, "
+            f"so {getattr(func, '__name__', func)} cannot read it; read it inside `with optimizer.full_parameters():` "
+            "(the high-level API's `with model.full_parameters():`), which gathers every parameter"
+        )
+
+
 def free_storage(slot: ParamSlot) -> None:
     slot.param.untyped_storage().resize_(0)
+    if type(slot.param) is torch.nn.Parameter:
+        slot.param.__class__ = FreedParameter
     if slot.float8_weight is not None:
         slot.float8_weight.tensor.untyped_storage().resize_(0)
+
+
+def _refilled(param: torch.nn.Parameter) -> None:
+    """``param`` (its storage resized back) a plain parameter again."""
+    if type(param) is FreedParameter:
+        param.__class__ = torch.nn.Parameter  # type: ignore[assignment]
 
 
 def _meta_of(param: torch.Tensor, name: str) -> ParameterMeta:
@@ -249,6 +315,7 @@ class ParameterGatherer:
             nbytes = slot.numel * slot.param.element_size()
             if storage.nbytes() != nbytes:
                 storage.resize_(nbytes)
+            _refilled(slot.param)
             if grid is None:
                 assert slot.param_shard is not None
                 full = slot.param_shard

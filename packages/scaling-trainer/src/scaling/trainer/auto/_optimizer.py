@@ -46,6 +46,7 @@ class PlannedModel(Protocol):
     pipeline: PipelineStage | None
     scale_loss: Callable[[torch.Tensor], torch.Tensor] | None
     gradient_sync: Callable[[], AbstractContextManager[None]] | None
+    whole_parameters: Callable[[], AbstractContextManager[None]] | None
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
 
@@ -182,6 +183,7 @@ class ParallelOptimizer:
                 self.reducer.accumulate(plan.num_micro_batches)
         if self.engine is not None:
             model.gradient_sync = self.engine.no_sync
+            model.whole_parameters = self.engine.full_parameters
         elif self.reducer is not None:
             model.gradient_sync = self.reducer.no_sync
 

@@ -57,6 +57,8 @@ class ParallelModel(torch.nn.Module):
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None  # fp16: set by the optimizer
         #: The optimizer's ``no_sync`` of its DP reduction (set by the optimizer; None: nothing to sync).
         self.gradient_sync: Callable[[], AbstractContextManager[None]] | None = None
+        #: The optimizer's context gathering every ZeRO-3 parameter (set by the optimizer; None: all whole).
+        self.whole_parameters: Callable[[], AbstractContextManager[None]] | None = None
         #: How the blocks are compiled (``parallelize(compile=...)``).
         self.compile_config = CompileConfig()
         #: The modules multiplying in float8 (``parallelize(float8=...)``).
@@ -96,6 +98,20 @@ class ParallelModel(torch.nn.Module):
         value = loss.detach().float().reshape(1).clone()
         all_reduce(value, self.topology.axis("dp_cp").group)
         return float(value) / self.topology.axis("dp_cp").size
+
+    def full_parameters(self) -> AbstractContextManager[None]:
+        """Context in which every parameter of this rank is whole, to read or export between steps
+        (as FSDP's ``summon_full_params``): under ZeRO-3 it gathers them (collective: every DP rank
+        enters it) and frees them again after; otherwise nothing. Outside it a ZeRO-3 parameter holds
+        only its shard, and an op on its values raises a ``RuntimeError`` naming it. Under tensor
+        parallelism the parameters stay this rank's TP shards.
+
+        Example::
+
+            with model.full_parameters():
+                print(model.module.lm_head.weight.norm())
+        """
+        return self.whole_parameters() if self.whole_parameters is not None else contextlib.nullcontext()
 
     def no_sync(self) -> AbstractContextManager[None]:
         """As DDP's ``no_sync``: backward passes inside accumulate gradients on each rank, and
