@@ -77,3 +77,36 @@ def test_compiled_blocks_dp2_tp2_match_one_process() -> None:
     expected = reference_losses("llama")
     for losses in run_distributed(train_worker, 4, "llama", LAYOUTS["dp2_tp2"], compile, timeout_seconds=420):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0.0)
+
+
+def eval_worker(name: str, constraints: dict) -> tuple[float, bool]:
+    """The model's loss on one batch after ``model.eval()`` (no gradient anywhere afterwards)."""
+    from auto_models import GLOBAL_BATCH, MODELS, TokenDataset, lr_scheduler_fn, optimizer_fn
+
+    from scaling.trainer.auto import deferred_init, generate_plan, parallelize
+
+    cls, config = MODELS[name]
+    model = deferred_init(cls, config())
+    plan = generate_plan(model, {**constraints, "global_batch_size": GLOBAL_BATCH, "seed": 7})
+    model, *_ = parallelize(plan, model, optimizer_fn, lr_scheduler_fn, TokenDataset())
+    model.eval()
+    loss = model(TokenDataset()[0:GLOBAL_BATCH])
+    untouched = not loss.requires_grad and all(p.grad is None for p in model.parameters())
+    return loss.item(), untouched
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_pipelined_model_evaluates_with_the_one_process_loss(name: str) -> None:
+    """``model.eval()`` then ``model(batch)`` under pp2 (it raised "runs training steps only"): the
+    forward-only schedule, the one-process loss on both stages, no gradient accumulated."""
+    from auto_models import GLOBAL_BATCH, MODELS, TokenDataset
+
+    from scaling.trainer.auto import deferred_init, materialize
+
+    cls, config = MODELS[name]
+    reference = materialize(deferred_init(cls, config()), seed=7).eval()
+    with torch.no_grad():
+        expected = reference(**TokenDataset()[0:GLOBAL_BATCH]).loss.item()
+    layout = {"pipeline_parallel.size": 2, "pipeline_parallel.num_micro_batches": 2}
+    for loss, untouched in run_distributed(eval_worker, 2, name, layout, timeout_seconds=300):
+        assert loss == pytest.approx(expected, rel=1e-5) and untouched

@@ -37,7 +37,8 @@ class ParallelModel(torch.nn.Module):
     *and* backward (the way DeepSpeed's ``train_batch`` and ``torch.distributed.pipelining``'s
     ``schedule.step`` do), and returns the mean micro-batch loss on every stage as a leaf
     tensor: ``loss.backward()`` is then a no-op, so the plain loop runs unchanged. Gradients
-    accumulate over calls until ``optimizer.step()``.
+    accumulate over calls until ``optimizer.step()``. After ``model.eval()`` it runs the
+    forward-only schedule (DeepSpeed's ``eval_batch``) and returns the loss, nothing accumulated.
 
     Under data parallelism ``model(batch)`` returns this rank's loss (as DDP does);
     :meth:`global_loss` gives the mean over the DP ranks for logging, on demand. Under
@@ -68,8 +69,8 @@ class ParallelModel(torch.nn.Module):
         batch = on_device(batch, self.topology.device)
         cp = self.topology.axis("cp")
         if self.pipeline is not None:
-            if not self.training:
-                raise RuntimeError("a pipelined model runs training steps only (model.train())")
+            if not self.training:  # evaluation: the forward-only schedule, the batch's loss on every stage
+                return self._batch_loss(self.pipeline.run(batch, forward_only=True))
             return self._batch_loss(self.pipeline.run(batch)).requires_grad_()
         if cp.size > 1:
             with sliced(batch, self.topology, self.plan.context_parallel_method) as kwargs:

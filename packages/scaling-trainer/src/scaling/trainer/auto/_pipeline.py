@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING, overload
 import torch
 
 from scaling.collectives import PyTree, broadcast
-from scaling.pipeline import StageExecutor, StageTransports, TiedGroups, gpipe_schedule, one_f_one_b_schedule
+from scaling.pipeline import (
+    StageExecutor,
+    StageTransports,
+    TiedGroups,
+    forward_only_schedule,
+    gpipe_schedule,
+    one_f_one_b_schedule,
+)
 from scaling.topology import Topology
 from scaling.trainer.auto._context import sliced
 from scaling.trainer.auto._plan import Plan
@@ -211,11 +218,12 @@ class PipelineStage:
             self._incoming = None
 
     # ------------------------------------------------------------ one schedule
-    def run(self, batch: object) -> torch.Tensor:
+    def run(self, batch: object, forward_only: bool = False) -> torch.Tensor:
         """Forward and backward of ``batch`` (this DP rank's) over the schedule; the mean loss.
 
         Gradients accumulate into ``.grad``; tied-weight and DP reductions and the update
-        are the optimizer's (``step()``), as in the plain loop.
+        are the optimizer's (``step()``), as in the plain loop. ``forward_only``: evaluation,
+        the forward-only schedule without gradients (nothing accumulates).
         """
         if not isinstance(batch, Mapping):
             raise TypeError(
@@ -229,11 +237,17 @@ class PipelineStage:
                 "make the per-DP-rank batch a multiple of it"
             )
         micro = [{k: (v.chunk(n)[i] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()} for i in range(n)]
-        transport = self.transports.get(torch.is_grad_enabled())
-        executor = StageExecutor(self, micro, _loss_of, transport, loss_backward=self.backward_fn)
-        # The update and the tied-weight sum belong to optimizer.step(), so several calls
-        # before one step accumulate gradients exactly as on one device.
-        outputs = executor.run(SCHEDULE_FNS[self.schedule_name](self.num_stages, n, self.stage))
+        if forward_only:
+            with torch.no_grad():
+                transport = self.transports.get(False)
+                executor = StageExecutor(self, micro, _loss_of, transport)
+                outputs = executor.run(forward_only_schedule(self.num_stages, n, self.stage))
+        else:
+            transport = self.transports.get(torch.is_grad_enabled())
+            executor = StageExecutor(self, micro, _loss_of, transport, loss_backward=self.backward_fn)
+            # The update and the tied-weight sum belong to optimizer.step(), so several calls
+            # before one step accumulate gradients exactly as on one device.
+            outputs = executor.run(SCHEDULE_FNS[self.schedule_name](self.num_stages, n, self.stage))
         loss = torch.zeros((), dtype=torch.float32, device=self.topology.device)
         if self.stage == self.num_stages - 1:
             loss += torch.stack([outputs.losses[i].float() for i in range(n)]).mean()
