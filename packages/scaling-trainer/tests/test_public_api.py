@@ -44,6 +44,7 @@ def test_auto_public_api():
         "ParallelOptimizer",
         "Plan",
         "deferred_init",
+        "full_state_dict",
         "generate_plan",
         "is_deferred",
         "load",

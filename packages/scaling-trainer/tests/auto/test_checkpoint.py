@@ -224,3 +224,46 @@ def step0_worker(path: str) -> tuple[list[float], list[float]]:
 def test_a_checkpoint_saved_before_the_first_step_loads(tmp_path) -> None:
     ((expected, resumed),) = run_distributed(step0_worker, 1, str(tmp_path / "step0"), timeout_seconds=180)
     assert resumed == expected
+
+
+def full_state_worker(name: str, constraints: dict, out: str) -> dict[str, torch.Tensor]:
+    """``full_state_dict`` of a plan (rank 0's), and rank 0 writes it with ``save_pretrained``."""
+    from scaling.trainer.auto import full_state_dict
+
+    plan, model, *_ = _build(name, {**constraints, "global_batch_size": 4})
+    state = full_state_dict(model)
+    if torch.distributed.get_rank() == 0:
+        model.module.save_pretrained(out, state_dict=dict(state))  # it consumes the mapping it is given
+    else:
+        assert state == {}
+    return state
+
+
+@pytest.mark.parametrize(
+    ("name", "layout"),
+    [
+        ("gpt2", {"data_parallel_size": 2, "tensor_parallel.size": 2}),  # the fused c_attn gathered part by part
+        ("gpt2", {"pipeline_parallel.size": 2, "pipeline_parallel.num_micro_batches": 2}),  # tied over the stages
+        pytest.param("llama", {"data_parallel_size": 2, "zero_stage": 3}, marks=pytest.mark.slow),
+    ],
+    ids=["gpt2-dp2-tp2", "gpt2-pp2", "llama-dp2-zero3"],
+)
+def test_full_state_dict_is_one_process_s_and_saves_with_save_pretrained(tmp_path, name: str, layout: dict) -> None:
+    """The whole weights of a TP-, pipeline- or ZeRO-3-sharded model in memory equal the one-process
+    model's bit for bit; ``save_pretrained`` of them loads with ``from_pretrained`` to the same logits."""
+    import transformers
+
+    from scaling.trainer.auto import materialize
+
+    world = 4 if "tensor_parallel.size" in layout else 2
+    state = run_distributed(full_state_worker, world, name, layout, str(tmp_path / "hf"), timeout_seconds=300)[0]
+    cls, config = MODELS[name]
+    reference = materialize(deferred_init(cls, config()), seed=3).eval()
+    expected = {k: v for k, v in reference.state_dict().items() if k in dict(reference.named_parameters())}
+    assert sorted(state) == sorted(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = TokenDataset()[0:2]["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)

@@ -86,7 +86,7 @@ _FREED_METHODS = frozenset(
      torch.Tensor.untyped_storage, torch.Tensor.data_ptr, torch.Tensor.stride, torch.Tensor.storage_offset,
      torch.Tensor.is_contiguous, torch.Tensor.requires_grad_, torch.Tensor.register_hook,
      torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.__hash__, torch.Tensor._is_view,
-     torch.Tensor.get_device,
+     torch.Tensor.get_device, torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.is_signed,
      # Differentiating with respect to it (the zero-bubble weight pass) reads none of its values,
      # nor does making a tensor like it (a missing gradient's zeros).
      torch.autograd.backward, torch.autograd.grad, torch.zeros_like, torch.empty_like, torch.ones_like,

@@ -1,6 +1,6 @@
-"""scaling.trainer.auto: the automatic way in (deferred_init, generate_plan, parallelize, save, load)."""
+"""scaling.trainer.auto: the automatic way in (deferred_init, generate_plan, parallelize, save, load, full_state_dict)."""
 
-from scaling.trainer.auto._checkpoint import load, save
+from scaling.trainer.auto._checkpoint import full_state_dict, load, save
 from scaling.trainer.auto._deferred import deferred_init, is_deferred, materialize
 from scaling.trainer.auto._generate import CONSTRAINT_KEYS, generate_plan
 from scaling.trainer.auto._optimizer import ParallelOptimizer
@@ -14,6 +14,7 @@ __all__ = [
     "ParallelOptimizer",
     "Plan",
     "deferred_init",
+    "full_state_dict",
     "generate_plan",
     "is_deferred",
     "load",

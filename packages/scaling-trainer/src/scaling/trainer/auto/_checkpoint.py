@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from scaling.nn import ParameterMeta
@@ -158,6 +159,36 @@ def _whole_parameters(state: StateDict) -> AbstractContextManager[None]:
     if isinstance(model, ParallelModel) and model.plan is not None and model.plan.zero_stage == 3:
         raise ValueError("a zero_stage=3 model's parameters are sharded: pass its optimizer in the state too")
     return nullcontext()
+
+
+def full_state_dict(model: ParallelModel, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The unmodified model's whole parameters, keyed by their paths, in memory on the CPU.
+
+    Collective (every rank of the run calls it): TP shards are gathered over their group
+    (fused weights part by part), ZeRO-3 parameters inside ``model.full_parameters()``, and the
+    pipeline stages' parameters sent to every stage, so the result is what the one-process
+    model's ``state_dict()`` holds (a tied weight once, under its first path). For
+    ``transformers`` models, ``model.module.save_pretrained(path, state_dict=...)`` on rank 0
+    writes an HF folder of any plan (it empties the mapping it is given: pass a copy to keep it).
+
+    Args:
+        rank0_only: other ranks return ``{}`` (they still take part in the gathers).
+    """
+    shapes = {meta.key: meta.logical_shape for _, _, meta in model.named_parameters_with_meta()}
+    with model.full_parameters(), torch.no_grad():
+        state = model_state_dict(_entries(model), model.topology)
+        whole = {
+            key: (value.full_tensor() if isinstance(value, DTensor) else value).reshape(shapes[key]).cpu().clone()
+            for key, value in state.items()
+        }
+    pp = model.topology.axis("pp")
+    if pp.size > 1:  # every stage's parameters to every stage
+        stages: list[dict[str, torch.Tensor] | None] = [None] * pp.size
+        dist.all_gather_object(stages, whole, group=pp.group)
+        whole = {k: v for stage in stages if stage is not None for k, v in stage.items()}
+    if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+        return {}
+    return whole
 
 
 def save(path: str | Path, state: StateDict, step: int = 0) -> Path:
