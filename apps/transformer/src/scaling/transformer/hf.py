@@ -1,5 +1,5 @@
-"""Hugging Face interop: Llama 2/3.x, Qwen2/2.5, Qwen3, Qwen3-MoE and Mixtral checkpoints
-(config.json + safetensors) in and out.
+"""Hugging Face interop: Llama 2/3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, DeepSeek-V3 and Mixtral
+checkpoints (config.json + safetensors) in and out.
 
 Name map (ours <- HF), ``N`` blocks, block ``i`` is our layer ``i + 1``:
 
@@ -19,12 +19,20 @@ Mixture-of-experts blocks, instead of the MLP (softmax router, top-k, renormalis
 
 - ``layers.{i+1}.mlp.router`` <- Mixtral ``block_sparse_moe.gate.weight``, Qwen3-MoE ``mlp.gate.weight``
 - ``layers.{i+1}.mlp.experts.{e}.{gate,up,down}`` <- Mixtral ``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``,
-  Qwen3-MoE ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (the checkpoint layouts every transformers
-  version reads and writes; transformers 5 fuses the experts in memory only)
+  Qwen3-MoE and DeepSeek-V3 ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (the checkpoint layouts
+  every transformers version reads and writes; transformers 5 fuses the experts in memory only)
+- DeepSeek-V3 also: ``layers.{i+1}.mlp.expert_bias`` <- ``mlp.gate.e_score_correction_bias`` (the
+  aux-loss-free bias), ``layers.{i+1}.mlp.shared.{gate,up,down}_proj.weight`` <-
+  ``mlp.shared_experts.{gate,up,down}_proj.weight``
 
-Which family an export writes follows from the architecture: mixture of experts with QK-norm is
-Qwen3-MoE, without it Mixtral; dense with QK-norm is Qwen3, with biases on the QKV projection only
-Qwen2, otherwise Llama.
+DeepSeek-V3's latent attention, instead of the fused QKV: ``attention.{q_a, q_a_norm.weight,
+q_b.weight}`` (or ``attention.q.weight`` without a query latent), ``attention.{kv_a,
+kv_a_norm.weight, kv_b.weight}`` <- ``self_attn.{q_a_proj, q_a_layernorm, q_b_proj (q_proj),
+kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj}.weight``.
+
+Which family an export writes follows from the architecture: latent attention is DeepSeek-V3;
+mixture of experts with QK-norm is Qwen3-MoE, without it Mixtral; dense with QK-norm is Qwen3,
+with biases on the QKV projection only Qwen2, otherwise Llama.
 """
 
 from __future__ import annotations
