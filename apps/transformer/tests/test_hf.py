@@ -323,6 +323,8 @@ def test_a_missing_tensor_is_refused_naming_it(tmp_path):
         pytest.param("qwen3-moe-sparse-step", {"pp": 2}, marks=pytest.mark.slow),
         ("deepseek-v3", {"tp": 2}),
         ("deepseek-v3", {"dp": 2, "topology": {"expert_parallel_size": 2}}),
+        pytest.param("llama3.2", {"tp": 2}, marks=pytest.mark.slow),
+        pytest.param("qwen2.5", {"tp": 2}, marks=pytest.mark.slow),
         pytest.param("deepseek-v3-no-q-latent", {"pp": 2}, marks=pytest.mark.slow),
     ],
     ids=[
@@ -334,6 +336,8 @@ def test_a_missing_tensor_is_refused_naming_it(tmp_path):
         "qwen3-moe-pp2",
         "deepseek-v3-tp2",
         "deepseek-v3-ep2",
+        "llama3.2-tp2",
+        "qwen2.5-tp2",
         "deepseek-v3-pp2",
     ],
 )
@@ -466,17 +470,19 @@ def test_import_and_export_refuse_bad_arguments_in_one_line(tmp_path, capsys, mo
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_export_of_a_qwen3_moe_trained_at_ep2_tp2_pp2_loads_in_transformers(tiny_corpus, tmp_path):
-    """import-hf, train 2 steps at dp2·ep2·tp2·pp2 (8 ranks), export-hf: from_pretrained gives the
-    logits of our one-process model of that checkpoint (1e-5) and the same greedy tokens, and the
-    weights moved (the export is of the trained model, not the import)."""
-    model_cls, config = _family("qwen3-moe", vocab_size=TINY_VOCAB)
+@pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3", "qwen3"])
+def test_export_of_a_model_trained_at_dp2_tp2_pp2_loads_in_transformers(tiny_corpus, tmp_path, family):
+    """import-hf, train 2 steps at dp2·tp2·pp2 (8 ranks; the MoE families with ep2), export-hf:
+    from_pretrained gives the logits of our one-process model of that checkpoint (1e-5) and the
+    same greedy tokens, and the weights moved (the export is of the trained model, not the import)."""
+    model_cls, config = _family(family, vocab_size=TINY_VOCAB)
     hf_model = _saved(tmp_path, model_cls, config())
     assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
     save = tmp_path / "trained"
     trainer = {"load_dir": str(tmp_path / "ours" / CHECKPOINT_SUBDIR), "load_optimizer_states": False,
                "load_context": False, "save_dir": str(save), "save_interval": 2}  # fmt: skip
-    cfg = tiny_config(tiny_corpus, dp=2, tp=2, pp=2, steps=2, trainer=trainer, topology={"expert_parallel_size": 2})
+    ep = {"expert_parallel_size": 2} if "moe" in family or "deepseek" in family else {}
+    cfg = tiny_config(tiny_corpus, dp=2, tp=2, pp=2, steps=2, trainer=trainer, topology=ep)
     cfg["transformer_architecture"] = yaml.safe_load((tmp_path / "ours" / "config.yml").read_text())[
         "transformer_architecture"
     ]
