@@ -246,6 +246,19 @@ def test_tied_embeddings_resume_at_another_pipeline_size(tiny_corpus, reference_
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_qk_norm_and_a_separate_head_dim_at_cp2_match_one_process(tiny_corpus):
+    """Qwen3's attention (QK-norm, heads x head_dim = 64 > hidden 32) over the CP ranks, by ring and
+    by all-to-all: every step's loss is one process's."""
+    qwen3 = {"qk_norm": True, "head_dim": 16}
+    reference = _reference(tiny_corpus, qwen3)
+    for method in ("ring", "all_to_all"):
+        cfg = tiny_config(tiny_corpus, cp=2, steps=STEPS)
+        cfg["transformer_architecture"].update(qwen3, context_parallel_method=method)
+        _check(run_distributed(train_worker, 2, cfg, timeout_seconds=180), reference, f"qwen3 attention cp2 {method}")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_cp4_dp2_ring(tiny_corpus, reference_losses):
     cfg = tiny_config(tiny_corpus, cp=4, dp=2, steps=STEPS, optimizer={"zero_stage": 2})
     _check(run_distributed(train_worker, 8, cfg, timeout_seconds=300), reference_losses, "cp4·dp2 ring zero2")
