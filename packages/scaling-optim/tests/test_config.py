@@ -114,7 +114,7 @@ def test_schedule_errors(kwargs, match):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(method="lamb"), r"unknown optimizer method='lamb'; choose 'adamw', 'adam' or 'sgd'"),
+        (dict(method="lamb"), r"unknown optimizer method='lamb'; choose 'adamw', 'adam', 'sgd' or 'muon'"),
         (dict(zero_stage=4), r"zero_stage"),
         (dict(beta2=1.0), r"beta2"),
         (dict(gradient_clipping=-1.0), r"gradient_clipping"),

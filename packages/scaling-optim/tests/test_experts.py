@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from scaling.nn import MoEConfig, ParallelMoE, attach_parameter_metas
-from scaling.optim import Optimizer, OptimizerConfig, OptimizerParamGroup, OptimizerParamGroupConfig
+from scaling.optim import MuonConfig, Optimizer, OptimizerConfig, OptimizerParamGroup, OptimizerParamGroupConfig
 from scaling.testing import assert_parity, make_topology, run_distributed
 
 H, FFN, E, STEPS, TOKENS = 8, 16, 4, 3, 6
 
 
-def _train(dp, ep, micro, zero=0, balancing="aux_loss", dtype=torch.float32):
+def _train(dp, ep, micro, zero=0, balancing="aux_loss", dtype=torch.float32, **config_extra):
     """``STEPS`` AdamW steps with clipping; returns every parameter and the reported gradient norms.
 
     In bf16 the experts run as grouped matrix multiplies (forced: on CPU the default loops)."""
@@ -32,7 +32,7 @@ def _train(dp, ep, micro, zero=0, balancing="aux_loss", dtype=torch.float32):
             topology=topo,
         )
     )
-    config = OptimizerConfig(method="adamw", gradient_clipping=0.05, zero_stage=zero)
+    config = OptimizerConfig(**{"method": "adamw", "gradient_clipping": 0.05, "zero_stage": zero, **config_extra})
     named = [(n, p, p.parameter_meta) for n, p in moe.named_parameters() if p.requires_grad]
     group = OptimizerParamGroup(named, OptimizerParamGroupConfig(name="all", weight_decay=0.01))
     optimizer = Optimizer(
@@ -99,3 +99,17 @@ def test_zero3_with_grouped_experts_in_bf16_trains_as_zero0():
         assert_parity(norms, expected_norms, rtol=1e-3, name="gradient norms")
         for name, value in params.items():
             assert_parity(value, expected[name], rtol=2**-8, atol=1e-6, name=name)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("zero", [0, 3])
+def test_muon_over_experts_matches_one_process(zero):
+    """Muon at dp2·ep2: each expert's matrices are whole on the rank holding them (ZeRO-3 gathers
+    their shards there), the router and the shared expert are gathered over DP; three steps
+    equal one process within 1e-5."""
+    extra = {"method": "muon", "muon": MuonConfig(ns_dtype="float32")}
+    ((expected, expected_norms),) = run_distributed(_train, 1, 1, 1, 2, timeout_seconds=120, **extra)
+    for params, norms in run_distributed(_train, 2, 2, 2, 2, zero, timeout_seconds=120, **extra):
+        assert_parity(norms, expected_norms, rtol=1e-5, name="gradient norms")
+        for name, value in params.items():
+            assert_parity(value, expected[name], rtol=1e-5, atol=1e-7, name=name)

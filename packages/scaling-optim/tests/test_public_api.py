@@ -12,6 +12,7 @@ def test_public_api():
         "LearningRateSchedulerConfig",
         "LossScaler",
         "LossScalerConfig",
+        "MuonConfig",
         "Optimizer",
         "OptimizerConfig",
         "OptimizerParamGroup",

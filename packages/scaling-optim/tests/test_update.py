@@ -21,7 +21,7 @@ def _run(method, independent, dtype, batched, steps=3):
             apply_updates(config, items, step)
         else:
             for item in items:
-                apply_update(config, *item[:3], step, *item[3:])
+                apply_update(config, *item[:3], step, *item[3:6])
     return params, states
 
 

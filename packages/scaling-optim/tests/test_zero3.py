@@ -275,13 +275,13 @@ def _offload_per_layer():
     released = []
     real = optimizer_module.apply_updates
 
-    def update_last_layer_after_the_next_first_forward(config, items, step):
+    def update_last_layer_after_the_next_first_forward(config, items, step, *rest):
         if any(item.param is last_weight for item in items):
             deadline = time.monotonic() + 5
             while len(first_layer_forwards) <= step and time.monotonic() < deadline:
                 time.sleep(0.01)
             released.append(len(first_layer_forwards) > step)
-        real(config, items, step)
+        real(config, items, step, *rest)
 
     optimizer_module.apply_updates = update_last_layer_after_the_next_first_forward
     try:

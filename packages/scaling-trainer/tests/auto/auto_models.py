@@ -63,6 +63,12 @@ def optimizer_fn(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
+def muon_fn(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """torch.optim.Muon (torch >= 2.9) over the matrices; the vectors (norms) stay as they are."""
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    return torch.optim.Muon(matrices, lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")  # type: ignore[attr-defined]
+
+
 def lr_scheduler_fn(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
 
@@ -71,10 +77,10 @@ def lr_scheduler_fn(optimizer: torch.optim.Optimizer) -> torch.optim.lr_schedule
 STEPS, GLOBAL_BATCH = 10, 4
 
 
-def reference_losses(name: str) -> list[float]:
+def reference_losses(name: str, make_optimizer: Any = optimizer_fn) -> list[float]:
     cls, config = MODELS[name]
     model = materialize(deferred_init(cls, config()), seed=7)
-    optimizer = optimizer_fn(model)
+    optimizer = make_optimizer(model)
     scheduler = lr_scheduler_fn(optimizer)
     loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=GLOBAL_BATCH)
     losses = []
@@ -88,14 +94,16 @@ def reference_losses(name: str) -> list[float]:
     return losses
 
 
-def train_worker(name: str, constraints: dict, compile: Any = False, raw: bool = False) -> list[float]:
+def train_worker(
+    name: str, constraints: dict, compile: Any = False, raw: bool = False, make_optimizer: Any = optimizer_fn
+) -> list[float]:
     cls, config = MODELS[name]
     model = deferred_init(cls, config())
     plan = generate_plan(model, {**constraints, "global_batch_size": GLOBAL_BATCH, "seed": 7})
     model, optimizer, scheduler, loader = parallelize(
         plan,
         model,
-        optimizer_fn,
+        make_optimizer,
         lr_scheduler_fn,
         TokenDataset(),
         compile=CompileConfig(**compile) if compile else False,

@@ -390,6 +390,9 @@ class TrainingGroupConfig(BaseConfig):
         None, ge=0.0, description="Peak LR of this group (the schedule is scaled); None = learning_rate_scheduler's."
     )
     weight_decay: float | None = Field(None, ge=0.0, description="Weight decay; None = training.weight_decay.")
+    method: Literal["adamw", "adam", "sgd", "muon"] | None = Field(
+        None, description="Update rule of this group ('adamw', 'muon', ...); None = optimizer.method."
+    )
 
     @model_validator(mode="after")
     def _check_regexes(self) -> TrainingGroupConfig:

@@ -131,6 +131,7 @@ def training_groups(
             learning_rate_scheduler=_scaled_schedule(schedule, g.learning_rate),
             parameters_include=tuple(g.include),
             parameters_exclude=tuple(g.exclude),
+            method=g.method,
         )
         for g in groups
     ]

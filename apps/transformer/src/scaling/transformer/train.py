@@ -111,6 +111,9 @@ def parameter_groups(
 ) -> list[OptimizerParamGroup]:
     """``training.groups`` if set; otherwise matrices decay and vectors (norms, biases, QK-norm) do not.
 
+    With ``optimizer.method=muon`` the embedding's and the head's matrices form a group of their
+    own (``embedding_head``) updated by AdamW; the blocks' matrices take Muon, the vectors AdamW.
+
     Frozen parameters (fine-tuning's base model) join no group.
     """
     params = list(parallel_module.named_parameters_with_meta())
@@ -119,24 +122,28 @@ def parameter_groups(
         return training_groups(
             params, config.training.groups, config.learning_rate_scheduler, config.training.weight_decay, pipe
         )
-    decay: list[tuple[str, torch.nn.Parameter, ParameterMeta]] = []
-    no_decay: list[tuple[str, torch.nn.Parameter, ParameterMeta]] = []
+    # Muon (optimizer.method=muon) updates the blocks' matrices; the embedding and the head (the
+    # first and last layers) stay with AdamW, as the reference recipe has it.
+    muon = config.optimizer.method == "muon"
+    outer = (0, len(parallel_module.layer_specs) - 1)
+    members: dict[str, list[tuple[str, torch.nn.Parameter, ParameterMeta]]] = {"decay": [], "no_decay": []}
     for name, param, meta in params:
         if param.requires_grad:
-            (decay if len(meta.logical_shape) >= 2 else no_decay).append((name, param, meta))
+            key = "no_decay" if len(meta.logical_shape) < 2 else "decay"
+            if muon and key == "decay" and meta.layer_index in outer:
+                key = "embedding_head"
+            members.setdefault(key, []).append((name, param, meta))
     groups = []
-    for group_name, params, weight_decay in (
-        ("decay", decay, config.training.weight_decay),
-        ("no_decay", no_decay, 0.0),
-    ):
-        if params:
+    for group_name, group_params in members.items():
+        if group_params:
             groups.append(
                 OptimizerParamGroup(
-                    named_parameters_with_meta=params,
+                    named_parameters_with_meta=group_params,
                     config=OptimizerParamGroupConfig(
                         name=group_name,
-                        weight_decay=weight_decay,
+                        weight_decay=0.0 if group_name == "no_decay" else config.training.weight_decay,
                         learning_rate_scheduler=config.learning_rate_scheduler,
+                        method="adamw" if group_name == "embedding_head" else None,
                     ),
                 )
             )

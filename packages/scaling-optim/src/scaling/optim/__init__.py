@@ -1,8 +1,9 @@
-"""scaling.optim: optimizer, parameter groups, mixed precision, loss scaling, ZeRO, LR schedules."""
+"""scaling.optim: optimizer (AdamW, Adam, SGD, Muon), parameter groups, mixed precision, loss scaling, ZeRO, LR schedules."""
 
 from scaling.optim._config import (
     LearningRateSchedulerConfig,
     LossScalerConfig,
+    MuonConfig,
     OptimizerConfig,
     OptimizerParamGroupConfig,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "LearningRateSchedulerConfig",
     "LossScaler",
     "LossScalerConfig",
+    "MuonConfig",
     "Optimizer",
     "OptimizerConfig",
     "OptimizerParamGroup",

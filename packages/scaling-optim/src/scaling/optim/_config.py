@@ -10,7 +10,8 @@ from scaling.config import BaseConfig
 
 MAX_LEARNING_RATE = 10.0  # above it a learning rate is a typo (1e308), refused by the config
 
-OptimizerMethod = Literal["adamw", "adam", "sgd"]
+OptimizerMethod = Literal["adamw", "adam", "sgd", "muon"]
+MuonLearningRateAdjustment = Literal["match_rms_adamw", "original", "none"]
 LearningRateDecayStyle = Literal["constant", "linear", "cosine", "inverse_sqrt"]
 NonFinitePolicy = Literal["skip", "fail"]
 
@@ -123,12 +124,71 @@ class OptimizerParamGroupConfig(BaseConfig):
     parameters_exclude: tuple[str, ...] = Field(
         (), description="Regexes removing parameters from parameters_include's matches in build_parameter_groups."
     )
+    method: OptimizerMethod | None = Field(
+        None,
+        description="This group's update rule, overriding the optimizer's method (None: the optimizer's). The "
+        "Muon recipe: 'muon' for the hidden matrices, 'adamw' for the embeddings and the output head.",
+    )
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _method(cls, value: object) -> object:
+        return _known_method(value)
+
+
+def muon_offload_refusal(what: str) -> str:
+    """Why Muon is refused with ``cpu_offload`` (``what``: the setting that asks for Muon)."""
+    return (
+        f"{what} with cpu_offload=True: Muon orthogonalises whole matrices gathered on the device, and the offloaded "
+        "update runs on host shards; set cpu_offload=False, or 'adamw' for that group"
+    )
+
+
+def _known_method(value: object) -> object:
+    if isinstance(value, str) and value not in ("adamw", "adam", "sgd", "muon"):
+        raise ValueError(f"unknown optimizer method={value!r}; choose 'adamw', 'adam', 'sgd' or 'muon'")
+    return value
+
+
+class MuonConfig(BaseConfig):
+    """Muon's settings (``method='muon'``): momentum, then the whole matrix orthogonalised by Newton-Schulz.
+
+    The update of a matrix ``W`` of logical shape ``(A, B)`` with gradient ``G`` (torch.optim.Muon's):
+    ``M = lerp(M, G, 1 - momentum)``; ``U = lerp(G, M, momentum)`` (Nesterov) or ``M``; ``O = NS(U)`` (``ns_steps``
+    quintic iterations with ``ns_coefficients`` on ``U / max(|U|_F, eps)`` in ``ns_dtype``);
+    ``W -= lr * weight_decay * W``; ``W -= adjust(lr, A, B) * O``. The matrix is the logical one:
+    under ZeRO its shards and under tensor parallelism its TP pieces are gathered first, so every
+    layout takes the same update.
+    """
+
+    momentum: float = Field(0.95, ge=0.0, lt=1.0, description="Momentum of the gradient, in [0, 1).")
+    nesterov: bool = Field(True, description="Orthogonalise lerp(G, M, momentum) (Nesterov) instead of M.")
+    ns_steps: int = Field(5, ge=1, le=20, description="Newton-Schulz iterations, 1 to 20.")
+    ns_coefficients: tuple[float, float, float] = Field(
+        (3.4445, -4.7750, 2.0315), description="The quintic iteration's (a, b, c) (Keller Jordan's)."
+    )
+    eps: float = Field(1e-7, gt=0.0, description="Floor of the Frobenius norm the matrix is divided by; > 0.")
+    adjust_lr: MuonLearningRateAdjustment = Field(
+        "match_rms_adamw",
+        description="Learning rate of a matrix (A, B): 'match_rms_adamw' lr * 0.2 * sqrt(max(A, B)) (Moonlight's: "
+        "the update's RMS matches AdamW's, so AdamW's learning rate and weight decay carry over), 'original' "
+        "lr * sqrt(max(1, A / B)) (Keller Jordan's; Muon's own learning rates, ~0.02), 'none' lr.",
+    )
+    ns_dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16",
+        description="Precision of the Newton-Schulz iterations: bfloat16 as the reference (and torch.optim.Muon) "
+        "does, or float32 (about 4x the matmul time on a GPU; layouts then agree to fp32 rounding).",
+    )
 
 
 class OptimizerConfig(BaseConfig):
     """The optimizer: update rule, ZeRO stage, clipping, precision and the non-finite policy."""
 
-    method: OptimizerMethod = Field("adamw", description="Update rule: 'adamw', 'adam' (L2 in the grad) or 'sgd'.")
+    method: OptimizerMethod = Field(
+        "adamw",
+        description="Update rule: 'adamw', 'adam' (L2 in the grad), 'sgd' or 'muon' (Muon for the groups' 2-D "
+        "parameters, AdamW with beta1/beta2/eps for their other ones; a group's own method overrides it).",
+    )
     beta1: float = Field(0.9, ge=0.0, lt=1.0, description="Adam first-moment decay, in [0, 1).")
     beta2: float = Field(0.999, ge=0.0, lt=1.0, description="Adam second-moment decay, in [0, 1).")
     eps: float = Field(1e-8, gt=0.0, description="Adam denominator epsilon; > 0.")
@@ -163,6 +223,7 @@ class OptimizerConfig(BaseConfig):
         default_factory=LossScalerConfig,
         description="Dynamic loss scaling (fp16).",
     )
+    muon: MuonConfig = Field(default_factory=MuonConfig, description="Muon's settings, for groups updated by Muon.")
     non_finite_policy: NonFinitePolicy = Field(
         "fail",
         description="On a non-finite loss or gradient (outside loss-scaler overflow): 'fail' raises "
@@ -199,6 +260,8 @@ class OptimizerConfig(BaseConfig):
                 f"overlap_param_gather=True applies to zero_stage 1 or 2 (the stages that gather updated shards), "
                 f"got zero_stage={self.zero_stage}; set zero_stage=1 or 2, or overlap_param_gather=False"
             )
+        if self.method == "muon" and self.cpu_offload:
+            raise ValueError(muon_offload_refusal("method='muon'"))
         if not self.zero3_reshard_after_forward and self.zero_stage != 3:
             raise ValueError(
                 f"zero3_reshard_after_forward=False applies to zero_stage=3 (the stage that frees parameters), got "
@@ -209,6 +272,4 @@ class OptimizerConfig(BaseConfig):
     @field_validator("method", mode="before")
     @classmethod
     def _method(cls, value: object) -> object:
-        if isinstance(value, str) and value not in ("adamw", "adam", "sgd"):
-            raise ValueError(f"unknown optimizer method={value!r}; choose 'adamw', 'adam' or 'sgd'")
-        return value
+        return _known_method(value)

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from scaling.collectives import all_gather_flat
 from scaling.optim._accumulate import GradientAccumulator
-from scaling.optim._comm import all_reduce_
+from scaling.optim._comm import all_gather_chunks, all_reduce_
 from scaling.optim._compat import foreach_copy_
 from scaling.optim._config import OptimizerConfig
 from scaling.optim._grad_norm import mark_norm_owners
@@ -265,6 +266,41 @@ class DataParallel:
             ([grads[i] for i in space.indices if self.slots[i].counts_in_norm], space.counts_in_norm)
             for space in self.spaces
         ]
+
+    # ------------------------------------------------- layout-independent frame
+    def gather_whole(self, indices: list[int], owned: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The logical tensors of the slots at ``indices`` from each rank's owned elements ``owned``
+        (a slot's ``length`` elements each): gathered over each slot's shard group, then over TP
+        along the split dimension. Collectives: every rank holding pieces of these slots calls it
+        alike."""
+        wholes: list[torch.Tensor | None] = [None] * len(indices)
+        for space in self.spaces:
+            mine = [k for k, i in enumerate(indices) if self._space_of[i] is space]
+            slots = [self.slots[indices[k]] for k in mine]
+            chunks = [torch.cat([owned[k], owned[k].new_zeros(s.chunk - s.length)]) for k, s in zip(mine, slots)]
+            flats = [owned[k].new_empty(s.numel) for k, s in zip(mine, slots)]
+            group = space.shard_group if space.world > 1 else None
+            all_gather_chunks(chunks, flats, group, self.config.allreduce_bucket_size)
+            for k, s, flat in zip(mine, slots, flats):
+                wholes[k] = flat.view(s.param.shape)
+        tp = self.topology.axis("tp")
+        out = []
+        for k, whole in enumerate(wholes):
+            assert whole is not None
+            meta = self.slots[indices[k]].meta
+            if meta.is_model_parallel and meta.parallel_dim is not None:
+                pieces = all_gather_flat(whole.contiguous().view(-1), tp.group).view(tp.size, *whole.shape)
+                whole = torch.cat(pieces.unbind(0), dim=meta.parallel_dim)
+            out.append(whole)
+        return out
+
+    def owned_part(self, index: int, whole: torch.Tensor) -> torch.Tensor:
+        """The elements of logical tensor ``whole`` that slot ``index`` owns on this rank (flat)."""
+        slot = self.slots[index]
+        meta = slot.meta
+        if meta.is_model_parallel and meta.parallel_dim is not None:
+            whole = whole.chunk(meta.model_parallel_size, dim=meta.parallel_dim)[self.topology.axis("tp").rank]
+        return whole.reshape(-1)[slot.start : slot.end]
 
     # ----------------------------------------------------------------- update
     def update(self, grads: list[torch.Tensor], update: Update) -> None:

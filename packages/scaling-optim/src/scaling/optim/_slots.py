@@ -32,6 +32,7 @@ class ParamSlot:
         state_names: names of the update rule's state tensors.
         offload: keep the master copy (then always made, fp32 parameters included) and
             the state in host memory, pinned when the parameter is on CUDA.
+        rule: the update rule (``_update.update_rule``): "adamw", "adam", "sgd" or "muon".
     """
 
     def __init__(
@@ -45,10 +46,12 @@ class ParamSlot:
         master_weights: bool,
         state_names: tuple[str, ...],
         offload: bool = False,
+        rule: str = "adamw",
     ) -> None:
         if not param.is_contiguous():
             raise ValueError(f"parameter {name!r} is not contiguous; the optimizer updates flat views of parameters")
         self.name, self.param, self.meta, self.group_index = name, param, meta, group_index
+        self.rule = rule
         self.numel = param.numel()
         self.chunk = math.ceil(self.numel / shard_world) if self.numel else 0
         self.start = min(shard_rank * self.chunk, self.numel)

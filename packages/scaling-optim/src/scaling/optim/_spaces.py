@@ -28,12 +28,12 @@ import torch
 
 from scaling.nn import ParameterMeta
 from scaling.optim._comm import group_size
-from scaling.optim._config import OptimizerConfig
+from scaling.optim._config import OptimizerConfig, muon_offload_refusal
 from scaling.optim._param_group import OptimizerParamGroup
 from scaling.optim._reducer import GradientReducer
 from scaling.optim._shard_gather import ShardGather
 from scaling.optim._slots import ParamSlot
-from scaling.optim._update import state_names
+from scaling.optim._update import state_names, update_rule
 from scaling.optim._zero3 import ParameterGatherer
 from scaling.optim._zero3_scatter import GradientScatter
 from scaling.topology import Topology
@@ -170,7 +170,7 @@ def place_parameters(
     space that holds it; returns the slots and each slot's space.
 
     Raises:
-        ValueError: a parameter in two groups.
+        ValueError: a parameter in two groups, or a Muon group with ``cpu_offload``.
     """
     slots: list[ParamSlot] = []
     space_of: list[ShardSpace] = []
@@ -183,6 +183,9 @@ def place_parameters(
                 )
             owner[id(param)] = group.name
             space = next(sp for sp in spaces if sp.holds(meta))
+            rule = update_rule(config, group.config.method, meta.logical_shape)
+            if rule == "muon" and config.cpu_offload:
+                raise ValueError(muon_offload_refusal(f"parameter group {group.name!r} (method='muon')"))
             slot = ParamSlot(
                 name,
                 param,
@@ -191,8 +194,9 @@ def place_parameters(
                 space.world,
                 space.rank,
                 config.master_weights,
-                state_names(config),
+                state_names(config, rule),
                 offload=config.cpu_offload,
+                rule=rule,
             )
             space.add(len(slots), slot)
             space_of.append(space)

@@ -1,4 +1,5 @@
-"""Element-wise update rules on fp32 shards (AdamW, Adam, SGD).
+"""The update rules: element-wise AdamW, Adam and SGD on fp32 shards, Muon on whole matrices, and
+which rule updates a parameter.
 
 The rules are element-wise, so applying them to a flat shard of a parameter gives,
 element for element, the same result as applying them to the whole parameter; that is
@@ -11,17 +12,29 @@ single-tensor form on CPU); it agrees with ``torch.optim.AdamW(foreach=False)`` 
 rounding (~1e-10 relative per step). Everything else (SGD, fp16/bf16 work tensors
 without master weights, other devices) takes :func:`apply_update`, whose arithmetic
 follows ``torch.optim``'s single-tensor implementations operation for operation.
+
+Muon (:func:`muon_updates`) orthogonalises each whole matrix by a Newton-Schulz iteration. The
+arithmetic is torch.optim.Muon's (torch >= 2.9; Keller Jordan's reference): an exponential
+moving average of the gradient, its Nesterov blend, five quintic Newton-Schulz steps on the
+matrix divided by its Frobenius norm, decoupled weight decay, and a learning rate scaled by the
+matrix's shape. Unlike the element-wise rules, the orthogonalisation needs the
+whole logical matrix: ``DataParallel.gather_whole`` gathers it from every rank's owned
+elements (ZeRO shards, TP pieces) and ``DataParallel.owned_part`` takes this rank's elements
+of the result back, so every layout applies the same update to the same elements. Every rank of
+a matrix's group orthogonalises it (the same product on each; DistMuon's assignment of matrices
+to ranks would divide that work and is not done here).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 
 from scaling.optim import _compat
-from scaling.optim._config import OptimizerConfig
+from scaling.optim._config import MuonConfig, OptimizerConfig
 
 _FUSED_DTYPES = (torch.float32, torch.float64)
 _FUSED_DEVICES = ("cpu", "cuda")
@@ -36,12 +49,20 @@ class UpdateItem(NamedTuple):
     lr: float
     weight_decay: float
     independent_weight_decay: bool
+    #: The rule (``update_rule``); None: ``config.method``.
+    method: str | None = None
+    #: The slot's index in ``DataParallel.slots`` (Muon gathers the whole matrix by it).
+    slot: int = -1
+
+
+def _method(config: OptimizerConfig, item: UpdateItem) -> str:
+    return item.method or config.method
 
 
 def _fusable(config: OptimizerConfig, item: UpdateItem) -> bool:
     p = item.param
     return (
-        config.method in ("adamw", "adam")
+        _method(config, item) in ("adamw", "adam")
         and p.dtype in _FUSED_DTYPES
         and p.device.type in _FUSED_DEVICES
         and item.grad.dtype == p.dtype
@@ -51,29 +72,42 @@ def _fusable(config: OptimizerConfig, item: UpdateItem) -> bool:
 
 
 @torch.no_grad()
-def apply_updates(config: OptimizerConfig, items: Sequence[UpdateItem], step: int) -> None:
+def apply_updates(
+    config: OptimizerConfig, items: Sequence[UpdateItem], step: int, whole: WholeMatrices | None = None
+) -> None:
     """Update every ``item.param`` in place; same rule and arguments as :func:`apply_update`.
 
     Adam(W) items that share dtype, device, LR and weight decay go through one fused
-    kernel call; the rest are updated one by one with :func:`apply_update`.
+    kernel call; Muon's go to ``muon_updates`` (whole matrices, gathered through ``whole``:
+    every rank holding them calls this alike); the rest are updated one by one with
+    :func:`apply_update`.
     """
-    batches: dict[tuple[torch.dtype, torch.device, float, float, bool], list[UpdateItem]] = {}
+    batches: dict[tuple[str, torch.dtype, torch.device, float, float, bool], list[UpdateItem]] = {}
+    muon = [item for item in items if _method(config, item) == "muon"]
+    if muon:
+        if whole is None:
+            raise ValueError("apply_updates: Muon items need the calls that gather their matrices (whole=)")
+        muon_updates(config.muon, muon, whole)
     for item in items:
-        if not item.param.numel():
+        method = _method(config, item)
+        if not item.param.numel() or method == "muon":
             continue
         if not _fusable(config, item):
-            apply_update(config, *item[:3], step, *item[3:])
+            apply_update(
+                config, item.param, item.grad, item.state, step, item.lr, item.weight_decay,
+                item.independent_weight_decay, method,
+            )  # fmt: skip
             continue
-        key = (item.param.dtype, item.param.device, item.lr, item.weight_decay, item.independent_weight_decay)
+        key = (method, item.param.dtype, item.param.device, item.lr, item.weight_decay, item.independent_weight_decay)
         batches.setdefault(key, []).append(item)
-    for (_, device, lr, weight_decay, independent), batch in batches.items():
+    for (method, _, device, lr, weight_decay, independent), batch in batches.items():
         params = [i.param for i in batch]
         kernel_decay = weight_decay
-        if config.method == "adamw" and independent and weight_decay != 0:
+        if method == "adamw" and independent and weight_decay != 0:
             # Decay by weight_decay itself, not lr * weight_decay: outside the kernel.
             _compat.foreach_mul_(params, 1 - weight_decay)
             kernel_decay = 0.0
-        fused = _compat.fused_adamw_ if config.method == "adamw" else _compat.fused_adam_
+        fused = _compat.fused_adamw_ if method == "adamw" else _compat.fused_adam_
         # The kernel reads the step count (bias correction) from a tensor and does not change it.
         steps = [torch.full((), float(step), dtype=torch.float32, device=device)] * len(batch)
         no_max_exp_avg_sqs: list[torch.Tensor] = []  # amsgrad is off
@@ -94,9 +128,19 @@ def apply_updates(config: OptimizerConfig, items: Sequence[UpdateItem], step: in
         )
 
 
-def state_names(config: OptimizerConfig) -> tuple[str, ...]:
-    """Names of the per-parameter state tensors of ``config.method``."""
-    if config.method == "sgd":
+def update_rule(config: OptimizerConfig, group_method: str | None, logical_shape: Sequence[int]) -> str:
+    """The rule updating a parameter of ``logical_shape``: its group's method, else the optimizer's;
+    Muon updates matrices only, the other parameters of its groups take AdamW (the reference recipe)."""
+    method = group_method or config.method
+    return "adamw" if method == "muon" and len(logical_shape) != 2 else method
+
+
+def state_names(config: OptimizerConfig, method: str | None = None) -> tuple[str, ...]:
+    """Names of the per-parameter state tensors of ``method`` (default ``config.method``)."""
+    method = method or config.method
+    if method == "muon":
+        return ("momentum_buffer",)
+    if method == "sgd":
         return ("momentum_buffer",) if config.momentum > 0 else ()
     return ("exp_avg", "exp_avg_sq")
 
@@ -111,8 +155,9 @@ def apply_update(
     lr: float,
     weight_decay: float,
     independent_weight_decay: bool,
+    method: str | None = None,
 ) -> None:
-    """Update ``param`` (an fp32 shard, in place) from ``grad`` and ``state``.
+    """Update ``param`` (an fp32 shard, in place) from ``grad`` and ``state`` by an element-wise rule.
 
     Args:
         config: method and hyper-parameters.
@@ -123,13 +168,18 @@ def apply_update(
         lr: learning rate of this update.
         weight_decay: the group's weight decay.
         independent_weight_decay: decay by ``weight_decay`` instead of ``lr * weight_decay``.
+        method: ``"adamw"``, ``"adam"`` or ``"sgd"`` (default ``config.method``); Muon is
+            ``muon_updates``'s (it needs whole matrices).
     """
+    method = method or config.method
+    if method == "muon":
+        raise ValueError("apply_update: Muon orthogonalises whole matrices; update Muon items with muon_updates")
     decay = weight_decay if independent_weight_decay else lr * weight_decay
-    if config.method == "adamw":
+    if method == "adamw":
         if weight_decay != 0:
             param.mul_(1 - decay)
         _adam(config, param, grad, state, step, lr)
-    elif config.method == "adam":
+    elif method == "adam":
         if weight_decay != 0:
             grad = grad.add(param, alpha=weight_decay)
         _adam(config, param, grad, state, step, lr)
@@ -163,3 +213,57 @@ def _adam(
     step_size = lr / bias_correction1
     denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(config.eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+# ---------------------------------------------------------------------------- Muon
+class WholeMatrices(NamedTuple):
+    """The sharding component's two calls between a slot's owned elements and its logical tensor
+    (``DataParallel.gather_whole`` and ``DataParallel.owned_part``)."""
+
+    gather: Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]]
+    part: Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def newton_schulz(matrix: torch.Tensor, config: MuonConfig) -> torch.Tensor:
+    """``matrix`` (2-D) orthogonalised: ``U S' V^T`` with ``S'`` near 1, in ``config.ns_dtype``."""
+    a, b, c = config.ns_coefficients
+    x = matrix.to(getattr(torch, config.ns_dtype))
+    tall = matrix.size(0) > matrix.size(1)
+    if tall:
+        x = x.T
+    x = x.div(x.norm().clamp(min=config.eps))
+    for _ in range(config.ns_steps):
+        gram = x @ x.T
+        polynomial = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, polynomial, x, beta=a)
+    return x.T if tall else x
+
+
+def adjusted_lr(lr: float, shape: Sequence[int], config: MuonConfig) -> float:
+    """The learning rate of a matrix of logical ``shape`` (``config.adjust_lr``)."""
+    rows, cols = shape[0], shape[1]
+    if config.adjust_lr == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    if config.adjust_lr == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    return lr
+
+
+@torch.no_grad()
+def muon_updates(config: MuonConfig, items: Sequence[UpdateItem], whole: WholeMatrices) -> None:
+    """Update each of ``items`` (the owned elements of slot ``item.slot``) by Muon.
+
+    Every rank holding a piece of these matrices calls it with the same slots in the same order
+    (their gathers are collectives over the slots' shard groups and TP).
+    """
+    blends = []
+    for item in items:
+        buf = item.state["momentum_buffer"]
+        buf.lerp_(item.grad, 1 - config.momentum)
+        blends.append(item.grad.lerp(buf, config.momentum) if config.nesterov else buf)
+    for item, matrix in zip(items, whole.gather([item.slot for item in items], blends)):
+        ortho = whole.part(item.slot, newton_schulz(matrix, config))
+        decay = item.weight_decay if item.independent_weight_decay else item.lr * item.weight_decay
+        if decay != 0:
+            item.param.mul_(1 - decay)
+        item.param.add_(ortho.to(item.param.dtype), alpha=-adjusted_lr(item.lr, matrix.shape, config))

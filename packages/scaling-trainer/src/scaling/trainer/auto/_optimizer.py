@@ -2,7 +2,8 @@
 
 With ``zero_stage=0`` and ``float32`` the user's own ``torch.optim`` optimizer updates the
 parameters after gradients are summed over pipeline stages (tied weights) and averaged
-over DP. Otherwise the update runs in :class:`scaling.optim.Optimizer` (ZeRO 1/2 sharding,
+over DP (``torch.optim.Muon`` too, except under TP: it would orthogonalise each rank's piece
+of a matrix). Otherwise the update runs in :class:`scaling.optim.Optimizer` (ZeRO 1/2 sharding,
 fp32 master weights, loss scaling for fp16) configured from the user's optimizer: its
 type, hyperparameters and parameter groups. The user's optimizer then only carries the
 learning rates: the scheduler ``lr_scheduler_fn`` built on it sets ``param_groups[i]["lr"]``
@@ -89,6 +90,18 @@ def _config(
     kind = type(optimizer).__name__
     groups = optimizer.param_groups
     why = f"zero_stage={zero_stage} / precision={precision!r} run the update in scaling.optim.Optimizer"
+    g = groups[0]
+    loss_scaler = LossScalerConfig(enable=precision == "float16")
+    common = {"zero_stage": zero_stage, "loss_scaler": loss_scaler, "master_weights": True, "cpu_offload": cpu_offload}
+    if kind == "Muon":  # torch.optim.Muon (torch >= 2.9): the same arithmetic, on whole matrices
+        for key in ("momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn"):
+            if len({str(group[key]) for group in groups}) > 1:
+                raise ValueError(f"{why}, which takes one {key} for all of Muon's parameter groups")
+        muon = {
+            "momentum": g["momentum"], "nesterov": g["nesterov"], "ns_coefficients": tuple(g["ns_coefficients"]),
+            "eps": g["eps"], "ns_steps": g["ns_steps"], "adjust_lr": g["adjust_lr_fn"] or "original",
+        }  # fmt: skip
+        return OptimizerConfig.model_validate({"method": "muon", "muon": muon, **common})
     for key in ("amsgrad", "nesterov", "maximize"):
         if any(g.get(key) for g in groups):
             raise ValueError(f"{why}, which has no {key}=True; optimizer_fn returned {kind} with {key}=True")
@@ -99,9 +112,6 @@ def _config(
         values = {str(g.get(key)) for g in groups}
         if len(values) > 1:
             raise ValueError(f"{why}, which takes one {key} for all parameter groups; {kind} has {sorted(values)}")
-    g = groups[0]
-    loss_scaler = LossScalerConfig(enable=precision == "float16")
-    common = {"zero_stage": zero_stage, "loss_scaler": loss_scaler, "master_weights": True, "cpu_offload": cpu_offload}
     if kind in ("AdamW", "Adam"):
         method = "adamw" if kind == "AdamW" or g.get("decoupled_weight_decay") else "adam"
         beta1, beta2 = g["betas"]
@@ -111,7 +121,7 @@ def _config(
     if kind == "SGD":
         return OptimizerConfig.model_validate({"method": "sgd", "momentum": g.get("momentum", 0.0), **common})
     raise ValueError(
-        f"{why}, which implements AdamW, Adam and SGD; optimizer_fn returned {kind}. Use one of those, or "
+        f"{why}, which implements AdamW, Adam, SGD and Muon; optimizer_fn returned {kind}. Use one of those, or "
         f"zero_stage=0 and precision='float32' to keep {kind} as is"
     )
 
@@ -162,7 +172,9 @@ class ParallelOptimizer:
         self.optimizer, self.model = optimizer, model
         self._params = [p for p in model.parameters() if p.requires_grad]
         plan = model.plan
-        needs_engine = plan.zero_stage or plan.precision != "float32" or plan.cpu_offload
+        # torch.optim.Muon on TP pieces would orthogonalise each piece: the engine gathers whole matrices.
+        muon_on_pieces = type(optimizer).__name__ == "Muon" and model.topology.axis("tp").size > 1
+        needs_engine = plan.zero_stage or plan.precision != "float32" or plan.cpu_offload or muon_on_pieces
         self.engine = build_engine(optimizer, model) if needs_engine else None
         # Without the engine the user's optimizer updates; the DP average is still the one
         # reducer, all-reducing buckets while backward goes on (DDP's overlap).
