@@ -254,14 +254,15 @@ def muon_updates(config: MuonConfig, items: Sequence[UpdateItem], whole: WholeMa
     """Update each of ``items`` (the owned elements of slot ``item.slot``) by Muon.
 
     Every rank holding a piece of these matrices calls it with the same slots in the same order
-    (their gathers are collectives over the slots' shard groups and TP).
+    (their gathers are collectives over the slots' shard groups and TP). One matrix at a time: a
+    rank holds one whole matrix beyond its shards (ZeRO-3 stays sharded), for one gather per
+    matrix and step.
     """
-    blends = []
     for item in items:
         buf = item.state["momentum_buffer"]
         buf.lerp_(item.grad, 1 - config.momentum)
-        blends.append(item.grad.lerp(buf, config.momentum) if config.nesterov else buf)
-    for item, matrix in zip(items, whole.gather([item.slot for item in items], blends)):
+        blend = item.grad.lerp(buf, config.momentum) if config.nesterov else buf
+        (matrix,) = whole.gather([item.slot], [blend])
         ortho = whole.part(item.slot, newton_schulz(matrix, config))
         decay = item.weight_decay if item.independent_weight_decay else item.lr * item.weight_decay
         if decay != 0:
