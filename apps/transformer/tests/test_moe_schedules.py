@@ -1,9 +1,10 @@
-"""MoE balancing under every pipeline schedule and accumulation (#53): the auxiliary loss and the
-router's gradients equal one process's for the same micro-batches.
+"""MoE balancing under every pipeline schedule and accumulation (#53): the auxiliary losses (the
+Switch loss per micro-batch and DeepSeek-V3's sequence-wise one) and the router's gradients equal
+one process's for the same micro-batches.
 
 The peers' losses break here (torchtitan's sequence-wise aux loss "works well only with 1F1B",
 PR 2061; its batch-wise one errors with accumulation or PP, PR 3000). Two blocks, the first dense
-and the second MoE (4 experts, top-2, the Switch auxiliary loss), so a pipeline stage holds no MoE
+and the second MoE (4 experts, top-2, both losses), so a pipeline stage holds no MoE
 layer: at pp2 stage 0 holds the embedding and the dense block; interleaved (two chunks of one
 layer each) stage 1 holds the dense block and the head. SGD without momentum, so the router's
 change over the steps is the learning rates times the sum of its gradients: equal changes are
@@ -25,12 +26,14 @@ SCHEDULES = {
     "zb_h1": {"schedule": "zb_h1"},
     "interleaved": {"schedule": "interleaved_1f1b", "num_virtual_stages": 2},
 }
-MOE = {"first_dense_layers": 1, "num_experts": 4, "top_k": 2, "aux_loss_coefficient": 0.1}
+# Both losses: the Switch one per micro-batch and DeepSeek-V3's sequence-wise one.
+MOE = {"first_dense_layers": 1, "num_experts": 4, "top_k": 2, "aux_loss_coefficient": 0.1,
+       "sequence_aux_loss_coefficient": 0.05}  # fmt: skip
 
 
-def _config(corpus, micro, dp=1, pp=1, ep=1, training=None):
+def _config(corpus, micro, dp=1, pp=1, ep=1, cp=1, training=None):
     cfg = tiny_config(
-        corpus, dp=dp, pp=pp, steps=STEPS, topology={"expert_parallel_size": ep, "micro_batch_size": micro},
+        corpus, dp=dp, pp=pp, cp=cp, steps=STEPS, topology={"expert_parallel_size": ep, "micro_batch_size": micro},
         training=training or {}, optimizer={"method": "sgd"},
     )  # fmt: skip
     cfg["trainer"]["log_interval"] = 1
@@ -101,3 +104,12 @@ def test_pp2_every_schedule_without_expert_parallelism(tiny_corpus, references, 
     """pp2 alone (ep1), 8 micro-batches of one sequence per step."""
     cfg = _config(tiny_corpus, 1, pp=2, training=SCHEDULES[schedule])
     _compare(run_distributed(_worker, 2, cfg, timeout_seconds=300), references[1], f"pp2 {schedule}", pipelined=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_cp2_dp2_ep2(tiny_corpus, references):
+    """cp2: each sequence is split over two ranks; both losses take its counts and probabilities
+    summed over them."""
+    cfg = _config(tiny_corpus, 4, dp=2, cp=2, ep=2)
+    _compare(run_distributed(_worker, 4, cfg, timeout_seconds=300), references[4], "cp2-dp2-ep2")

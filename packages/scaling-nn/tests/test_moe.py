@@ -213,6 +213,37 @@ def test_aux_loss_gradient_is_injected():
     assert not moe.router.grad.any()
 
 
+@pytest.mark.parametrize("balancing", ["aux_loss", "aux_loss_free"])
+def test_sequence_wise_loss_gradient_is_injected(balancing):
+    """DeepSeek-V3's complementary sequence-wise loss by hand: E · Σ_e f_e · P_e over each sequence's
+    tokens, the mean over the sequences, weighted by its coefficient (beside the Switch loss, or
+    with the aux-loss-free bias, which then picks the experts)."""
+    torch.manual_seed(0)
+    config = MoEConfig(H, FFN, E, top_k=2, aux_loss_coefficient=0.5, sequence_aux_loss_coefficient=0.25,
+                       balancing=balancing, score_function="sigmoid")  # fmt: skip
+    moe = ParallelMoE(config)
+    with torch.no_grad():
+        moe.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.1, 0.0]))
+    x = torch.randn(3, 4, H)
+    (moe(x) * 0).sum().backward()
+    router = moe.router.detach().requires_grad_()
+    scores = (x.reshape(-1, H) @ router.T).sigmoid()
+    probs = scores / scores.sum(-1, keepdim=True)
+    choice = scores.detach() + (moe.expert_bias if balancing == "aux_loss_free" else 0)
+    top = choice.topk(2).indices
+    total = 0.0
+    if balancing == "aux_loss":
+        total = 0.5 * E * (torch.bincount(top.flatten(), minlength=E) / (12 * 2) * probs.mean(0)).sum()
+    per_sequence = []
+    for b in range(3):
+        f = torch.bincount(top.view(3, 8)[b], minlength=E) / (4 * 2)
+        per_sequence.append(E * (f * probs.view(3, 4, E)[b].mean(0)).sum())
+    sequence_loss = torch.stack(per_sequence).mean()
+    (total + 0.25 * sequence_loss).backward()
+    close(moe.last_sequence_aux_loss, sequence_loss, "sequence-wise loss")
+    close(moe.router.grad, router.grad, "injected gradient")
+
+
 def test_aux_loss_free_bias_moves_once_per_step_by_the_step_s_load():
     torch.manual_seed(0)
     moe = ParallelMoE(MoEConfig(H, FFN, E, top_k=1, balancing="aux_loss_free", bias_update_rate=0.1))
@@ -280,6 +311,20 @@ def _ep_parity(dp, tp, ep, sequence_parallel, dtype=torch.float32, routing=None)
             dist.all_reduce(grad, group=group)
         close(full_tensor(p, topo.axis("tp").group, grad / dp), ref_params[name].grad, f"grad {name}", rtol)
     return True
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("dp", "tp", "ep", "sequence_parallel"),
+    [(2, 1, 2, False), pytest.param(2, 2, 2, True, marks=pytest.mark.slow)],
+)
+def test_sequence_wise_loss_at_expert_and_sequence_parallelism_matches_one_process(dp, tp, ep, sequence_parallel):
+    """Under sequence parallelism each TP rank holds a slice of every sequence: the per-sequence
+    counts and probabilities are those of the whole sequence, gathered before they are taken."""
+    routing = {"sequence_aux_loss_coefficient": 0.2}
+    world = dp * tp
+    results = run_distributed(_ep_parity, world, dp, tp, ep, sequence_parallel, routing=routing, timeout_seconds=120)
+    assert results == [True] * world
 
 
 def get_meta(p):

@@ -63,6 +63,12 @@ class MoEConfig(BaseConfig):
         "aux_loss", description="Load balancing: auxiliary loss, aux-loss-free per-expert bias, or none."
     )
     aux_loss_coefficient: float = Field(1e-2, ge=0.0, description="Weight of the auxiliary balancing loss.")
+    sequence_aux_loss_coefficient: float = Field(
+        0.0,
+        ge=0.0,
+        description="Weight of DeepSeek-V3's complementary sequence-wise balance loss (f and P over each sequence), "
+        "with any balancing (DeepSeek-V3: 1e-4 beside aux_loss_free); 0 = none.",
+    )
     bias_update_rate: float = Field(1e-3, ge=0.0, description="Step of the aux-loss-free bias per optimizer step.")
 
 

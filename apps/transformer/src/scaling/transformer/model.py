@@ -209,6 +209,7 @@ class TransformerBlock(BaseLayer[TransformerLayerIO, TransformerLayerIO]):
                     num_shared_experts=arch.moe.num_shared_experts,
                     balancing=arch.moe.balancing,
                     aux_loss_coefficient=arch.moe.aux_loss_coefficient,
+                    sequence_aux_loss_coefficient=arch.moe.sequence_aux_loss_coefficient,
                     bias_update_rate=arch.moe.bias_update_rate,
                     sequence_parallel=arch.sequence_parallel,
                     dtype=arch.dtype,

@@ -23,7 +23,10 @@ trainer calls after the step) by ``bias_update_rate`` towards the mean load
 (``b_e += rate · sign(mean - load_e)``), the load being the step's: its micro-batches summed,
 over every DP × CP rank, so that every replica keeps the same bias and every layout moves it
 as one process does.
-``"none"``: neither.
+``"none"``: neither. ``sequence_aux_loss_coefficient > 0`` adds DeepSeek-V3's complementary
+sequence-wise balance loss to any of them: the same ``E · Σ_e f_e · P_e`` with ``f_e`` and ``P_e``
+taken over each sequence's tokens (every context-parallel rank's slice of it, summed there), the
+mean over the micro-batch's sequences; DeepSeek-V3 weighs it 1e-4 beside the aux-loss-free bias.
 
 **Dispatch (dropless).** The T·k (token, expert) pairs are sorted by expert; with expert
 parallelism each rank holds ``E / ep`` experts and the pairs travel to their expert's rank
@@ -214,7 +217,9 @@ class MoEConfig:
         num_shared_experts: experts every token goes through (one SwiGLU of
             ``num_shared_experts * ffn_size``), added to the routed output.
         balancing: ``"aux_loss"``, ``"aux_loss_free"`` or ``"none"`` (module docstring).
-        aux_loss_coefficient: weight of the auxiliary loss.
+        aux_loss_coefficient: weight of the auxiliary loss (``balancing="aux_loss"``).
+        sequence_aux_loss_coefficient: weight of DeepSeek-V3's complementary sequence-wise
+            balance loss (module docstring), with any balancing; 0: none.
         bias_update_rate: step of the aux-loss-free bias.
         sequence_parallel: input and output split along dim 1 over TP.
         grouped_gemm: in bf16, the experts as grouped matrix multiplies (module docstring):
@@ -239,6 +244,7 @@ class MoEConfig:
     num_shared_experts: int = 0
     balancing: str = "aux_loss"
     aux_loss_coefficient: float = 1e-2
+    sequence_aux_loss_coefficient: float = 0.0
     bias_update_rate: float = 1e-3
     sequence_parallel: bool = False
     grouped_gemm: bool | None = None
@@ -305,6 +311,7 @@ class ParallelMoE(torch.nn.Module):
             c.aux_loss_coefficient,
             c.bias_update_rate,
         )
+        self.sequence_aux_loss_coefficient = c.sequence_aux_loss_coefficient
         self.sequence_parallel = c.sequence_parallel
         self.aux_loss_scale = 1.0
         self._ep_group = None if ep_axis is None else ep_axis.group
@@ -352,6 +359,8 @@ class ParallelMoE(torch.nn.Module):
             else None
         )
         self.last_aux_loss: torch.Tensor | None = None
+        #: The last micro-batch's unweighted sequence-wise loss (``sequence_aux_loss_coefficient > 0``).
+        self.last_sequence_aux_loss: torch.Tensor | None = None
         self.last_load: torch.Tensor | None = None
         self.load_total: torch.Tensor | None = None
         self.aux_loss_total: torch.Tensor | None = None
@@ -413,7 +422,30 @@ class ParallelMoE(torch.nn.Module):
         if self.balancing != "aux_loss" or not self.training or not torch.is_grad_enabled():
             return None
         ranks = 1 if self._cp_group is None else dist.get_world_size(self._cp_group)
-        return self.num_experts * ranks * (share * probs.sum(0) / tokens).sum()
+        return self.aux_loss_coefficient * self.num_experts * ranks * (share * probs.sum(0) / tokens).sum()
+
+    def _sequence_aux_share(self, probs: torch.Tensor, top: torch.Tensor, batch: int) -> torch.Tensor:
+        """This rank's tokens' part of the weighted sequence-wise loss: ``E · Σ_e f_e P_e`` per sequence
+        over its tokens on every CP rank, the mean over the ``batch`` sequences (the rows of ``probs``
+        and ``top`` are ``batch`` sequences of equal length, sequence-major), times the CP ranks."""
+        experts = self.num_experts
+        by_sequence = top.view(batch, -1)
+        counts = torch.zeros(batch, experts, device=top.device).scatter_add_(
+            1, by_sequence, torch.ones_like(by_sequence, dtype=torch.float32)
+        )
+        local = probs.view(batch, -1, experts)
+        stats = torch.cat([counts, local.detach().sum(1), local.new_full((batch, 1), float(local.shape[1]))], dim=1)
+        all_reduce(stats, self._cp_group)
+        share, prob_sums, tokens = (
+            stats[:, :experts] / (stats[:, -1:] * self.top_k),
+            stats[:, experts:-1],
+            stats[:, -1:],
+        )
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation in the backward
+            self.last_sequence_aux_loss = (experts * (share * prob_sums / tokens).sum(1)).mean()
+        ranks = 1 if self._cp_group is None else dist.get_world_size(self._cp_group)
+        weighted = (share * local.sum(1) / tokens).sum(1).mean()
+        return self.sequence_aux_loss_coefficient * experts * ranks * weighted
 
     # ---------------------------------------------------------------- dispatch
     def _experts(self, x_th: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
@@ -451,6 +483,9 @@ class ParallelMoE(torch.nn.Module):
         group = self._tp.group
         probs, top, weights = self._route(x_bsh)
         aux = self._balance(probs, top)
+        if self.sequence_aux_loss_coefficient > 0 and self.training and torch.is_grad_enabled():
+            sequences = self._sequence_aux_share(probs, top, x_bsh.shape[0])
+            aux = sequences if aux is None else aux + sequences
         x_full = (
             gather_from_sequence_parallel_region(x_bsh, group)
             if self.sequence_parallel
@@ -469,5 +504,5 @@ class ParallelMoE(torch.nn.Module):
         if self.shared is not None:
             out = out + self.shared(x_bsh)
         if aux is not None:
-            out = _InjectAuxLoss.apply(out, aux, self.aux_loss_coefficient * self.aux_loss_scale)
+            out = _InjectAuxLoss.apply(out, aux, self.aux_loss_scale)
         return out
