@@ -79,37 +79,27 @@ def references(tiny_corpus):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("micro", [4, 1], ids=["accumulation-1", "accumulation-4"])
-def test_dp2_ep2(tiny_corpus, references, micro):
+def test_dp2_ep2(tiny_corpus, references):
     """dp2·ep2: each rank runs 8 / (2 · micro) micro-batches (1 or 4) and holds 2 of the 4 experts."""
-    cfg = _config(tiny_corpus, micro, dp=2, ep=2)
-    _compare(run_distributed(_worker, 2, cfg, timeout_seconds=180), references[micro], f"dp2-ep2 micro {micro}")
+    for micro in (4, 1):
+        cfg = _config(tiny_corpus, micro, dp=2, ep=2)
+        _compare(run_distributed(_worker, 2, cfg, timeout_seconds=180), references[micro], f"dp2-ep2 micro {micro}")
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
-@pytest.mark.parametrize("micro", [4, 1], ids=["accumulation-1", "accumulation-4"])
-def test_pp2_dp2_ep2_every_schedule(tiny_corpus, references, schedule, micro):
-    """pp2·dp2·ep2 on 4 ranks under each schedule, 1 or 4 micro-batches per rank and step."""
-    cfg = _config(tiny_corpus, micro, dp=2, pp=2, ep=2, training=SCHEDULES[schedule])
-    results = run_distributed(_worker, 4, cfg, timeout_seconds=300)
-    _compare(results, references[micro], f"pp2-dp2-ep2 {schedule} micro {micro}", pipelined=True)
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
-def test_pp2_every_schedule_without_expert_parallelism(tiny_corpus, references, schedule):
-    """pp2 alone (ep1), 8 micro-batches of one sequence per step."""
-    cfg = _config(tiny_corpus, 1, pp=2, training=SCHEDULES[schedule])
-    _compare(run_distributed(_worker, 2, cfg, timeout_seconds=300), references[1], f"pp2 {schedule}", pipelined=True)
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_cp2_dp2_ep2(tiny_corpus, references):
-    """cp2: each sequence is split over two ranks; both losses take its counts and probabilities
-    summed over them."""
+def test_every_schedule_at_pp2_dp2_ep2_and_pp2_and_cp2(tiny_corpus, references):
+    """pp2·dp2·ep2 on 4 ranks under each schedule with 1 or 4 micro-batches per rank and step; pp2
+    alone (ep1) under each schedule with 8 micro-batches of one sequence; cp2·dp2·ep2, where each
+    sequence is split over two ranks and both losses take its counts and probabilities summed over
+    them. One test, so that the one-process references run once."""
+    for schedule, training in SCHEDULES.items():
+        for micro in (4, 1):
+            cfg = _config(tiny_corpus, micro, dp=2, pp=2, ep=2, training=training)
+            results = run_distributed(_worker, 4, cfg, timeout_seconds=300)
+            _compare(results, references[micro], f"pp2-dp2-ep2 {schedule} micro {micro}", pipelined=True)
+        cfg = _config(tiny_corpus, 1, pp=2, training=training)
+        results = run_distributed(_worker, 2, cfg, timeout_seconds=300)
+        _compare(results, references[1], f"pp2 {schedule}", pipelined=True)
     cfg = _config(tiny_corpus, 4, dp=2, cp=2, ep=2)
     _compare(run_distributed(_worker, 4, cfg, timeout_seconds=300), references[4], "cp2-dp2-ep2")
