@@ -31,13 +31,13 @@ MOE = {"first_dense_layers": 1, "num_experts": 4, "top_k": 2, "aux_loss_coeffici
        "sequence_aux_loss_coefficient": 0.05}  # fmt: skip
 
 
-def _config(corpus, micro, dp=1, pp=1, ep=1, cp=1, training=None):
+def _config(corpus, micro, dp=1, pp=1, ep=1, cp=1, training=None, moe=None):
     cfg = tiny_config(
         corpus, dp=dp, pp=pp, cp=cp, steps=STEPS, topology={"expert_parallel_size": ep, "micro_batch_size": micro},
         training=training or {}, optimizer={"method": "sgd"},
     )  # fmt: skip
     cfg["trainer"]["log_interval"] = 1
-    cfg["transformer_architecture"]["moe"] = MOE
+    cfg["transformer_architecture"]["moe"] = {**MOE, **(moe or {})}
     return cfg
 
 
@@ -103,3 +103,29 @@ def test_every_schedule_at_pp2_dp2_ep2_and_pp2_and_cp2(tiny_corpus, references):
         _compare(results, references[1], f"pp2 {schedule}", pipelined=True)
     cfg = _config(tiny_corpus, 4, dp=2, cp=2, ep=2)
     _compare(run_distributed(_worker, 4, cfg, timeout_seconds=300), references[4], "cp2-dp2-ep2")
+
+
+GLOBAL = {"global_aux_loss": True}
+
+
+@pytest.mark.distributed
+def test_global_aux_loss_at_dp2_is_one_process_at_twice_the_micro_batch(tiny_corpus):
+    """``moe.global_aux_loss``: the Switch loss over the same micro-batch of both DP ranks, so dp2·ep2
+    with one micro-batch of 4 sequences per rank equals one process with one of 8 (the sequence-wise
+    loss is per sequence either way). With more micro-batches a rank's j-th holds other sequences
+    than one process's j-th (each rank reads its own quarter of the batch), so the slow test below
+    takes dp2·ep2 without a pipeline as the reference of the schedules."""
+    reference = run_distributed(_worker, 1, _config(tiny_corpus, 8, moe=GLOBAL), timeout_seconds=120)
+    cfg = _config(tiny_corpus, 4, dp=2, ep=2, moe=GLOBAL)
+    _compare(run_distributed(_worker, 2, cfg, timeout_seconds=180), reference, "global dp2-ep2")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_global_aux_loss_under_every_schedule(tiny_corpus):
+    """pp2·dp2·ep2 with 4 micro-batches per rank under every schedule equals dp2·ep2 without a pipeline."""
+    reference = run_distributed(_worker, 2, _config(tiny_corpus, 1, dp=2, ep=2, moe=GLOBAL), timeout_seconds=180)
+    for schedule, training in SCHEDULES.items():
+        cfg = _config(tiny_corpus, 1, dp=2, pp=2, ep=2, training=training, moe=GLOBAL)
+        results = run_distributed(_worker, 4, cfg, timeout_seconds=300)
+        _compare(results, reference[:1], f"global pp2-dp2-ep2 {schedule}", pipelined=True)

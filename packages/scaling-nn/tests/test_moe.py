@@ -276,14 +276,23 @@ def _ep_parity(dp, tp, ep, sequence_parallel, dtype=torch.float32, routing=None)
     # One process runs the DP ranks' batches as micro-batches: each loss (and each
     # micro-batch's balancing loss) weighs 1 / dp, as the DP mean does.
     x_ref = x_all.clone().requires_grad_()
-    ref.aux_loss_scale = 1.0 / dp
     outputs, aux, loads = [], [], []
-    for r in range(dp):
-        outputs.append(ref(x_ref[r]))
-        (outputs[-1] * grad_all[r]).sum().div(dp).backward()
-        aux.append(ref.last_aux_loss)
-        loads.append(ref.last_load)
-    y_ref = torch.stack(outputs)
+    if kwargs.get("global_aux_loss"):  # one micro-batch of every rank's sequences: the loss the DP ranks share
+        y_ref = ref(x_ref.flatten(0, 1)).view_as(x_ref)
+        (y_ref * grad_all).sum().div(dp).backward()
+        aux = [ref.last_aux_loss] * dp
+        with torch.no_grad():  # each rank's own load (what it logs): its micro-batch alone
+            for r in range(dp):
+                ref(x_all[r])
+                loads.append(ref.last_load)
+    else:
+        ref.aux_loss_scale = 1.0 / dp
+        for r in range(dp):
+            outputs.append(ref(x_ref[r]))
+            (outputs[-1] * grad_all[r]).sum().div(dp).backward()
+            aux.append(ref.last_aux_loss)
+            loads.append(ref.last_load)
+        y_ref = torch.stack(outputs)
 
     def mine(full):  # this rank's tokens (its sequence-parallel slice)
         return full[d].chunk(tp, dim=1)[t] if sequence_parallel else full[d]
@@ -323,6 +332,20 @@ def test_sequence_wise_loss_at_expert_and_sequence_parallelism_matches_one_proce
     counts and probabilities are those of the whole sequence, gathered before they are taken."""
     routing = {"sequence_aux_loss_coefficient": 0.2}
     world = dp * tp
+    results = run_distributed(_ep_parity, world, dp, tp, ep, sequence_parallel, routing=routing, timeout_seconds=120)
+    assert results == [True] * world
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("dp", "tp", "ep", "sequence_parallel"),
+    [(2, 1, 2, False), pytest.param(2, 2, 2, True, marks=pytest.mark.slow)],
+)
+def test_global_aux_loss_is_one_micro_batch_of_every_rank_s_sequences(dp, tp, ep, sequence_parallel):
+    """``global_aux_loss``: f and P over the same micro-batch of every DP rank, so dp2 equals one
+    process running both ranks' sequences as one micro-batch (the loss, and every gradient)."""
+    world = dp * tp
+    routing = {"global_aux_loss": True, "aux_loss_coefficient": 0.3}
     results = run_distributed(_ep_parity, world, dp, tp, ep, sequence_parallel, routing=routing, timeout_seconds=120)
     assert results == [True] * world
 

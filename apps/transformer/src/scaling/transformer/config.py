@@ -69,6 +69,11 @@ class MoEConfig(BaseConfig):
         description="Weight of DeepSeek-V3's complementary sequence-wise balance loss (f and P over each sequence), "
         "with any balancing (DeepSeek-V3: 1e-4 beside aux_loss_free); 0 = none.",
     )
+    global_aux_loss: bool = Field(
+        False,
+        description="The auxiliary loss over the same micro-batch of every DP x CP rank together (Megatron's "
+        "global_aux_loss): one process's loss for the ranks' micro-batches as one.",
+    )
     bias_update_rate: float = Field(1e-3, ge=0.0, description="Step of the aux-loss-free bias per optimizer step.")
 
 

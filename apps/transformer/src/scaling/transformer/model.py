@@ -210,6 +210,7 @@ class TransformerBlock(BaseLayer[TransformerLayerIO, TransformerLayerIO]):
                     balancing=arch.moe.balancing,
                     aux_loss_coefficient=arch.moe.aux_loss_coefficient,
                     sequence_aux_loss_coefficient=arch.moe.sequence_aux_loss_coefficient,
+                    global_aux_loss=arch.moe.global_aux_loss,
                     bias_update_rate=arch.moe.bias_update_rate,
                     sequence_parallel=arch.sequence_parallel,
                     dtype=arch.dtype,

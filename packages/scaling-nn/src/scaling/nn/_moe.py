@@ -15,7 +15,11 @@ parallelism over groups, a token's pairs then reach at most ``top_groups`` ranks
 share of the k·T routing slots that went to expert ``e`` and ``P_e`` its mean routing
 probability, over the micro-batch's tokens (every context-parallel rank's slice of them):
 what one process computes for the same micro-batch, so a data-parallel run sums the same
-per-micro-batch losses. Its gradient is injected in the backward (scaled by
+per-micro-batch losses. With ``global_aux_loss`` the statistics are those of the same micro-batch
+on every DP × CP rank together (the global-batch balancing of Qiu et al. 2025 at the scope a
+pipeline allows, Megatron's ``global_aux_loss``): the loss is that of one process whose
+micro-batch is the ranks' micro-batches together (dp2 with one micro-batch of b sequences per rank
+equals one process with one of 2b). Its gradient is injected in the backward (scaled by
 ``aux_loss_coefficient · aux_loss_scale``), so it needs no path to the model's loss and
 works on any pipeline stage. ``"aux_loss_free"`` (DeepSeek-V3): a per-expert bias added
 to the scores for the top-k choice only, moved once per optimizer step (``end_step``, which a
@@ -220,6 +224,8 @@ class MoEConfig:
         aux_loss_coefficient: weight of the auxiliary loss (``balancing="aux_loss"``).
         sequence_aux_loss_coefficient: weight of DeepSeek-V3's complementary sequence-wise
             balance loss (module docstring), with any balancing; 0: none.
+        global_aux_loss: the auxiliary loss's ``f`` and ``P`` over the micro-batch of every DP × CP
+            rank together (module docstring).
         bias_update_rate: step of the aux-loss-free bias.
         sequence_parallel: input and output split along dim 1 over TP.
         grouped_gemm: in bf16, the experts as grouped matrix multiplies (module docstring):
@@ -245,6 +251,7 @@ class MoEConfig:
     balancing: str = "aux_loss"
     aux_loss_coefficient: float = 1e-2
     sequence_aux_loss_coefficient: float = 0.0
+    global_aux_loss: bool = False
     bias_update_rate: float = 1e-3
     sequence_parallel: bool = False
     grouped_gemm: bool | None = None
@@ -312,6 +319,7 @@ class ParallelMoE(torch.nn.Module):
             c.bias_update_rate,
         )
         self.sequence_aux_loss_coefficient = c.sequence_aux_loss_coefficient
+        self.global_aux_loss = c.global_aux_loss
         self.sequence_parallel = c.sequence_parallel
         self.aux_loss_scale = 1.0
         self._ep_group = None if ep_axis is None else ep_axis.group
@@ -389,19 +397,32 @@ class ParallelMoE(torch.nn.Module):
         return probs, top, weights
 
     def _balance(self, probs: torch.Tensor, top: torch.Tensor) -> torch.Tensor | None:
-        """Load statistics of the micro-batch (every CP rank's tokens); this rank's aux loss share (or None)."""
+        """Load statistics of the micro-batch (every CP rank's tokens); this rank's aux loss share (or None).
+
+        ``global_aux_loss``: the loss's statistics are those of the same micro-batch on every DP × CP
+        rank (the load logged and the aux-loss-free bias's stay this micro-batch's own)."""
         counts = torch.bincount(top.flatten(), minlength=self.num_experts).to(torch.float32)
-        stats = torch.cat([counts, probs.detach().sum(0), probs.new_tensor([probs.shape[0]])])
-        all_reduce(stats, self._cp_group)
-        load, prob_sums, tokens = stats[: self.num_experts], stats[self.num_experts : -1], stats[-1]
-        share = load / (tokens * self.top_k)
-        if torch._C._current_graph_task_id() != -1:  # activation checkpointing's recomputation: counted already
-            return self._aux_share(share, probs, tokens)
-        self.last_load = load
-        self.load_total = load if self.load_total is None else self.load_total + load
-        aux = self.last_aux_loss = self.num_experts * (share * prob_sums / tokens).sum()
-        self.aux_loss_total = aux if self.aux_loss_total is None else self.aux_loss_total + aux
-        return self._aux_share(share, probs, tokens)
+        local = torch.cat([counts, probs.detach().sum(0), probs.new_tensor([probs.shape[0]])])
+        stats = all_reduce(local.clone(), self._cp_group)
+        load = stats[: self.num_experts]
+        loss_group = self._dp_group if self.global_aux_loss else self._cp_group
+        if self.global_aux_loss:
+            stats = all_reduce(local, self._dp_group)
+        share, prob_sums, tokens = (
+            stats[: self.num_experts] / (stats[-1] * self.top_k),
+            stats[self.num_experts : -1],
+            stats[-1],
+        )
+        if torch._C._current_graph_task_id() == -1:  # not activation checkpointing's recomputation: counted already
+            self.last_load = load
+            self.load_total = load if self.load_total is None else self.load_total + load
+            aux = self.last_aux_loss = self.num_experts * (share * prob_sums / tokens).sum()
+            self.aux_loss_total = aux if self.aux_loss_total is None else self.aux_loss_total + aux
+        if self.balancing != "aux_loss" or not self.training or not torch.is_grad_enabled():
+            return None
+        # This rank's tokens' part of E·Σ f_e P_e (to inject), times the ranks its gradient is averaged over.
+        ranks = 1 if loss_group is None else dist.get_world_size(loss_group)
+        return self.aux_loss_coefficient * self.num_experts * ranks * (share * probs.sum(0) / tokens).sum()
 
     @torch.no_grad()
     def end_step(self) -> None:
@@ -416,13 +437,6 @@ class ParallelMoE(torch.nn.Module):
             return
         total = all_reduce(self.load_total.clone(), self._dp_group)
         self.expert_bias.add_(self.bias_update_rate * torch.sign(total.mean() - total))
-
-    def _aux_share(self, share: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
-        """This rank's tokens' part of E·Σ f_e P_e (to inject), times the CP ranks the gradient is averaged over."""
-        if self.balancing != "aux_loss" or not self.training or not torch.is_grad_enabled():
-            return None
-        ranks = 1 if self._cp_group is None else dist.get_world_size(self._cp_group)
-        return self.aux_loss_coefficient * self.num_experts * ranks * (share * probs.sum(0) / tokens).sum()
 
     def _sequence_aux_share(self, probs: torch.Tensor, top: torch.Tensor, batch: int) -> torch.Tensor:
         """This rank's tokens' part of the weighted sequence-wise loss: ``E · Σ_e f_e P_e`` per sequence
