@@ -399,26 +399,28 @@ class ParallelMoE(torch.nn.Module):
     def _balance(self, probs: torch.Tensor, top: torch.Tensor) -> torch.Tensor | None:
         """Load statistics of the micro-batch (every CP rank's tokens); this rank's aux loss share (or None).
 
-        ``global_aux_loss``: the loss's statistics are those of the same micro-batch on every DP × CP
-        rank (the load logged and the aux-loss-free bias's stay this micro-batch's own)."""
+        ``global_aux_loss``: while training, the loss's statistics are those of the same micro-batch on
+        every DP × CP rank (the load logged and the aux-loss-free bias's stay this micro-batch's own)."""
         counts = torch.bincount(top.flatten(), minlength=self.num_experts).to(torch.float32)
         local = torch.cat([counts, probs.detach().sum(0), probs.new_tensor([probs.shape[0]])])
         stats = all_reduce(local.clone(), self._cp_group)
         load = stats[: self.num_experts]
-        loss_group = self._dp_group if self.global_aux_loss else self._cp_group
-        if self.global_aux_loss:
-            stats = all_reduce(local, self._dp_group)
+        injects = self.balancing == "aux_loss" and self.training and torch.is_grad_enabled()
+        # Only while training: evaluation and generation may run on some DP ranks alone.
+        loss_group = self._dp_group if self.global_aux_loss and injects else self._cp_group
+        if loss_group is not self._cp_group:
+            stats = all_reduce(local, loss_group)
         share, prob_sums, tokens = (
             stats[: self.num_experts] / (stats[-1] * self.top_k),
             stats[self.num_experts : -1],
             stats[-1],
         )
-        if torch._C._current_graph_task_id() == -1:  # not activation checkpointing's recomputation: counted already
+        if torch._C._current_graph_task_id() == -1:  # a recomputation in the backward counted them already
             self.last_load = load
             self.load_total = load if self.load_total is None else self.load_total + load
             aux = self.last_aux_loss = self.num_experts * (share * prob_sums / tokens).sum()
             self.aux_loss_total = aux if self.aux_loss_total is None else self.aux_loss_total + aux
-        if self.balancing != "aux_loss" or not self.training or not torch.is_grad_enabled():
+        if not injects:
             return None
         # This rank's tokens' part of E·Σ f_e P_e (to inject), times the ranks its gradient is averaged over.
         ranks = 1 if loss_group is None else dist.get_world_size(loss_group)
