@@ -16,9 +16,9 @@ on the same batches, alternating in rounds so every side sees the same machine l
 It prints the median step time (forward, backward, step) of each, and the ratios muon/adamw
 (the price of orthogonalising: on CPU mostly the Newton-Schulz matrix products, 5 × 3 per
 matrix) and muon/torch (target: <= 1.05: the gathers and the update routing cost nothing at
-one rank). On more ranks with ZeRO each rank gathers every matrix whole and orthogonalises all of
-them (DistMuon's division of the matrices among ranks is not done: the muon/adamw ratio grows
-with the model, not with the ranks).
+one rank). On more ranks with ZeRO each matrix is gathered on one rank of the shard group,
+round-robin, which orthogonalises it and scatters the result (DistMuon's division): each rank
+runs about 1 / DP of the products.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from scaling.optim._loss_scaler import LossScaler
 from scaling.optim._param_group import OptimizerParamGroup
 from scaling.optim._state import load_parameter_state, parameter_state
 from scaling.optim._step_output import OptimizerStepOutput
-from scaling.optim._update import UpdateItem, WholeMatrices, apply_updates
+from scaling.optim._update import UpdateItem, apply_updates
 from scaling.topology import Topology
 
 if TYPE_CHECKING:
@@ -166,7 +166,7 @@ class Optimizer:
                 group = self.parameter_groups[slot.group_index].config
                 lr, decay, independent = lrs[group.name], group.weight_decay, group.independent_weight_decay
                 items.append(UpdateItem(slot.work_param(), grad, slot.state, lr, decay, independent, slot.rule, index))
-            apply_updates(self.config, items, step, WholeMatrices(dp.gather_whole, dp.owned_part))
+            apply_updates(self.config, items, step, dp.whole_matrices())
 
         dp.update(grads, update)
         dp.end_step()

@@ -217,11 +217,14 @@ def _adam(
 
 # ---------------------------------------------------------------------------- Muon
 class WholeMatrices(NamedTuple):
-    """The sharding component's two calls between a slot's owned elements and its logical tensor
-    (``DataParallel.gather_whole`` and ``DataParallel.owned_part``)."""
+    """The sharding component's calls between a slot's owned elements and its logical matrix
+    (``DataParallel.whole_matrices()``: ``orthogonaliser``, ``gather_whole``, ``owned_part``, and the
+    slot's logical shape)."""
 
-    gather: Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]]
-    part: Callable[[int, torch.Tensor], torch.Tensor]
+    owner: Callable[[int, int], int | None]
+    gather: Callable[[int, torch.Tensor, int | None], torch.Tensor | None]
+    part: Callable[[int, torch.Tensor | None, int | None], torch.Tensor]
+    shape: Callable[[int], tuple[int, ...]]
 
 
 def newton_schulz(matrix: torch.Tensor, config: MuonConfig) -> torch.Tensor:
@@ -254,17 +257,23 @@ def muon_updates(config: MuonConfig, items: Sequence[UpdateItem], whole: WholeMa
     """Update each of ``items`` (the owned elements of slot ``item.slot``) by Muon.
 
     Every rank holding a piece of these matrices calls it with the same slots in the same order
-    (their gathers are collectives over the slots' shard groups and TP). One matrix at a time: a
-    rank holds one whole matrix beyond its shards (ZeRO-3 stays sharded), for one gather per
-    matrix and step.
+    (their gathers are collectives over the slots' shard groups and TP). A sharded matrix is
+    gathered on one rank of its shard group, round-robin, which orthogonalises it and scatters the
+    result (DistMuon's division of the work): each rank holds about 1 / DP of the matrices whole at
+    once and runs their Newton-Schulz alone; an unsharded one (ZeRO-0) is orthogonalised on every
+    rank holding it.
     """
-    for item in items:
+    owners, matrices = [], []
+    for k, item in enumerate(items):
         buf = item.state["momentum_buffer"]
         buf.lerp_(item.grad, 1 - config.momentum)
         blend = item.grad.lerp(buf, config.momentum) if config.nesterov else buf
-        (matrix,) = whole.gather([item.slot], [blend])
-        ortho = whole.part(item.slot, newton_schulz(matrix, config))
+        owners.append(whole.owner(item.slot, k))
+        matrices.append(whole.gather(item.slot, blend, owners[-1]))
+    orthos = [None if m is None else newton_schulz(m, config) for m in matrices]
+    for item, owner, ortho in zip(items, owners, orthos):
+        part = whole.part(item.slot, ortho, owner)
         decay = item.weight_decay if item.independent_weight_decay else item.lr * item.weight_decay
         if decay != 0:
             item.param.mul_(1 - decay)
-        item.param.add_(ortho.to(item.param.dtype), alpha=-adjusted_lr(item.lr, matrix.shape, config))
+        item.param.add_(part.to(item.param.dtype), alpha=-adjusted_lr(item.lr, whole.shape(item.slot), config))
