@@ -18,9 +18,7 @@ from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
-from scaling.collectives import all_gather_flat
 from scaling.optim._accumulate import GradientAccumulator
 from scaling.optim._comm import all_reduce_
 from scaling.optim._compat import foreach_copy_
@@ -33,6 +31,7 @@ from scaling.optim._slots import ParamSlot, owned_grads
 from scaling.optim._spaces import ShardSpace, place_parameters, shard_spaces
 from scaling.optim._update import WholeMatrices
 from scaling.optim._weak import weak_hook
+from scaling.optim._whole import LogicalFrame
 from scaling.optim._zero3 import (
     ParameterGatherer,
     check_own_storage,
@@ -271,64 +270,9 @@ class DataParallel:
 
     # ------------------------------------------------- layout-independent frame
     def whole_matrices(self) -> WholeMatrices:
-        """The calls Muon's update takes whole matrices through (``_update.muon_updates``)."""
-        return WholeMatrices(
-            self.orthogonaliser, self.gather_whole, self.owned_part, lambda i: self.slots[i].meta.logical_shape
-        )
-
-    def orthogonaliser(self, index: int, k: int) -> int | None:
-        """Which rank of slot ``index``'s shard group takes whole matrix ``k`` of an update (round-robin,
-        so the ranks share the work); None when the slot is not sharded (every rank holds it)."""
-        world = self._space_of[index].world
-        return k % world if world > 1 else None
-
-    def gather_whole(self, index: int, owned: torch.Tensor, to: int | None = None) -> torch.Tensor | None:
-        """Slot ``index``'s logical tensor from every rank's owned elements (``owned``: this rank's),
-        gathered over its shard group, then over TP along the split dimension: on every rank
-        (``to=None``) or on shard rank ``to`` alone (None elsewhere; its TP peers get it too).
-        Collectives: every rank holding a piece of the slot calls it alike."""
-        slot, space = self.slots[index], self._space_of[index]
-        padded = torch.cat([owned, owned.new_zeros(slot.chunk - slot.length)])
-        group = space.shard_group if space.world > 1 else None
-        if group is None:
-            flat = padded
-        elif to is None:
-            flat = all_gather_flat(padded, group)
-        else:
-            chunks = [torch.empty_like(padded) for _ in range(space.world)] if space.rank == to else None
-            dist.gather(padded, chunks, dst=dist.get_global_rank(group, to), group=group)
-            if chunks is None:
-                return None
-            flat = torch.cat(chunks)
-        whole = flat[: slot.numel].view(slot.param.shape)
-        meta, tp = slot.meta, self.topology.axis("tp")
-        if meta.is_model_parallel and meta.parallel_dim is not None:
-            pieces = all_gather_flat(whole.contiguous().view(-1), tp.group).view(tp.size, *whole.shape)
-            whole = torch.cat(pieces.unbind(0), dim=meta.parallel_dim)
-        return whole
-
-    def owned_part(self, index: int, whole: torch.Tensor | None, source: int | None = None) -> torch.Tensor:
-        """This rank's owned elements (flat) of slot ``index``'s logical tensor ``whole``, held by every
-        rank (``source=None``) or by shard rank ``source`` alone, which scatters them (``whole`` None
-        elsewhere)."""
-        slot, space = self.slots[index], self._space_of[index]
-        local = None
-        if whole is not None:
-            meta = slot.meta
-            if meta.is_model_parallel and meta.parallel_dim is not None:
-                whole = whole.chunk(meta.model_parallel_size, dim=meta.parallel_dim)[self.topology.axis("tp").rank]
-            local = whole.reshape(-1)
-        if source is None or space.world == 1:
-            assert local is not None
-            return local[slot.start : slot.end]
-        out = torch.empty(slot.chunk, dtype=slot.compute_dtype, device=slot.param.device)
-        chunks = None
-        if local is not None:
-            chunks = list(slot.padded_flat(local.to(out.dtype)).split(slot.chunk))
-        group = space.shard_group
-        assert group is not None
-        dist.scatter(out, chunks, src=dist.get_global_rank(group, source), group=group)
-        return out[: slot.length]
+        """The calls Muon's update takes whole matrices through (``_whole.LogicalFrame``)."""
+        frame = LogicalFrame(self.slots, self._space_of, self.topology.axis("tp"))
+        return WholeMatrices(frame.orthogonaliser, frame.gather_whole, frame.owned_part, frame.logical_shape)
 
     # ----------------------------------------------------------------- update
     def update(self, grads: list[torch.Tensor], update: Update) -> None:

@@ -18,8 +18,8 @@ arithmetic is torch.optim.Muon's (torch >= 2.9; Keller Jordan's reference): an e
 moving average of the gradient, its Nesterov blend, five quintic Newton-Schulz steps on the
 matrix divided by its Frobenius norm, decoupled weight decay, and a learning rate scaled by the
 matrix's shape. Unlike the element-wise rules, the orthogonalisation needs the
-whole logical matrix: ``DataParallel.gather_whole`` gathers it from every rank's owned
-elements (ZeRO shards, TP pieces) and ``DataParallel.owned_part`` takes this rank's elements
+whole logical matrix: ``LogicalFrame.gather_whole`` (``_whole.py``) gathers it from every rank's owned
+elements (ZeRO shards, TP pieces) and ``LogicalFrame.owned_part`` takes this rank's elements
 of the result back, so every layout applies the same update to the same elements. Every rank of
 a matrix's group orthogonalises it (the same product on each; DistMuon's assignment of matrices
 to ranks would divide that work and is not done here).
@@ -218,7 +218,7 @@ def _adam(
 # ---------------------------------------------------------------------------- Muon
 class WholeMatrices(NamedTuple):
     """The sharding component's calls between a slot's owned elements and its logical matrix
-    (``DataParallel.whole_matrices()``: ``orthogonaliser``, ``gather_whole``, ``owned_part``, and the
+    (``DataParallel.whole_matrices()``: a ``_whole.LogicalFrame``'s ``orthogonaliser``, ``gather_whole``, ``owned_part`` and the
     slot's logical shape)."""
 
     owner: Callable[[int, int], int | None]
