@@ -12,11 +12,18 @@ STEPS = 10
 GELU = dict(mlp_type="gelu", norm="layernorm", bias=True, tied_embeddings=False, num_kv_heads=None)
 
 
+class _Reference(list):
+    """One process's losses per step, and its global gradient norms (``grad_norms``)."""
+
+    grad_norms: list[float]
+
+
 def _reference(corpus, arch=None):
     cfg = tiny_config(corpus, steps=STEPS)
     cfg["transformer_architecture"].update(arch or {})
     (history,) = run_distributed(train_worker, 1, cfg, timeout_seconds=120)
-    out = losses(history)
+    out = _Reference(losses(history))
+    out.grad_norms = losses(history, "training/global_grad_norm")
     assert len(out) == STEPS and out[-1] < out[0]  # it trains
     return out
 
@@ -32,8 +39,14 @@ def reference_losses_gelu(tiny_corpus):
 
 
 def _check(results, reference, what):
+    """Every rank's losses, and its gradient norms (a gradient wrong by a factor, on experts say, can
+    leave the losses of a few steps within tolerance; the norm moves at once), are one process's.
+    Per-module gradients and updates: ``test_numerics_bisector.py``."""
     for rank, history in enumerate(results):
         assert_parity(losses(history), reference, rtol=1e-5, name=f"rank {rank} losses at {what}")
+        if isinstance(reference, _Reference):
+            got = losses(history, "training/global_grad_norm")
+            assert_parity(got, reference.grad_norms, rtol=1e-4, name=f"rank {rank} gradient norms at {what}")
 
 
 @pytest.mark.distributed
@@ -242,6 +255,29 @@ def test_tied_embeddings_resume_at_another_pipeline_size(tiny_corpus, reference_
     resumed = run_distributed(train_worker, resumed_at, second, timeout_seconds=180)
     for rank, history in enumerate(resumed):
         assert_parity(losses(history), reference_losses[5:], rtol=1e-5, name=f"rank {rank} resumed at pp{resumed_at}")
+
+
+@pytest.mark.distributed
+def test_a_vocabulary_not_divisible_by_tp_trains_and_resumes_at_another_tp(tiny_corpus, tmp_path):
+    """Vocabulary 301 at tp2: each rank holds 151 rows, the last one padding. The losses and gradient
+    norms are one process's, and a checkpoint (the logical 301 rows; the optimizer refused the padded
+    shard before) taken at tp2 resumes at tp1 and back."""
+    vocab = {"vocab_size": 301}
+    reference = _reference(tiny_corpus, vocab)
+    for saved_at, resumed_at in ((2, 1), (1, 2)):
+        ckpt = str(tmp_path / f"tp{saved_at}")
+        first = tiny_config(tiny_corpus, tp=saved_at, steps=STEPS, trainer={"save_dir": ckpt, "save_interval": 5})
+        first["transformer_architecture"].update(vocab)
+        first["trainer"]["train_iterations"] = 5
+        trained = run_distributed(train_worker, saved_at, first, timeout_seconds=180)
+        if saved_at == 2:
+            five = _Reference(reference[:5])
+            five.grad_norms = reference.grad_norms[:5]
+            _check(trained, five, "tp2 vocabulary 301")
+        second = tiny_config(tiny_corpus, tp=resumed_at, steps=STEPS, trainer={"load_dir": ckpt})
+        second["transformer_architecture"].update(vocab)
+        for rank, history in enumerate(run_distributed(train_worker, resumed_at, second, timeout_seconds=180)):
+            assert_parity(losses(history), reference[5:], rtol=1e-5, name=f"rank {rank} resumed at tp{resumed_at}")
 
 
 @pytest.mark.distributed

@@ -41,6 +41,17 @@ class ParameterMeta:
         """True when the parameter is split over TP ranks."""
         return self.parallel_dim is not None and self.model_parallel_size > 1
 
+    def local_size(self, tp_rank: int) -> tuple[int, int]:
+        """Along ``parallel_dim``: ``(rows held, rows of them that are logical)`` on TP rank ``tp_rank``.
+
+        A dimension that does not divide by the TP size (a vocabulary) is padded to a multiple of
+        it: each rank holds ``ceil(n / tp)`` rows, the padding at the end of the last ranks, so the
+        logical rows are ``torch.chunk``'s (and a DTensor ``Shard``'s) pieces."""
+        assert self.parallel_dim is not None
+        n = self.logical_shape[self.parallel_dim]
+        held = -(-n // self.model_parallel_size)
+        return held, max(0, min(held, n - tp_rank * held))
+
     @property
     def key(self) -> str:
         """Layout-independent key ``layers.{layer_index}.{local_name}`` (or ``local_name``)."""

@@ -94,6 +94,9 @@ class DataParallel:
         # cpu_offload: the host update (ZeRO-3: of the last step, layer by layer in a thread).
         self._host_update = LayeredHostUpdate(topology.device)
         self._reduced = False
+        #: Called as ``observer(slots, grads)`` with each step's reduced gradients (this rank's owned
+        #: elements, before unscaling and clipping); a tool that reads them (``scaling.trainer.numerics``).
+        self.grad_observers: list[Callable[[Sequence[ParamSlot], list[torch.Tensor]], None]] = []
         self._reduce_dtype = torch.float32 if config.grad_reduce_in_fp32 else None
         # ZeRO 0/1 16-bit gradients summed in fp32 over micro-batches; its hooks run before the reducer's.
         self._accumulator = (
@@ -258,6 +261,8 @@ class DataParallel:
         # shards under ZeRO), in the update's dtype (fp32 with master weights: not rounded to 16 bits).
         tp_grads = [g for s, g in zip(self.slots, grads) if s.meta.reduce_over_tp]
         all_reduce_(tp_grads, self.topology.axis("tp").group, self.config.allreduce_bucket_size, average=False)
+        for observe in self.grad_observers:
+            observe(self.slots, grads)
         return grads
 
     def norm_terms(self, grads: Sequence[torch.Tensor]) -> list[tuple[list[torch.Tensor], bool]]:

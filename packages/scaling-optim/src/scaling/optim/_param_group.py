@@ -76,7 +76,7 @@ def _check_shape(name: str, param: torch.Tensor, meta: ParameterMeta) -> None:
     expected = list(meta.logical_shape)
     if meta.is_model_parallel:
         assert meta.parallel_dim is not None
-        expected[meta.parallel_dim] //= meta.model_parallel_size
+        expected[meta.parallel_dim] = meta.local_size(0)[0]  # a padded dimension (a vocabulary) rounds up
     if list(param.shape) != expected:
         raise ValueError(
             f"parameter {name!r}: local shape {list(param.shape)} does not match its meta (logical_shape="

@@ -66,12 +66,14 @@ def parameter_state(dp: DataParallel) -> dict[str, dict[str, DTensor]]:
         all_gather_chunks(chunks, fulls, group, dp.config.allreduce_bucket_size)
         outputs += fulls
     params: dict[str, dict[str, DTensor]] = {}
+    tp_rank = topo.axis("tp").rank
     for (slot, name), full in zip(owners, outputs):
         meta = slot.meta
-        tp_placement = (
-            Shard(meta.parallel_dim) if meta.parallel_dim is not None and meta.is_model_parallel else Replicate()
-        )
+        split = meta.parallel_dim is not None and meta.is_model_parallel
+        tp_placement = Shard(meta.parallel_dim) if split and meta.parallel_dim is not None else Replicate()
         local = full.view(slot.param.shape)
+        if split and meta.parallel_dim is not None:  # without a padded dimension's padding rows (a vocabulary)
+            local = local.narrow(meta.parallel_dim, 0, meta.local_size(tp_rank)[1])
         logical = torch.Size(meta.logical_shape)
         params.setdefault(meta.key, {})[name] = DTensor.from_local(
             local,
@@ -93,7 +95,14 @@ def _tp_local(slot: ParamSlot, value: torch.Tensor, key: str, name: str, tp_rank
     meta = slot.meta
     if tuple(value.shape) == tuple(meta.logical_shape) and meta.is_model_parallel:
         assert meta.parallel_dim is not None
-        value = value.chunk(meta.model_parallel_size, dim=meta.parallel_dim)[tp_rank]
+        held, logical = meta.local_size(tp_rank)
+        value = value.narrow(meta.parallel_dim, tp_rank * held, logical)
+    if meta.is_model_parallel and meta.parallel_dim is not None and value.shape != slot.param.shape:
+        held, logical = meta.local_size(tp_rank)
+        if value.shape[meta.parallel_dim] == logical < held:  # a padded dimension: zeros in the padding rows
+            pad = list(value.shape)
+            pad[meta.parallel_dim] = held - logical
+            value = torch.cat([value, value.new_zeros(pad)], dim=meta.parallel_dim)
     if tuple(value.shape) != tuple(slot.param.shape):
         raise ValueError(
             f"optimizer state {key!r}.{name} has shape {list(value.shape)}; expected the logical shape "

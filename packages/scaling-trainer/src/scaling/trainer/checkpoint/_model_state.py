@@ -41,12 +41,20 @@ def _check_local_shape(name: str, param: torch.Tensor, meta: ParameterMeta, tp_s
                 f"parameter {name!r}: meta.model_parallel_size={meta.model_parallel_size} but the topology has "
                 f"model_parallel_size={tp_size}; build the model for this topology"
             )
-        expected[dim] = expected[dim] // tp_size
+        expected[dim] = meta.local_size(0)[0]  # a padded dimension (a vocabulary) rounds up
     if list(param.shape) != expected:
         raise ValueError(
             f"parameter {name!r}: local shape {list(param.shape)} does not match logical shape "
             f"{list(meta.logical_shape)} split as {meta!r} (expected local shape {expected})"
         )
+
+
+def _logical_part(param: torch.Tensor, meta: ParameterMeta, tp_rank: int) -> torch.Tensor:
+    """``param``'s logical rows: without the padding rows of a dimension that does not divide by TP."""
+    if not meta.is_model_parallel or meta.parallel_dim is None:
+        return param
+    held, logical = meta.local_size(tp_rank)
+    return param if logical == held else param.narrow(meta.parallel_dim, 0, logical)
 
 
 def model_state_dict(named_parameters_with_meta: NamedParameters, topology: Topology | None) -> StateDict:
@@ -67,13 +75,14 @@ def model_state_dict(named_parameters_with_meta: NamedParameters, topology: Topo
     """
     state: StateDict = {}
     tp_size = 1 if topology is None else topology.axis("tp").size
+    tp_rank = 0 if topology is None else topology.axis("tp").rank
     mesh = None if topology is None else topology.device_mesh["tp"]
     for name, param, meta in named_parameters_with_meta:
         key = meta.key
         if key in state:
             raise ValueError(f"parameter {name!r}: key {key!r} appears twice; every ParameterMeta.key must be unique")
         _check_local_shape(name, param, meta, tp_size)
-        local = param.detach()
+        local = _logical_part(param.detach(), meta, tp_rank)
         if mesh is None:
             state[key] = local
             continue
@@ -115,6 +124,8 @@ def load_model_state_dict(
                 continue
             value = state[meta.key]
             local = value.to_local() if isinstance(value, DTensor) else value
+            if isinstance(value, DTensor):  # its local part: this TP rank's logical rows
+                param = _logical_part(param, meta, value.device_mesh.get_local_rank())
             if local.shape != param.shape:
                 raise ValueError(
                     f"parameter {name!r}: loaded local shape {list(local.shape)} != parameter shape {list(param.shape)}"
