@@ -392,7 +392,13 @@ def test_the_export_folder_loads_with_auto_classes_and_a_pipeline(tiny_corpus, t
     assert out["generated_text"] == generate_text(save, ["def "], max_new_tokens=8)[0]
 
 
-def test_export_names_a_missing_tokenizer(tmp_path, capsys):
+def test_export_names_a_missing_tokenizer(tmp_path, capsys, monkeypatch, tiny_corpus):
+    # A `preprocess` run in the working folder left the default corpus's tokenizer (300 tokens) there:
+    # it is another model's (the imported one has 101), so it is not shipped and the export succeeds.
+    default = tmp_path / "cwd" / "runs/transformer/corpus"
+    default.mkdir(parents=True)
+    (default / "tokenizer.json").write_bytes((tiny_corpus / "tokenizer.json").read_bytes())
+    monkeypatch.chdir(tmp_path / "cwd")
     _tiny_llama(tmp_path)
     assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
     ckpt = str(tmp_path / "ours" / CHECKPOINT_SUBDIR)

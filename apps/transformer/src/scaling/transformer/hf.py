@@ -509,7 +509,8 @@ def export_hf(
 
     Args:
         tokenizer: the ``tokenizer.json`` to ship; None: ``data.tokenizer_path`` of the checkpoint's
-            config, else the default corpus's (as ``generate`` picks it), left out when neither exists.
+            config, else the default corpus's (as ``generate`` picks it), left out when neither exists
+            or when the default corpus's has more tokens than the model (it is another model's).
 
     Returns:
         The folder (``tokenizer.json`` is in it when a tokenizer was found).
@@ -528,8 +529,13 @@ def export_hf(
     kind = _check_exportable(arch)
     if tokenizer is not None and not Path(tokenizer).is_file():
         raise FileNotFoundError(f"--tokenizer {str(tokenizer)!r} does not exist; give the path of a tokenizer.json")
-    found = Path(tokenizer or config.data.tokenizer_path or default_paths(config.data.default_corpus_dir)["tokenizer"])
+    chosen = tokenizer or config.data.tokenizer_path
+    found = Path(chosen or default_paths(config.data.default_corpus_dir)["tokenizer"])
     shipped = found if found.is_file() else None
+    if shipped is not None and chosen is None and load_tokenizer(shipped).get_vocab_size() > arch.vocab_size:
+        # The default corpus's tokenizer (a `preprocess` in this folder) belongs to another model, an
+        # imported one say: it is left out, as when there is none, rather than failing the export.
+        shipped = None
     params = dict(model.named_parameters())
     state = {theirs: params[ours].detach().contiguous() for ours, theirs in _mapping(arch).items()}
     for i in range(arch.num_layers):
