@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scaling.trainer.numerics._record import OUTPUT, Stats, StepTrace, Trace, _layer_index
+from scaling.trainer.numerics._record import OUTPUT, Stats, StepTrace, Trace
 
 
 @dataclass(frozen=True)
@@ -114,10 +114,21 @@ def _relative(a: float, b: float) -> float:
 
 
 def _compare_stats(a: Stats, b: Stats) -> tuple[float, str]:
-    errors = [_relative(x, y) for x, y in zip(a, b)]
+    """The sums, or the means where one run holds a whole multiple of the other's elements: a tensor
+    that does not depend on the batch yet has a batch dimension (a rotary table given per-sample
+    positions under context parallelism) is that many copies. A count off by a fraction is padding
+    (a vocabulary padded for TP), which adds nothing to the sums."""
+    ratio = max(a.elements, b.elements) / max(min(a.elements, b.elements), 1.0)
+    means = a.elements > 0 and b.elements > 0 and ratio > 1 and ratio == round(ratio)
+    labels = ("‖x‖₂", "‖x‖₁", "max |x|")
+    va, vb = list(a[:3]), list(b[:3])
+    if means:
+        labels = ("rms", "mean |x|", "max |x|")
+        va = [a.l2 / a.elements**0.5, a.l1 / a.elements, a.max_abs]
+        vb = [b.l2 / b.elements**0.5, b.l1 / b.elements, b.max_abs]
+    errors = [_relative(x, y) for x, y in zip(va, vb)]
     worst = max(range(3), key=errors.__getitem__)
-    label = ("‖x‖₂", "‖x‖₁", "max |x|")[worst]
-    return errors[worst], f"{label}: a {a[worst]:.8g}, b {b[worst]:.8g}"
+    return errors[worst], f"{labels[worst]}: a {va[worst]:.8g}, b {vb[worst]:.8g}"
 
 
 def _compare_tensors(a: torch.Tensor, b: torch.Tensor) -> tuple[float, str]:
@@ -149,8 +160,17 @@ def _step_items(sa: StepTrace, sb: StepTrace) -> list[_Item]:
             items.append((key[0], key[1], va, vb, sa.collectives.get(key, {}), sb.collectives.get(key, {})))
     forward = [i for i in items if i[0] == OUTPUT]
     backward = [i for i in items if i[0] != OUTPUT]
-    grads = sorted((k for k in sa.gradients if k in sb.gradients), key=lambda k: -_layer_index(k))
-    updates = sorted((k for k in sa.updates if k in sb.updates), key=_layer_index)
+    # A parameter's place: its module's in the forward (an expert's, its MoE layer's).
+    modules = {name.split("/")[0].split("#")[0]: i for i, (_, name, *_) in reversed(list(enumerate(forward)))}
+
+    def place(key: str) -> int:
+        module = key
+        while module not in modules and "." in module:
+            module = module.rsplit(".", 1)[0]
+        return modules.get(module, len(modules))
+
+    grads = sorted((k for k in sa.gradients if k in sb.gradients), key=lambda k: -place(k))
+    updates = sorted((k for k in sa.updates if k in sb.updates), key=place)
     return (
         forward
         + [(OUTPUT, "loss", sa.loss, sb.loss, {}, {})]
