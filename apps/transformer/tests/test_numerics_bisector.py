@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
-from transformer_testlib import tiny_config
+from transformer_testlib import losses, tiny_config, train_worker
 
-from scaling.testing import run_distributed
+from scaling.testing import assert_parity, run_distributed
 from scaling.topology import Topology
 from scaling.trainer.numerics import NumericsReport, Trace, compare
 from scaling.transformer.config import TransformerConfig
@@ -186,3 +186,24 @@ def test_an_injected_bug_is_named_at_its_module_on_step_1(tiny_corpus, mutation,
     assert first is not None, f"{mutation} went unnoticed:\n{report.describe()}"
     assert (first.step, first.quantity) == (1, quantity), report.describe()
     assert first.name.startswith(names), report.describe()
+
+
+def mutated_train_worker(cfg: dict[str, Any], mutation: str) -> list[dict[str, Any]]:
+    with _mutation(mutation):
+        return train_worker(cfg)
+
+
+@pytest.mark.distributed
+def test_doubled_expert_gradients_pass_a_loss_only_check_and_fail_the_gradient_norms(tiny_corpus):
+    """Adam's update does not change when every expert gradient doubles, so 10 steps of losses stay
+    within the parity tests' 1e-5; the global gradient norm, which they compare now, does not."""
+    reference = tiny_config(tiny_corpus, steps=10)
+    reference["transformer_architecture"].update(MOE)
+    parallel = tiny_config(tiny_corpus, steps=10, **EP2)
+    parallel["transformer_architecture"].update(MOE)
+    (expected,) = run_distributed(train_worker, 1, reference, timeout_seconds=120)
+    got = run_distributed(mutated_train_worker, 2, parallel, "expert_gradients_doubled", timeout_seconds=120)[0]
+    assert_parity(losses(got), losses(expected), rtol=1e-5, name="losses")
+    norm = "training/global_grad_norm"
+    with pytest.raises(AssertionError, match=r"gradient norms\[0\]: not within rtol=0.0001"):
+        assert_parity(losses(got, norm), losses(expected, norm), rtol=1e-4, name="gradient norms")
