@@ -141,13 +141,34 @@ EDP2 = {"dp": 4, "topology": {"expert_parallel_size": 2}}
         pytest.param(MOE, 4, EDP2, marks=pytest.mark.slow),
         pytest.param(AUX_FREE, 2, TP2, marks=pytest.mark.slow),
         (FLOAT8, 2, ZERO3_FLOAT8),
+        # the parity tests' layouts, module by module (test_parity.py compares their losses and norms)
+        ({}, 2, {"pp": 2}),
+        pytest.param({}, 2, {"dp": 2, "optimizer": {"zero_stage": 1}}, marks=pytest.mark.slow),
+        pytest.param({"sequence_parallel": True}, 2, TP2, marks=pytest.mark.slow),
+        pytest.param({}, 2, {"cp": 2}, marks=pytest.mark.slow),
+        pytest.param({}, 4, {"dp": 2, "tp": 2, "optimizer": {"zero_stage": 3}}, marks=pytest.mark.slow),
+        pytest.param({}, 8, {"dp": 2, "tp": 2, "pp": 2, "optimizer": {"zero_stage": 1}}, marks=pytest.mark.slow),
     ],
-    ids=["tp2", "tp2-vocab301", "dp2-ep2", "dp4-ep2", "aux-free-tp2", "float8-zero3-dp2"],
+    ids=[
+        "tp2",
+        "tp2-vocab301",
+        "dp2-ep2",
+        "dp4-ep2",
+        "aux-free-tp2",
+        "float8-zero3-dp2",
+        "pp2-tied",
+        "dp2-zero1",
+        "tp2-sp",
+        "cp2",
+        "dp2-tp2-zero3",
+        "dp2-tp2-pp2",
+    ],
 )
 def test_a_correct_layout_passes(tiny_corpus, arch, world, sizes):
     report = _bisect(tiny_corpus, arch, world, None, **sizes)
     assert report.first is None, report.describe()
     assert report.compared > 100 and not report.only_in_one, report.describe()
+    assert set(report.worst) == {"output", "input gradient", "gradient", "update"}, report.describe()
 
 
 @pytest.mark.distributed
