@@ -21,6 +21,8 @@ def test_public_api():
         "ShardSpace",
         "build_parameter_groups",
         "check_sharding",
+        "state_names",
+        "update_rule",
     ]
 
 

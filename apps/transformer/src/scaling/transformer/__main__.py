@@ -1,4 +1,4 @@
-"""`scaling-transformer` (or `python -m scaling.transformer`): preprocess | train | generate | import-hf | export-hf | presets.
+"""`scaling-transformer` (or `python -m scaling.transformer`): preprocess | train | generate | import-hf | export-hf | presets | memory.
 
 scaling-transformer preprocess                      # build the default corpus and tokenizer
 scaling-transformer train                           # train the bundled config (1 CPU process)
@@ -9,6 +9,7 @@ scaling-transformer import-hf HF_DIR OUT_DIR        # Llama/Qwen/Mixtral safeten
 scaling-transformer export-hf OUT_DIR HF_DIR        # ours -> the family's config.json + safetensors
 scaling-transformer export-hf CKPT HF_DIR --peft-dir ADAPTER_DIR   # + the LoRA adapter in PEFT format
 scaling-transformer presets                         # the named architectures (transformer_architecture.preset)
+scaling-transformer memory my.yml topology.model_parallel_size=8    # model-state bytes per rank, per stage
 """
 
 from __future__ import annotations
@@ -155,6 +156,35 @@ def _presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _memory(args: argparse.Namespace) -> int:
+    from scaling.trainer.planning import rank_memory
+    from scaling.transformer.config import TransformerConfig
+    from scaling.transformer.memory import memory_inputs, method_of
+
+    if "=" in args.config and not Path(args.config).exists():  # `scaling-transformer memory topology.x=1`
+        args.overrides, args.config = [args.config, *args.overrides], str(DEFAULT_CONFIG)
+    config = TransformerConfig.from_file(args.config, overrides=args.overrides)
+    specs, layout = memory_inputs(config)
+    gib = 2**30
+    arch, opt = config.transformer_architecture, config.optimizer
+    sizes = " ".join(f"{k}{v}" for k, v in (("tp", layout.tp), ("pp", layout.pp), ("dp", layout.dp), ("cp", layout.cp),
+                                             ("ep", layout.ep)) if v > 1) or "one process"  # fmt: skip
+    print(
+        f"model state per rank at {sizes}, ZeRO-{opt.zero_stage}{', offload' if opt.cpu_offload else ''}, "
+        f"{arch.precision}, {opt.method}: {arch.num_parameters():,} parameters"
+    )
+    print(
+        f"{'stage':>5} {'parameters':>11} {'gradients':>11} {'master':>11} {'state':>11} {'device':>11} {'host':>11}  GiB, first rank of the stage"
+    )
+    for stage in range(layout.pp):
+        m = rank_memory(specs, layout, config.optimizer, stage, method_of=method_of(config))
+        print(
+            f"{stage:>5} {m.parameters / gib:>11.3f} {m.gradients / gib:>11.3f} {m.master / gib:>11.3f} "
+            f"{m.state / gib:>11.3f} {m.device / gib:>11.3f} {m.host / gib:>11.3f}"
+        )
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scaling-transformer", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -199,6 +229,12 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_export_hf)
     p = sub.add_parser("presets", help="list the named architectures (transformer_architecture.preset)")
     p.set_defaults(fn=_presets)
+    p = sub.add_parser(
+        "memory", help="model-state bytes per rank of a config's layout, per pipeline stage, without allocating"
+    )
+    p.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="YAML or JSON config (default: bundled)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. topology.model_parallel_size=8")
+    p.set_defaults(fn=_memory)
     return parser
 
 

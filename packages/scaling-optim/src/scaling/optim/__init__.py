@@ -15,6 +15,7 @@ from scaling.optim._param_group import OptimizerParamGroup, build_parameter_grou
 from scaling.optim._reducer import GradientReducer
 from scaling.optim._spaces import ShardSpace
 from scaling.optim._step_output import OptimizerStepOutput
+from scaling.optim._update import state_names, update_rule
 from scaling.optim._zero3 import check_sharding
 
 __all__ = [
@@ -33,4 +34,6 @@ __all__ = [
     "ShardSpace",
     "build_parameter_groups",
     "check_sharding",
+    "state_names",
+    "update_rule",
 ]

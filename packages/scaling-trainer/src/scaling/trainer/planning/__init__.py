@@ -1,0 +1,18 @@
+"""scaling.trainer.planning: what a layout costs each rank, predicted without building the model.
+
+The first part of the planner (#52): model-state bytes per rank (parameters, gradients, master
+weights, optimizer state; device and host) for any TP, PP, DP, CP, EP, ZeRO stage, HSDP, precision,
+update rule and offload, exactly as the packages allocate them (``_memory.py``; tested against the
+storages a step holds).
+"""
+
+from scaling.trainer.planning._memory import (
+    MemoryLayout,
+    ParameterSpec,
+    RankMemory,
+    parameter_specs,
+    peak_rank_memory,
+    rank_memory,
+)
+
+__all__ = ["MemoryLayout", "ParameterSpec", "RankMemory", "parameter_specs", "peak_rank_memory", "rank_memory"]
