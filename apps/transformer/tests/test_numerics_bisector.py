@@ -215,6 +215,7 @@ def mutated_train_worker(cfg: dict[str, Any], mutation: str) -> list[dict[str, A
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_doubled_expert_gradients_pass_a_loss_only_check_and_fail_the_gradient_norms(tiny_corpus):
     """Adam's update does not change when every expert gradient doubles, so 10 steps of losses stay
     within the parity tests' 1e-5; the global gradient norm, which they compare now, does not."""

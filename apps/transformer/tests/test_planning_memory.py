@@ -89,7 +89,7 @@ LAYOUTS: dict[str, tuple[dict[str, Any], int]] = {
     "dp2-muon-zero1": ({"dp": 2, "optimizer": {"zero_stage": 1, "method": "muon"}}, 2),
     "dp2-tp2-pp2-zero1": ({"dp": 2, "tp": 2, "pp": 2, "optimizer": {"zero_stage": 1}}, 8),
 }
-QUICK = {"dp2-zero3", "pp2-tied", "dp2-ep2-moe-zero1", "dp2-zero1-bf16"}
+QUICK = {"dp2-zero3", "dp2-ep2-moe-zero1"}
 
 
 def _config(corpus: Any, name: str) -> dict[str, Any]:
