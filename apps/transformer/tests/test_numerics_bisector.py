@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from transformer_testlib import losses, tiny_config, train_worker
 
 from scaling.testing import assert_parity, run_distributed
@@ -229,3 +230,17 @@ def test_doubled_expert_gradients_pass_a_loss_only_check_and_fail_the_gradient_n
     norm = "training/global_grad_norm"
     with pytest.raises(AssertionError, match=r"gradient norms\[0\]: not within rtol=0.0001"):
         assert_parity(losses(got, norm), losses(expected, norm), rtol=1e-4, name="gradient norms")
+
+
+def test_the_command_runs_the_app_s_launch_checks_before_starting_a_side(tiny_corpus, tmp_path, capsys):
+    """A side the app would refuse (float8 on sizes that are not multiples of 16) is refused with the
+    app's message and status 2 before any process starts."""
+    from scaling.trainer.numerics._cli import main
+
+    path = tmp_path / "tiny.yml"
+    path.write_text(yaml.safe_dump(tiny_config(tiny_corpus, steps=STEPS)))
+    b = ["training.fp8.enabled=true", "training.fp8.min_features=16"]
+    assert main(["numerics", "transformer", str(path), "--b", *b]) == 2
+    captured = capsys.readouterr()
+    assert "scaling-check: invalid app or config: training.fp8: layer" in captured.err, captured.err
+    assert "multiples of 16" in captured.err and "scaling-check: side" not in captured.out

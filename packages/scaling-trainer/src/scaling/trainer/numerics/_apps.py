@@ -11,10 +11,16 @@ APPS = {
     "transformer": ("scaling.transformer.config:TransformerConfig", "scaling.transformer.train:build_trainer"),
     "mlp": ("scaling.mlp.config:MLPConfig", "scaling.mlp.train:build_trainer"),
 }
+#: Their launch checks, ``load_config(path, overrides)`` (the process count, float8 sizes, the data),
+#: run on each side before anything starts.
+CHECKS = {
+    "transformer": "scaling.transformer.__main__:load_config",
+    "mlp": "scaling.mlp.__main__:load_config",
+}
 
 
 # Any: a class or a function, found by the user's path.
-def _attr(path: str) -> Any:
+def attribute(path: str) -> Any:
     module, _, name = path.partition(":")
     if not name:
         raise ValueError(f"{path!r} is not 'module:attribute'")
@@ -33,4 +39,4 @@ def resolve_app(app: str) -> tuple[Any, Callable[..., Any]]:
         raise ValueError(
             f"app {app!r} is unknown; give one of {', '.join(APPS)} or 'pkg.config:ConfigClass,pkg.train:build_trainer'"
         )
-    return _attr(config_path), _attr(builder_path)
+    return attribute(config_path), attribute(builder_path)

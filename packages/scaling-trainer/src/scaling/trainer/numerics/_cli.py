@@ -3,8 +3,9 @@
     scaling-check numerics transformer my.yml --a topology.data_parallel_size=2 \\
         --b topology.data_parallel_size=2 transformer_architecture.precision=bf16 --steps 2
 
-Each side is the config with its overrides, validated here (before any process starts), then
-run by ``torchrun`` on this machine with as many processes as its topology has ranks. The
+Each side is the config with its overrides, validated here by the app's launch checks (before any
+process starts), then run by ``torchrun`` on this machine with as many processes as its topology
+has ranks. The
 report goes to stdout; the exit status is 0 when every quantity agrees, 1 at a divergence,
 2 for a bad invocation or config.
 """
@@ -43,11 +44,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def _side(app: str, path: str, overrides: list[str]) -> tuple[dict[str, object], int, str]:
     """The resolved config of one side, its process count and a description of its layout."""
-    from scaling.trainer.numerics._apps import resolve_app
+    from scaling.trainer.numerics._apps import CHECKS, attribute, resolve_app
 
     config_class, _ = resolve_app(app)
     config = config_class.from_file(path, overrides=overrides)
     world = config.topology.world_size
+    if app in CHECKS:  # the app's own launch checks, with the process count this command starts
+        config = attribute(CHECKS[app])(path, [*overrides, f"runner.nproc_per_node={world}"])
     layout = " ".join(overrides) or "the config as given"
     return config.as_dict(), int(world), layout
 
