@@ -237,7 +237,8 @@ def _reduced_bf16(zero, fp32_reduce, shard_size):
     opt.finish_gradient_reduction()
     (slot,) = opt.slots
     dp = recorder.group_name(topo.axis("dp").group)
-    sent = sum(n for (_, group), n in recorder.bytes_by_op_and_group().items() if group == dp)
+    # The gradient's bytes: ZeRO-3's parameter all-gathers (recorded too) are not counted.
+    sent = sum(n for (op, group), n in recorder.bytes_by_op_and_group().items() if group == dp and op != "all_gather")
     return slot.start, slot.end, slot.owned_grad().float(), sent
 
 

@@ -18,6 +18,7 @@ def test_public_api_is_pinned() -> None:
             "LossBackward",
             "LossFunction",
             "ParallelModule",
+            "PhaseMark",
             "PipelineStage",
             "RecvActivation",
             "RecvGrad",

@@ -104,11 +104,17 @@ def param_hash(module: ParallelModule) -> str:
 
 
 def build_trainer(
-    tp: int, pp: int, trainer: dict[str, Any], zero_stage: int = 1, loss: Any = loss_function, shard: int | None = None
+    tp: int,
+    pp: int,
+    trainer: dict[str, Any],
+    zero_stage: int = 1,
+    loss: Any = loss_function,
+    shard: int | None = None,
+    dataset: Blobs | None = None,
 ) -> BaseTrainer[Any]:
     """The classifier at (tp, pp) with ZeRO ``zero_stage``, ready to train under ``trainer`` settings.
 
-    ``shard``: HSDP's ``data_parallel_shard_size`` (with ``zero_stage=3``).
+    ``shard``: HSDP's ``data_parallel_shard_size`` (with ``zero_stage=3``); ``dataset``: default ``Blobs()``.
 
     With pipeline parallelism the optimizer overlaps its parameter gather with the next
     forward (``overlap_param_gather``), so resume tests cover that path too.
@@ -133,7 +139,7 @@ def build_trainer(
     overlap = pp > 1 and zero_stage in (1, 2)
     optimizer_config = OptimizerConfig(zero_stage=zero_stage, overlap_param_gather=overlap)
     optimizer = Optimizer(optimizer_config, [group], topology, model=module)
-    dataset = Blobs()
+    dataset = dataset if dataset is not None else Blobs()
     return BaseTrainer(
         config=config.trainer,
         context=context,

@@ -16,6 +16,7 @@ recorder's per-group state, not from torch, and no handle is built for a blockin
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -29,6 +30,8 @@ ProcessGroup = dist.ProcessGroup
 _RECORDER = get_recorder()
 _group_state = _RECORDER._group_state
 _record_one = _RECORDER._record_one
+_add_wait = _RECORDER.add_wait
+_clock = time.perf_counter
 
 
 def group_size(group: ProcessGroup | None) -> int:
@@ -95,10 +98,12 @@ class PendingCollective:
         work, self._work = self._work, None
         if work is None:
             return
+        start = _clock()
         try:
             work.wait()  # type: ignore[attr-defined]
         except RuntimeError as exc:
             raise _diagnosis.diagnose_failure(self._group, self._state, self._rec, exc) from exc  # type: ignore[arg-type]
+        _add_wait(self._rec.op, _clock() - start)  # type: ignore[attr-defined]
         if self._then is not None:
             self._then()
 
@@ -151,10 +156,12 @@ def _collective(
         rec = _record_one(state, op, tensors[0] if tensors else None, peer)
     if _RECORDER.debug:
         _diagnosis.pre_check(group, state, rec)
+    start = _clock()
     try:
         work = run()
     except RuntimeError as exc:  # gloo/NCCL timeouts and transport errors (DistError is a RuntimeError)
         raise _diagnosis.diagnose_failure(group, state, rec, exc) from exc
+    _add_wait(op, _clock() - start)  # a blocking call's whole wait; an async one's issue
     return PendingCollective(work if async_op else None, group, state, rec, then)
 
 
@@ -261,10 +268,12 @@ def all_reduce(
     if state.size == 1:
         return tensor
     rec = _begin(group, state, "all_reduce", tensor)
+    start = _clock()
     try:
         dist.all_reduce(tensor, op=op, group=group)
     except RuntimeError as exc:  # gloo/NCCL timeouts and transport errors (DistError is a RuntimeError)
         raise _diagnosis.diagnose_failure(group, state, rec, exc) from exc
+    _add_wait("all_reduce", _clock() - start)
     return tensor
 
 
@@ -285,10 +294,12 @@ def all_gather(tensor: torch.Tensor, group: ProcessGroup | None, dim: int = 0) -
     shape = moved.shape
     out = moved.new_empty((world * shape[0], *shape[1:]))
     rec = _begin(group, state, "all_gather", tensor)
+    start = _clock()
     try:
         _compat.all_gather_single(out, moved, group=group)
     except RuntimeError as exc:
         raise _diagnosis.diagnose_failure(group, state, rec, exc) from exc
+    _add_wait("all_gather", _clock() - start)
     return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
@@ -312,10 +323,12 @@ def reduce_scatter(
     shape = moved.shape
     out = moved.new_empty((shape[0] // world, *shape[1:]))
     rec = _begin(group, state, "reduce_scatter", tensor)
+    start = _clock()
     try:
         _compat.reduce_scatter_single(out, moved, op=op, group=group)
     except RuntimeError as exc:
         raise _diagnosis.diagnose_failure(group, state, rec, exc) from exc
+    _add_wait("reduce_scatter", _clock() - start)
     return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
@@ -340,10 +353,12 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> tor
     if state.size == 1:
         return tensor
     rec = _begin(group, state, "broadcast", tensor, src)
+    start = _clock()
     try:
         dist.broadcast(tensor, src=src, group=group)
     except RuntimeError as exc:
         raise _diagnosis.diagnose_failure(group, state, rec, exc) from exc
+    _add_wait("broadcast", _clock() - start)
     return tensor
 
 
@@ -413,11 +428,13 @@ def batch_send_recv(ops: Sequence[tuple[str, torch.Tensor, int]], group: Process
             raise ValueError(f"batch_send_recv: op {kind!r} (peer {peer}) is not one of 'send', 'recv'")
     recs = _RECORDER._record_p2p(ops)
     p2p_ops = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group) for kind, t, peer in ops]
+    start = _clock()
     try:
         for work in dist.batch_isend_irecv(p2p_ops):
             work.wait()
     except RuntimeError as exc:
         raise _p2p_diagnosis.p2p_failure(recs, group, exc) from exc
+    _add_wait("send_recv", _clock() - start)
 
 
 def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> None:

@@ -39,6 +39,7 @@ frames themselves (header, payload layout, the cached per-channel ``Layout``) ar
 from __future__ import annotations
 
 import pickle
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -252,11 +253,13 @@ class PipeTransport:
                 message names the peer and whether it ever posted the matching receive.
         """
         pending, self._in_flight = self._in_flight, []
+        start = time.perf_counter()
         for i, (work, _) in enumerate(pending):
             try:
                 work.wait()
             except RuntimeError as exc:
                 raise _p2p_diagnosis.p2p_failure([rec for _, rec in pending[i:]], self.group, exc) from exc
+        get_recorder().add_wait("send_recv", time.perf_counter() - start)
 
     # ---------------------------------------------------------------- protocol
     def _peer(self, attr: str, method: str) -> int:
@@ -328,18 +331,20 @@ class PipeTransport:
         wait_sends: bool,
     ) -> None:
         """Wait for the receives of a :meth:`_start` (and its sends, or leave them in flight)."""
+        start = time.perf_counter()
         try:
             if len(works) != len(ops):  # one handle for the whole batch (coalescing backends): wait for it
                 for work in works:
                     work.wait()
-                return
-            for (kind, _, _), work, rec in zip(ops, works, recs):
-                if kind == "send" and not wait_sends:
-                    self._in_flight.append((work, rec))
-                else:
-                    work.wait()
+            else:
+                for (kind, _, _), work, rec in zip(ops, works, recs):
+                    if kind == "send" and not wait_sends:
+                        self._in_flight.append((work, rec))
+                    else:
+                        work.wait()
         except RuntimeError as exc:
             raise _p2p_diagnosis.p2p_failure(recs, self.group, exc) from exc
+        get_recorder().add_wait("send_recv", time.perf_counter() - start)
 
     def _add_send(
         self,

@@ -159,6 +159,11 @@ class CollectiveRecorder:
         self.diagnostics_dir: Path | None = None
         self.rank: int | None = None
         self._reasons: list[JsonDict] = []
+        #: Host seconds spent blocked in collectives since the process started, per op (the
+        #: wrappers add each call's wait; a trainer's phase timer subtracts it from the phase it
+        #: fell in, so a rank waiting for a slow peer does not look slow itself). ``waited``: their sum.
+        self.wait_seconds: dict[str, float] = {}
+        self.waited = 0.0
 
     def configure(self, diagnostics_dir: str | os.PathLike[str] | None = None, rank: int | None = None) -> None:
         """Where :meth:`write_diagnostics` writes, and the global rank that names the file.
@@ -172,6 +177,11 @@ class CollectiveRecorder:
         self.diagnostics_dir = None if diagnostics_dir is None else Path(diagnostics_dir)
         self.rank = rank
         self._reasons = []
+
+    def add_wait(self, op: str, seconds: float) -> None:
+        """Count ``seconds`` of blocking in a collective ``op`` (the wrappers call it per wait)."""
+        self.wait_seconds[op] = self.wait_seconds.get(op, 0.0) + seconds
+        self.waited += seconds
 
     def _new_state(self, name: str, key: str, ranks: tuple[int, ...]) -> _GroupState:
         return _GroupState(name=name, key=key, ranks=ranks, ring=collections.deque(maxlen=self.capacity))

@@ -1,8 +1,6 @@
 """The one place that adapts to torch versions and touches private torch APIs.
 
-torch 2.13 renamed ``all_gather_into_tensor``/``reduce_scatter_tensor`` to
-``all_gather_single``/``reduce_scatter_single`` (the old names warn); torch 2.6 has only
-the old names. The multi-tensor kernels (``torch._foreach_*``, ``torch._fused_adam(w)_``)
+The multi-tensor kernels (``torch._foreach_*``, ``torch._fused_adam(w)_``)
 are what ``torch.optim`` itself runs with ``foreach=True`` / ``fused=True``; they exist
 with these signatures from torch 2.4 on (CPU fused Adam included).
 ``torch._C._current_graph_task_id`` (-1 outside a backward, since torch 2.1) is how
@@ -12,10 +10,6 @@ FSDP tells a forward run by activation checkpointing's recomputation from a real
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 foreach_copy_ = torch._foreach_copy_
 foreach_mul_ = torch._foreach_mul_
@@ -30,12 +24,10 @@ def in_backward() -> bool:
 
 
 __all__ = [
-    "all_gather_single",
     "foreach_copy_",
     "foreach_mul_",
     "foreach_norm",
     "fused_adam_",
     "fused_adamw_",
     "in_backward",
-    "reduce_scatter_single",
 ]

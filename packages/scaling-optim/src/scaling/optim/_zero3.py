@@ -54,9 +54,10 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
+from scaling.collectives import PendingCollective, all_gather_async
 from scaling.nn import ParameterMeta
 from scaling.optim._comm import group_size
-from scaling.optim._compat import all_gather_single, in_backward
+from scaling.optim._compat import in_backward
 from scaling.optim._slots import ParamSlot
 from scaling.optim._weak import weak_hook
 from scaling.optim._zero3_float8 import WIRE_FLOAT8, Float8Gathers, fill_float8
@@ -179,7 +180,7 @@ class _Pending(NamedTuple):
     one rank: the shards are copied in), one rank's width in it, and (float8 all-gathers: a
     byte buffer) each float8 weight's inverse scale."""
 
-    work: dist.Work | None
+    work: PendingCollective | None
     buffer: torch.Tensor | None
     width: int
     inverse: dict[int, torch.Tensor]
@@ -279,7 +280,7 @@ class ParameterGatherer:
         self.sent_bytes += send.numel() * send.element_size()
         self.gathers += 1
         recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
-        work = all_gather_single(recv, send, group=self.group, async_op=True)
+        work = all_gather_async(recv, send, self.group)  # recorded, diagnosed and its wait counted
         self._pending[index] = _Pending(work, recv, send.numel(), inverse)
 
     @property

@@ -3,6 +3,7 @@
 from scaling.pipeline._executor import (
     LossBackward,
     LossFunction,
+    PhaseMark,
     PipelineStage,
     StageExecutor,
     StageOutputs,
@@ -49,6 +50,7 @@ __all__ = [
     "LossBackward",
     "LossFunction",
     "ParallelModule",
+    "PhaseMark",
     "PipelineStage",
     "RecvActivation",
     "RecvGrad",

@@ -64,6 +64,16 @@ class PipelineStage(Protocol):
 LossFunction = Callable[[PyTree, PyTree], tuple[torch.Tensor, Metrics]]
 LossBackward = Callable[[torch.Tensor], None]
 InstructionTimings = list[tuple[str, float, float]]
+#: ``mark(phase)``: the step's phase timer is told which phase the next instruction is in.
+PhaseMark = Callable[[str], None]
+#: The phase of each kind of instruction; every other kind (messages) is ``"transfer"``.
+PHASE_OF: dict[type, str] = {
+    Forward: "forward",
+    LoadMicroBatch: "forward",
+    Backward: "backward",
+    BackwardInput: "backward",
+    BackwardWeight: "backward",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +173,8 @@ class StageExecutor:
             (when it is idle anyway): the caller posts early receives there.
         timings: when a list, each instruction runs inside ``record_function(repr(ins))``
             and ``(repr(ins), start, end)`` in ``time.perf_counter()`` seconds is appended.
+        mark: called with the phase (:data:`PHASE_OF`) before each instruction runs and
+            with ``"transfer"`` before the final wait for sends in flight.
     """
 
     def __init__(
@@ -176,10 +188,11 @@ class StageExecutor:
         loss_scale: float = 1.0,
         before_first_wait: Callable[[], object] | None = None,
         timings: InstructionTimings | None = None,
+        mark: PhaseMark | None = None,
     ) -> None:
         self.stage, self.micro_batches, self.loss_function = stage, micro_batches, loss_function
         self.transport, self.loss_backward, self.loss_scale = transport, loss_backward, loss_scale
-        self._before_first_wait, self.timings = before_first_wait, timings
+        self._before_first_wait, self.timings, self.mark = before_first_wait, timings, mark
         self.p, self.s = stage.num_stages, stage.stage
         self.last_vs = self.p * stage.num_virtual_stages - 1
         self.batches: dict[int, PyTree] = {}
@@ -207,13 +220,15 @@ class StageExecutor:
         handler per instruction. Sends stay in flight; after the last instruction ``run``
         waits for them.
         """
-        timings = self.timings
+        timings, mark = self.timings, self.mark
         # Any: each handler takes its own instruction type, which a dict keyed by type cannot say.
         handlers: dict[type, Callable[[Any], None]] = {}
         for ins in instructions:
             handler = handlers.get(type(ins))
             if handler is None:
                 handler = handlers[type(ins)] = getattr(self, f"_{type(ins).__name__}")
+            if mark is not None:
+                mark(PHASE_OF.get(type(ins), "transfer"))
             if timings is None:
                 handler(ins)
                 continue
@@ -224,6 +239,8 @@ class StageExecutor:
                 end = time.perf_counter()
             timings.append((name, start, end))
         if self.transport is not None:
+            if mark is not None:
+                mark("transfer")
             self.transport.wait_sends()  # the sends left in flight by the instructions above
         return StageOutputs(self.losses, self.metrics)
 

@@ -24,6 +24,7 @@ from scaling.pipeline._executor import (
     InstructionTimings,
     LossBackward,
     LossFunction,
+    PhaseMark,
     StageExecutor,
     StageOutputs,
     StageTransports,
@@ -302,6 +303,7 @@ class ParallelModule(torch.nn.Module):
         loss_backward: LossBackward | None = None,
         loss_scale: float = 1.0,
         before_first_wait: Callable[[], object] | None = None,
+        mark: PhaseMark | None = None,
     ) -> StageOutputs:
         """Run this stage's part of the configured schedule over ``micro_batches``.
 
@@ -322,6 +324,8 @@ class ParallelModule(torch.nn.Module):
             loss_scale: the scale ``loss_backward`` applies (the ``zb_h1`` schedule's split
                 backward differentiates the loss itself).
             before_first_wait: called once, right before this stage first waits for a message.
+            mark: told the phase (``"forward"``, ``"backward"``, ``"transfer"``) of each
+                instruction before it runs (a straggler timer's marks).
 
         Returns:
             :class:`StageOutputs`: losses and metrics per micro-batch on the last stage.
@@ -331,10 +335,12 @@ class ParallelModule(torch.nn.Module):
         if forward_only:
             with torch.no_grad():
                 instructions = forward_only_schedule(self.num_stages, n, self.stage, self.num_virtual_stages)
-                return self._executor(micro_batches, loss_function, None, 1.0, before_first_wait).run(instructions)
+                return self._executor(micro_batches, loss_function, None, 1.0, before_first_wait, mark).run(
+                    instructions
+                )
         extra = (self.num_virtual_stages,) if self.schedule_name == "interleaved_1f1b" else ()
         instructions = self.schedule_fn(self.num_stages, n, self.stage, *extra)
-        return self._executor(micro_batches, loss_function, loss_backward, loss_scale, before_first_wait).run(
+        return self._executor(micro_batches, loss_function, loss_backward, loss_scale, before_first_wait, mark).run(
             instructions
         )
 
@@ -345,6 +351,7 @@ class ParallelModule(torch.nn.Module):
         loss_backward: LossBackward | None,
         loss_scale: float,
         before_first_wait: Callable[[], object] | None,
+        mark: PhaseMark | None = None,
     ) -> StageExecutor:
         transport = self.transports.get(torch.is_grad_enabled()) if self.num_stages > 1 else None
         return StageExecutor(
@@ -356,4 +363,5 @@ class ParallelModule(torch.nn.Module):
             loss_scale=loss_scale,
             before_first_wait=before_first_wait,
             timings=self.instruction_timings,
+            mark=mark,
         )

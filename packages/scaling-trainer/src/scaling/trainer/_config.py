@@ -105,6 +105,26 @@ class TrainerConfig(BaseConfig):
         ),
     )
 
+    straggler_interval: int | None = Field(
+        5,
+        ge=2,
+        description=(
+            "Name chronically slow ranks: every this many steps the ranks compare the time of each phase of their "
+            "last this many steps (data, forward, backward, transfer, gradient_reduction, optimizer, results; "
+            "collective waits left out), and a rank slow in a phase at two checks in a row is logged as a "
+            "straggler, with stragglers/<phase>/rank in the metrics and a line in <diagnostics_dir>/stragglers.jsonl. "
+            "None = off. Costs one small all-gather per check."
+        ),
+    )
+    straggler_threshold: float = Field(
+        1.2,
+        gt=1,
+        description=(
+            "A rank is slow in a phase when its median time in it is at least this many times that of the other ranks "
+            "of its pipeline stage (and at least 10% of the step more)."
+        ),
+    )
+
     def resolved_diagnostics_dir(self) -> Path | None:
         """``diagnostics_dir``, else ``save_dir / "diagnostics"``, else ``None`` (no files)."""
         if self.diagnostics_dir is not None:

@@ -29,10 +29,11 @@ from torch.profiler import record_function
 
 from scaling.data import BaseDatasetBatch
 from scaling.optim import Optimizer
-from scaling.pipeline import LossFunction, ParallelModule
+from scaling.pipeline import LossFunction, ParallelModule, PhaseMark
 from scaling.topology import Topology
 from scaling.trainer._placement import to_device
 from scaling.trainer._results import MetricsAggregation, StepResults
+from scaling.trainer._stragglers import PhaseTimer
 
 B = TypeVar("B", bound=BaseDatasetBatch)
 
@@ -69,6 +70,7 @@ def train_step(
     loss_function: LossFunction,
     metrics_aggregation_fn: MetricsAggregation | None = None,
     sync_batch_to_model_parallel: SyncBatch[B] | None = None,
+    phases: PhaseTimer | None = None,
 ) -> TrainStepOutput:
     """One optimizer step over this rank's ``micro_batches`` (see the module docstring).
 
@@ -86,11 +88,14 @@ def train_step(
             default: mean per key over micro-batches, then over data-parallel ranks.
         sync_batch_to_model_parallel: ``(topology, batch) -> batch``, applied to each
             micro-batch on the stages that read data (broadcast from TP rank 0).
+        phases: the straggler detector's timer, told each phase of the step (the caller
+            starts it, in ``data``, before loading the micro-batches, and ends it).
 
     Returns:
         :class:`TrainStepOutput`, identical on every rank.
     """
     start = time.perf_counter()
+    mark = phases.mark if phases is not None else None
     batches = _placed(module.topology, micro_batches, sync_batch_to_model_parallel)
     if not module.training:  # train() walks every submodule: only when needed, not every step
         module.train()
@@ -106,15 +111,19 @@ def train_step(
                 loss_backward=optimizer.backward,
                 loss_scale=optimizer.loss_scaler.scale,
                 before_first_wait=results.post_receive,
+                mark=mark,
             )
         # An overlapped DP reduction adds its averages into .grad: finish it before the tied sum.
+        _mark(mark, "gradient_reduction")
         data_parallel.finish_gradient_reduction()
         module.reduce_tied_gradients()
+        _mark(mark, "optimizer")
         with record_function("train_step: optimizer"):
             report = optimizer.step()
     except BaseException:
         results.abandon()  # every rank keeps one result broadcast per step
         raise
+    _mark(mark, "results")
     loss, metrics = results.gather(outputs)
     return TrainStepOutput(
         loss=loss,
@@ -155,6 +164,11 @@ def evaluation_step(
         module.train(was_training)
     loss, metrics = results.gather(outputs)
     return TrainStepOutput(loss, metrics, None, {}, None, time.perf_counter() - start)
+
+
+def _mark(mark: PhaseMark | None, phase: str) -> None:
+    if mark is not None:
+        mark(phase)
 
 
 def _placed(topology: Topology, micro_batches: Sequence[B | None], sync: SyncBatch[B] | None) -> list[B | None]:

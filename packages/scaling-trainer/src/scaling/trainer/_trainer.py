@@ -38,6 +38,7 @@ from scaling.trainer._results import MetricsAggregation
 from scaling.trainer._signals import SignalWatcher, exit_code_for
 from scaling.trainer._state import ModelState, RNGState, TrainerCheckpointer
 from scaling.trainer._step import SyncBatch, evaluation_step, train_step
+from scaling.trainer._stragglers import StragglerDetector
 from scaling.trainer.loggers import LoggerConfig, MetricsLogger
 
 if TYPE_CHECKING:
@@ -160,6 +161,13 @@ class BaseTrainer(Generic[ContextT]):
             whole_parameters=self.whole_parameters,
             metadata={"config": context.config.as_dict()},
         )
+        self.stragglers = StragglerDetector(
+            topology,
+            config.straggler_interval,
+            config.straggler_threshold,
+            self.metrics_logger.console,
+            config.resolved_diagnostics_dir(),
+        )
         self.history: list[Metrics] = []
         self._running_max_loss: float | None = None
         self.checkpointer.start()
@@ -174,6 +182,9 @@ class BaseTrainer(Generic[ContextT]):
         the steps the trainer logs (``log_interval``, and the last) only.
         """
         start = time.perf_counter()
+        phases = self.stragglers.timer
+        if phases is not None:
+            phases.start_step()  # in "data" from here
         micro_batches = self.loader.next_step()
         out = train_step(
             self.parallel_module,
@@ -182,7 +193,10 @@ class BaseTrainer(Generic[ContextT]):
             self.loss_function,
             metrics_aggregation_fn=self.metrics_aggregation_fn,
             sync_batch_to_model_parallel=self.sync_batch_to_model_parallel,
+            phases=phases,
         )
+        if phases is not None:
+            phases.end_step()
         self.context.step()
         duration = time.perf_counter() - start
         topology = self.context.topology
@@ -205,6 +219,7 @@ class BaseTrainer(Generic[ContextT]):
             **self._utilization(samples_per_second),
             "training/loss_spike": self._is_spike(loss),
             **self.compile_log.step_metrics(self.context.iterations),
+            **self.stragglers.check(step),
         }
         return {k: v for k, v in metrics.items() if v is not None}
 
