@@ -12,7 +12,15 @@ is a dict with ``kind``, ``rank`` and ``step`` (the optimizer step being run, 1-
 - ``nan_loss``: the rank's loss of that step is NaN;
 - ``inf_grad``: one element of the gradient of the rank's first-layer weight is +Inf;
 - ``kill_in_save``: the rank SIGKILLs itself while committing the checkpoint of ``step``,
-  after its shards are on disk and before the commit marker exists.
+  after its shards are on disk and before the commit marker exists;
+- ``kill_in_memory_load``: the rank SIGKILLs itself when it starts reading its in-memory
+  checkpoint after a restart (give it ``attempt: 1``);
+- ``sigkill``: the rank SIGKILLs itself in the middle of the step, first moving ``trainer.save_dir``
+  aside (to ``<save_dir>.hidden``) when ``hide_save_dir`` is set: a restart can then resume
+  only from what is held in memory.
+
+A fault fires in the launcher's attempt ``attempt`` only (default 0: not again after torchrun
+restarted the workers, who run the step again).
 
 Every rank writes ``out_dir/rank<R>.json`` at the start (pid, and a sha256 of each
 environment variable listed in ``echo_env_hash``: proof the worker can read a secret
@@ -87,6 +95,14 @@ def state_hash(module: ParallelModule, optimizer: Optimizer) -> str:
     return h.hexdigest()
 
 
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's restarts of the workers so far
+
+
+def _now(fault: dict[str, Any]) -> bool:
+    """Whether ``fault`` fires in this attempt."""
+    return int(fault.get("attempt", 0)) == ATTEMPT
+
+
 class FaultyTrainer(BaseTrainer[Any]):
     """BaseTrainer that fires the payload's faults and records every finished step."""
 
@@ -99,7 +115,7 @@ class FaultyTrainer(BaseTrainer[Any]):
     def due(self, kind: str) -> dict[str, Any] | None:
         step = self.context.iterations + 1
         for fault in self.faults:
-            if fault["kind"] == kind and fault["rank"] == self.rank and fault["step"] == step:
+            if fault["kind"] == kind and fault["rank"] == self.rank and fault.get("step") == step and _now(fault):
                 return fault
         return None
 
@@ -116,6 +132,7 @@ class FaultyTrainer(BaseTrainer[Any]):
             hook.remove()
         record = {
             "step": self.context.iterations,
+            "attempt": ATTEMPT,
             "loss": metrics["training/loss"],
             "skipped": metrics.get("training/global_grad_norm") is None,
             "hash": state_hash(self.parallel_module, self.optimizer),
@@ -159,8 +176,14 @@ def run(payload: dict[str, Any]) -> None:
     def loss_function(out: IO, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         step = context.iterations + 1
         for fault in faults:
-            if fault["rank"] != rank or fault["step"] != step:
+            if fault["rank"] != rank or fault.get("step") != step or not _now(fault):
                 continue
+            if fault["kind"] == "sigkill":
+                save_dir = config.trainer.save_dir
+                if fault.get("hide_save_dir") and save_dir is not None:
+                    save_dir.rename(save_dir.with_name(save_dir.name + ".hidden"))
+                print(f"fault: rank {rank} SIGKILLs itself in step {step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
             if fault["kind"] == "signal":
                 (out_dir / f"fault_rank{rank}.time").write_text(repr(time.time()))
                 os.kill(os.getpid(), fault["signum"])
@@ -176,6 +199,14 @@ def run(payload: dict[str, Any]) -> None:
         return loss, {}
 
     for fault in faults:
+        if fault["kind"] == "kill_in_memory_load" and fault["rank"] == rank and _now(fault):
+            from scaling.trainer.checkpoint._memory import MemoryCheckpoints
+
+            def load_and_die(*args: Any, **kwargs: Any) -> Any:
+                print(f"fault: rank {rank} SIGKILLs itself while loading its in-memory checkpoint", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            MemoryCheckpoints.load = load_and_die  # type: ignore[method-assign]
         if fault["kind"] == "kill_in_save" and fault["rank"] == rank:
             from scaling.trainer.checkpoint import _save
 

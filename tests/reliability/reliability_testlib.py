@@ -47,10 +47,13 @@ def _nproc(cfg: dict[str, Any]) -> int:
     return int(topo["model_parallel_size"] * topo["pipe_parallel_size"] * topo["data_parallel_size"])
 
 
-def launch(cfg: dict[str, Any], out: Path, faults: list[dict[str, Any]] | None = None, **payload: Any) -> int:
-    """Run fault_train.py on every rank of ``cfg`` through ``runner_main`` (local torchrun)."""
+def launch(
+    cfg: dict[str, Any], out: Path, faults: list[dict[str, Any]] | None = None, max_restarts: int = 0, **payload: Any
+) -> int:
+    """Run fault_train.py on every rank of ``cfg`` through ``runner_main`` (local torchrun, which
+    restarts the workers up to ``max_restarts`` times)."""
     out.mkdir(parents=True, exist_ok=True)
-    runner = RunnerConfig(script=SCRIPT, nproc_per_node=_nproc(cfg), teardown_timeout_s=10)
+    runner = RunnerConfig(script=SCRIPT, nproc_per_node=_nproc(cfg), teardown_timeout_s=10, max_restarts=max_restarts)
     return runner_main(
         runner, {"config": cfg, "out_dir": str(out), "faults": faults or [], **payload}, exit_on_failure=False
     )

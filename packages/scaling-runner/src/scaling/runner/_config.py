@@ -141,7 +141,14 @@ class RunnerConfig(BaseConfig):
     master_port: int | None = Field(
         None, ge=1, le=65535, description="Rendezvous port. None: a free port locally, 29500 across nodes."
     )
-    max_restarts: int = Field(0, ge=0, description="torchrun --max-restarts: restarts of the worker group, >= 0.")
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        description=(
+            "torchrun --max-restarts: restarts of the worker group after a rank fails, >= 0; a restarted group "
+            "resumes from the trainer's in-memory copies (trainer.memory_checkpoint_interval)."
+        ),
+    )
     run_id: str | None = Field(None, description="Rendezvous id shared by all nodes; None: a fresh random id per run.")
     env: dict[str, str] = Field(
         default_factory=dict, description="Extra non-secret environment variables for every process."

@@ -14,7 +14,8 @@ prefixes ``node: ``, srun, docker, a SLURM job's output file) and prints each di
 once, with the root cause's traceback (torchrun's table, which repeats every rank's, is not
 printed; a worker that wrote its error file prints no traceback of its own, see
 ``scaling.runner.load_payload``). Before starting the workers the agent sets their threads
-(:func:`threads_per_rank`). A SIGTERM or SIGINT to the agent (``scancel``, ``docker stop``, the
+(:func:`threads_per_rank`) and has each worker group host its own store, so that a restart
+(``--max-restarts``) works (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless set). A SIGTERM or SIGINT to the agent (``scancel``, ``docker stop``, the
 runner's forwarding) stops the workers as torchrun does, reports
 ``SCALING_AGENT_STOPPED {"host": ..., "signal": 15}`` and exits ``128 + signal`` instead of
 torchrun's 1, so the cause survives.
@@ -136,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     # The workers inherit it: one whose error the agent reports prints no traceback of its own.
     os.environ[REPORTED_ENV] = "1"
+    # Workers host their own store instead of sharing the rendezvous one: shared, a restarted
+    # worker group reads the keys of the group before it, and its process group connects to the
+    # dead workers' ports (pytorch/pytorch#135712; still so under torch 2.13 with gloo).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         run(args)
     except ChildFailedError as exc:

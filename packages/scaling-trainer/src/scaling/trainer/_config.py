@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -105,6 +107,24 @@ class TrainerConfig(BaseConfig):
         ),
     )
 
+    memory_checkpoint_interval: int | None = Field(
+        10,
+        ge=1,
+        description=(
+            "When the launcher can restart the workers (torchrun --max-restarts > 0, runner.max_restarts), each rank "
+            "copies its own state (model and optimizer pieces, RNG, data position, counters) into host memory every "
+            "this many steps and at each save, written in the background to memory_checkpoint_dir; after a restart "
+            "the ranks resume from the newest step every rank holds, reading nothing from save_dir. Holds two copies "
+            "of each rank's state in the node's memory. None = off."
+        ),
+    )
+    memory_checkpoint_dir: Path | None = Field(
+        None,
+        description=(
+            "Folder of the in-memory copies on each node, on a memory filesystem; None = /dev/shm/scaling-<torchrun's "
+            "run id> (the system's temporary folder where there is no /dev/shm)."
+        ),
+    )
     straggler_interval: int | None = Field(
         5,
         ge=2,
@@ -121,7 +141,7 @@ class TrainerConfig(BaseConfig):
         gt=1,
         description=(
             "A rank is slow in a phase when its median time in it is at least this many times that of the other ranks "
-            "of its pipeline stage (and at least 10% of the step more)."
+            "of its pipeline stage (and at least 10% of the step and 5 ms more)."
         ),
     )
 
@@ -130,6 +150,19 @@ class TrainerConfig(BaseConfig):
         if self.diagnostics_dir is not None:
             return self.diagnostics_dir
         return None if self.save_dir is None else self.save_dir / "diagnostics"
+
+    def resolved_memory_checkpoint_dir(self) -> Path | None:
+        """Where this run's in-memory copies go, or ``None`` when there are none: off, or no restart
+        can happen (not under torchrun, or torchrun's ``--max-restarts`` is 0)."""
+        if self.memory_checkpoint_interval is None or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0:
+            return None
+        if self.memory_checkpoint_dir is not None:
+            return self.memory_checkpoint_dir
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        if not run_id:
+            return None
+        shm = Path("/dev/shm")
+        return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / f"scaling-{run_id}"
 
     @model_validator(mode="after")
     def _check(self) -> TrainerConfig:

@@ -10,6 +10,7 @@ position) goes to ``extra.json``, with the world size and the run's config.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -34,6 +35,11 @@ if TYPE_CHECKING:
 #: The entries of a checkpoint's state that go to DCP shards; ``RANK_ENTRY`` is saved per rank.
 SHARDED_ENTRIES = ("model", "optimizer")
 RANK_ENTRY = "rng"
+
+
+def restart_count() -> int:
+    """How many times the launcher restarted this run's workers (torchrun's ``TORCHELASTIC_RESTART_COUNT``)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 class ModelState:
@@ -124,6 +130,9 @@ class TrainerCheckpointer:
         self._staging: StagingBuffers | None = None  # made by the first asynchronous save, then reused
         self.last_loaded_step: int | None = None
         self.last_saved_step: int | None = None
+        folder = config.resolved_memory_checkpoint_dir()
+        self.memory = None if folder is None else ckpt.MemoryCheckpoints(folder, topology.global_rank)
+        self.last_memory_step: int | None = None
 
     def _sharded(self, names: tuple[str, ...] = SHARDED_ENTRIES) -> StateDict:
         return {name: self.states[name].state_dict() for name in names if name in self.states}
@@ -131,11 +140,25 @@ class TrainerCheckpointer:
     def _extra_names(self) -> list[str]:
         return [name for name in self.states if name not in SHARDED_ENTRIES and name != RANK_ENTRY]
 
+    def save_to_memory(self) -> None:
+        """Copy this rank's state of the current step to host memory (once; a no-op when there
+        are no in-memory copies): written in the background, read after a restart."""
+        step = self._step()
+        if self.memory is None or self.last_memory_step == step:
+            return
+        others: dict[str, object] = {"extra": {name: self.states[name].state_dict() for name in self._extra_names()}}
+        if (rank := self.states.get(RANK_ENTRY)) is not None:
+            others["rng"] = rank.state_dict()
+        with self._whole():
+            self.memory.save(step, self._sharded(), others)
+        self.last_memory_step = step
+
     def save(self, save_dir: Path) -> None:
-        """Save the current step (once); the previous asynchronous save is finished first."""
+        """Save the current step (once), to memory too; the previous asynchronous save is finished first."""
         cfg, step = self.config, self._step()
         if self.last_saved_step == step:
             return
+        self.save_to_memory()  # the newest copy in memory is never older than the newest on disk
         self.wait()
         if cfg.async_save:
             if self._group is None and dist.is_initialized():
@@ -173,6 +196,8 @@ class TrainerCheckpointer:
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
+        if self.memory is not None:
+            self.memory.wait()
 
     def start(self) -> None:
         """Load what the run starts from, by ``trainer.load_dir`` and ``trainer.resume``.
@@ -187,12 +212,14 @@ class TrainerCheckpointer:
             CheckpointError: ``save_dir`` holds another run's checkpoints and ``load_dir``
                 names another folder (``resume="auto"``).
         """
+        if self._resume_from_memory():
+            return
         cfg = self.config
         save_dir, load_dir = cfg.save_dir, cfg.load_dir
         steps = self._committed_steps_seen_by_rank_0(save_dir)
         if steps:
             assert save_dir is not None
-            if cfg.resume == "fresh":
+            if cfg.resume == "fresh" and restart_count() == 0:  # a restarted worker resumes its own run
                 self._console(
                     f"trainer.resume=fresh: deleting the {len(steps)} committed checkpoint(s) in {save_dir} "
                     f"(steps {steps[0]}..{steps[-1]}) before training"
@@ -212,6 +239,49 @@ class TrainerCheckpointer:
                 )
         if load_dir is not None:
             self.load(load_dir)
+
+    def _resume_from_memory(self) -> bool:
+        """After a restart by the launcher: load the newest step every rank holds in memory, and say so.
+
+        On a first start, copies left under the same folder by an earlier job are removed.
+        """
+        memory = self.memory
+        if memory is None:
+            return False
+        if restart_count() == 0:
+            memory.clear()
+            return False
+        held = memory.held_steps()
+        every = set(held)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            views: list[list[int]] = [[] for _ in range(dist.get_world_size())]
+            dist.all_gather_object(views, held)
+            every = set.intersection(*(set(v) for v in views))
+        if not every:
+            self._console(
+                f"restart {restart_count()}: no step is held in memory by every rank ({memory.folder}); "
+                "resuming as at a first start"
+            )
+            return False
+        step = max(every)
+        with self._whole():  # ZeRO-3: the copy holds the whole parameters, as they are read for a save
+            state, others = memory.load(step, self._sharded())
+            self.states["model"].load_state_dict(state["model"])
+        if "optimizer" in self.states:
+            self.states["optimizer"].load_state_dict(state["optimizer"])
+        extra = others["extra"]
+        assert isinstance(extra, dict)
+        for name in self._extra_names():
+            self.states[name].load_state_dict(extra[name])
+        if (rank := self.states.get(RANK_ENTRY)) is not None:
+            rank.load_state_dict(others["rng"])  # type: ignore[arg-type]
+        memory.clear(keep=step)  # the later, partial copies of the attempt that failed go
+        self.last_loaded_step = self.last_memory_step = step
+        self._console(
+            f"restart {restart_count()}: resumed from the in-memory checkpoint of step {step} in {memory.folder} "
+            "(nothing read from save_dir)"
+        )
+        return True
 
     def _committed_steps_seen_by_rank_0(self, save_dir: Path | None) -> list[int]:
         """The committed steps of ``save_dir``, read once by global rank 0 and sent to every rank: each

@@ -20,7 +20,7 @@ queues kernels); a phase's device time then includes the stream's waits for NCCL
 median over those steps is compared with the median of the other ranks of its pipeline
 stage (stages run different layers, so they are not compared). A rank is *slow* in a phase
 when it exceeds that by ``threshold`` times and by at least :data:`MIN_SHARE` of the median
-step; it is *named* when it was slow in that phase at two checks in a row: chronically,
+step and :data:`MIN_SECONDS`; it is *named* when it was slow in that phase at two checks in a row: chronically,
 not once (a rank descheduled for a moment is not a straggler). A named rank is logged
 once, when it is first named, and again when it is no longer slow; while named, each check
 adds ``stragglers/<phase>/rank`` and ``/score`` to the step's metrics and a line to
@@ -47,9 +47,10 @@ from scaling.topology import Topology
 PHASES = ("data", "forward", "backward", "transfer", "gradient_reduction", "optimizer", "results")
 #: The collective waits kept per step (any other op counts as ``other``).
 WAIT_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv", "other")
-#: A phase must cost a rank at least this share of the median step more than its peers
-#: before the rank is slow in it.
+#: A phase must cost a rank at least this share of the median step, and this many seconds, more
+#: than its peers before the rank is slow in it (a time slice of a shared CPU is a few ms).
 MIN_SHARE = 0.1
+MIN_SECONDS = 0.005
 _PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
 _WAIT_INDEX = {op: len(PHASES) + i for i, op in enumerate(WAIT_OPS)}
 _WAIT_OF = {"ring_shift": "send_recv"}
@@ -158,7 +159,7 @@ def find_slow(table: np.ndarray, stages: list[int], threshold: float, first: int
         if len(ranks) < 2:
             continue  # alone in its stage: no peer to be compared with
         mine, theirs = work[ranks], _median_of_others(work[ranks])
-        slow = (mine >= threshold * theirs) & (mine - theirs >= MIN_SHARE * step_seconds)
+        slow = (mine >= threshold * theirs) & (mine - theirs >= max(MIN_SHARE * step_seconds, MIN_SECONDS))
         peer_waits = _median_of_others(waits[ranks])
         for row, phase in zip(*np.nonzero(slow)):
             rank = int(ranks[row])

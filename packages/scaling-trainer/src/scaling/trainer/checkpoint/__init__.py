@@ -15,12 +15,14 @@ from scaling.trainer.checkpoint._marker import committed_steps, delete_checkpoin
 
 if TYPE_CHECKING:
     from scaling.trainer.checkpoint._load import LoadedCheckpoint, load_checkpoint
+    from scaling.trainer.checkpoint._memory import MemoryCheckpoints
     from scaling.trainer.checkpoint._model_state import load_model_state_dict, model_state_dict
     from scaling.trainer.checkpoint._save import PendingSave, StagingBuffers, new_checkpoint_group, save_checkpoint
 
 _LAZY = {
     "LoadedCheckpoint": "_load",
     "load_checkpoint": "_load",
+    "MemoryCheckpoints": "_memory",
     "load_model_state_dict": "_model_state",
     "model_state_dict": "_model_state",
     "PendingSave": "_save",
@@ -43,6 +45,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "CheckpointError",
     "LoadedCheckpoint",
+    "MemoryCheckpoints",
     "PendingSave",
     "StagingBuffers",
     "committed_steps",
