@@ -25,7 +25,8 @@ restarted the workers, who run the step again).
 Every rank writes ``out_dir/rank<R>.json`` at the start (pid, and a sha256 of each
 environment variable listed in ``echo_env_hash``: proof the worker can read a secret
 without it appearing anywhere) and ``out_dir/steps_rank<R>.jsonl`` (one line per finished
-step: loss, whether the optimizer skipped it, and a hash of parameters and optimizer state).
+step: loss, whether the optimizer skipped it, a hash of parameters and optimizer state, the
+launcher's attempt and the time).
 A rank whose trainer (loading included) raises writes the exception to
 ``out_dir/error_rank<R>.txt`` first. A payload ``step_delay_s`` makes every step sleep that
 long (losses unchanged): a short run then lasts long enough to be signalled mid-run.
@@ -133,6 +134,7 @@ class FaultyTrainer(BaseTrainer[Any]):
         record = {
             "step": self.context.iterations,
             "attempt": ATTEMPT,
+            "time": time.time(),
             "loss": metrics["training/loss"],
             "skipped": metrics.get("training/global_grad_norm") is None,
             "hash": state_hash(self.parallel_module, self.optimizer),
@@ -183,6 +185,7 @@ def run(payload: dict[str, Any]) -> None:
                 if fault.get("hide_save_dir") and save_dir is not None:
                     save_dir.rename(save_dir.with_name(save_dir.name + ".hidden"))
                 print(f"fault: rank {rank} SIGKILLs itself in step {step}", flush=True)
+                (out_dir / f"fault_rank{rank}.time").write_text(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
             if fault["kind"] == "signal":
                 (out_dir / f"fault_rank{rank}.time").write_text(repr(time.time()))

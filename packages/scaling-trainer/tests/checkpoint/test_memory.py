@@ -16,6 +16,7 @@ import pytest
 from trainer_model import build_trainer, loss_function
 
 from scaling.testing import run_distributed
+from scaling.trainer.checkpoint import MemoryCheckpoints
 
 STEPS = 6
 
@@ -64,14 +65,14 @@ def test_the_next_attempt_resumes_from_the_copies_in_memory_bitwise(tmp_path, tp
     assert not memory.exists()  # without a launcher that restarts, no copies
     failed = run_distributed(memory_worker, 2, *args, trainer, 5, env=_attempt(0), timeout_seconds=120)
     assert [r["failed_at"] for r in failed] == [5, 5]
-    held = sorted(p.name for p in memory.iterdir())
-    assert held == ["step_00000003", "step_00000004"]  # the two newest of every rank
-    assert sorted(p.name for p in (memory / "step_00000004").iterdir()) == [
-        "rank_0.json",
-        "rank_0.safetensors",
-        "rank_1.json",
-        "rank_1.safetensors",
-    ]
+    for rank in (0, 1):  # the two newest steps of every rank, each in its own slot
+        assert MemoryCheckpoints(memory, rank).held_steps() == [3, 4]
+        assert sorted(p.name for p in (memory / f"rank_{rank}").iterdir()) == [
+            "slot_0.bin",
+            "slot_0.json",
+            "slot_1.bin",
+            "slot_1.json",
+        ]
     resumed = run_distributed(memory_worker, 2, *args, trainer, None, env=_attempt(1), timeout_seconds=120)
     for again, reference in zip(resumed, plain):
         assert again["resumed_from"] == 4

@@ -19,7 +19,7 @@ from scaling.optim._data_parallel import DataParallel
 from scaling.optim._grad_norm import global_norm_squared
 from scaling.optim._loss_scaler import LossScaler
 from scaling.optim._param_group import OptimizerParamGroup
-from scaling.optim._state import load_parameter_state, parameter_state
+from scaling.optim._state import load_owned_state, load_parameter_state, owned_state, parameter_state
 from scaling.optim._step_output import OptimizerStepOutput
 from scaling.optim._update import UpdateItem, apply_updates
 from scaling.topology import Topology
@@ -192,20 +192,19 @@ class Optimizer:
         """LR the next update of each group uses, by group name."""
         return {g.name: g.scheduler.get_lr(self.step_count + 1) for g in self.parameter_groups}
 
-    def state_dict(self) -> StateDict:
+    def state_dict(self, owned: bool = False) -> StateDict:
         """Counters, loss scaler, schedules, and each parameter's state as DTensors of its logical
-        shape keyed by ``meta.key`` (``_state.parameter_state``): loads into any layout."""
+        shape keyed by ``meta.key`` (``_state.parameter_state``): loads into any layout. ``owned``:
+        this rank's own elements instead (``owned_state``: no collective; loads at this layout only)."""
         self.data_parallel.finish_parameter_gather()
-        return {
-            "step": self.step_count,
-            "loss_scaler": self.loss_scaler.state_dict(),
-            "groups": {g.name: g.scheduler.state_dict() for g in self.parameter_groups},
-            "params": parameter_state(self.data_parallel),
-        }
+        params = (owned_state if owned else parameter_state)(self.data_parallel)
+        groups = {g.name: g.scheduler.state_dict() for g in self.parameter_groups}
+        scaler = self.loss_scaler.state_dict()
+        return {"step": self.step_count, "loss_scaler": scaler, "groups": groups, "params": params}
 
-    def load_state_dict(self, state: StateDict) -> None:
+    def load_state_dict(self, state: StateDict, owned: bool = False) -> None:
         """Restore a state from :meth:`state_dict`, saved with this layout or any other (after DCP
-        filled it in).
+        filled it in; with ``owned``, as ``state_dict(owned=True)`` took it, at this layout).
 
         Raises:
             ValueError: groups or parameter keys differ, a state tensor is missing, or a
@@ -216,7 +215,7 @@ class Optimizer:
             raise ValueError(f"optimizer state has groups {sorted(state['groups'])}, this optimizer {sorted(groups)}")
         self.data_parallel.finish_parameter_gather()
         self.data_parallel.shards_will_change()
-        load_parameter_state(self.data_parallel, state["params"])
+        (load_owned_state if owned else load_parameter_state)(self.data_parallel, state["params"])
         self.step_count = int(state["step"])
         self.loss_scaler.load_state_dict(state["loss_scaler"])
         for name, scheduler_state in state["groups"].items():

@@ -138,6 +138,35 @@ def load_parameter_state(dp: DataParallel, params: StateDict) -> None:
                 )
             local = _tp_local(slot, entry[name], slot.meta.key, name, tp_rank)
             target.copy_(local.reshape(-1)[slot.start : slot.end])
+    _refill_shards(dp)
+
+
+def owned_state(dp: DataParallel) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's own elements of each state tensor, by ``meta.key`` then name, as views: no
+    collective and no copy (an in-memory copy of the rank; :func:`load_owned_state` restores it
+    at the same layout only)."""
+    return {slot.meta.key: _owned_entries(slot) for slot in dp.slots}
+
+
+def load_owned_state(dp: DataParallel, params: StateDict) -> None:
+    """Restore :func:`owned_state`'s entries, taken at this layout."""
+    for slot in dp.slots:
+        for name, target in _owned_entries(slot).items():
+            target.copy_(params[slot.meta.key][name])
+    _refill_shards(dp)
+
+
+def _owned_entries(slot: ParamSlot) -> dict[str, torch.Tensor]:
+    """:func:`_entries` without the parameter itself (an fp32 parameter is its own master; the
+    model's state holds it)."""
+    entries = _entries(slot)
+    if slot.master is None and slot.param_shard is None:
+        del entries["master"]
+    return entries
+
+
+def _refill_shards(dp: DataParallel) -> None:
+    """The ZeRO-3 shards a layer gathers start from the loaded fp32 masters."""
     if dp.gatherer is not None:
         for slot in dp.slots:
             if slot.master is not None and slot.param_shard is not None:

@@ -10,12 +10,14 @@ position) goes to ``extra.json``, with the world size and the run's config.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 from scaling.topology import get_rng_state, set_rng_state
@@ -72,12 +74,20 @@ class ModelState:
     def _parameters(self) -> NamedParameters:
         return list(self._named())
 
-    def state_dict(self) -> StateDict:
+    def state_dict(self, owned: bool = False) -> StateDict:
+        """DTensors of the logical shapes; ``owned``: this rank's parameters as it holds them (views)."""
         self._before_read()
+        if owned:
+            return {meta.key: param.detach() for _, param, meta in self._parameters()}
         return ckpt.model_state_dict(self._parameters(), self._topology)
 
-    def load_state_dict(self, state: StateDict) -> None:
-        ckpt.load_model_state_dict(self._parameters(), state)
+    def load_state_dict(self, state: StateDict, owned: bool = False) -> None:
+        if owned:
+            with torch.no_grad():
+                for _, param, meta in self._parameters():
+                    param.copy_(state[meta.key])
+        else:
+            ckpt.load_model_state_dict(self._parameters(), state)
         self._after_load()
 
 
@@ -132,25 +142,39 @@ class TrainerCheckpointer:
         self.last_saved_step: int | None = None
         folder = config.resolved_memory_checkpoint_dir()
         self.memory = None if folder is None else ckpt.MemoryCheckpoints(folder, topology.global_rank)
+        self._takes_owned = {
+            name
+            for name in SHARDED_ENTRIES
+            if name in self.states and "owned" in inspect.signature(self.states[name].state_dict).parameters
+        }
         self.last_memory_step: int | None = None
 
     def _sharded(self, names: tuple[str, ...] = SHARDED_ENTRIES) -> StateDict:
         return {name: self.states[name].state_dict() for name in names if name in self.states}
+
+    def _owned(self) -> StateDict:
+        """The sharded entries as this rank holds them (``state_dict(owned=True)`` where the state
+        object takes it: no collective, no copy), for an in-memory copy."""
+        return {
+            name: state.state_dict(owned=True) if name in self._takes_owned else state.state_dict()  # type: ignore[call-arg]
+            for name in SHARDED_ENTRIES
+            if (state := self.states.get(name)) is not None
+        }
 
     def _extra_names(self) -> list[str]:
         return [name for name in self.states if name not in SHARDED_ENTRIES and name != RANK_ENTRY]
 
     def save_to_memory(self) -> None:
         """Copy this rank's state of the current step to host memory (once; a no-op when there
-        are no in-memory copies): written in the background, read after a restart."""
+        are no in-memory copies), read after a restart."""
         step = self._step()
         if self.memory is None or self.last_memory_step == step:
             return
         others: dict[str, object] = {"extra": {name: self.states[name].state_dict() for name in self._extra_names()}}
         if (rank := self.states.get(RANK_ENTRY)) is not None:
             others["rng"] = rank.state_dict()
-        with self._whole():
-            self.memory.save(step, self._sharded(), others)
+        with self._whole():  # ZeRO-3: the parameters are read whole, as for a save
+            self.memory.save(step, self._owned(), others)
         self.last_memory_step = step
 
     def save(self, save_dir: Path) -> None:
@@ -196,8 +220,6 @@ class TrainerCheckpointer:
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
-        if self.memory is not None:
-            self.memory.wait()
 
     def start(self) -> None:
         """Load what the run starts from, by ``trainer.load_dir`` and ``trainer.resume``.
@@ -264,11 +286,11 @@ class TrainerCheckpointer:
             )
             return False
         step = max(every)
-        with self._whole():  # ZeRO-3: the copy holds the whole parameters, as they are read for a save
-            state, others = memory.load(step, self._sharded())
-            self.states["model"].load_state_dict(state["model"])
-        if "optimizer" in self.states:
-            self.states["optimizer"].load_state_dict(state["optimizer"])
+        with self._whole():  # ZeRO-3: loaded into the gathered parameters, as from disk
+            state, others = memory.load(step, self._owned())
+            self._load_entry("model", state["model"])
+        if "optimizer" in state:  # after the model: its own state overrides the masters taken from it
+            self._load_entry("optimizer", state["optimizer"])
         extra = others["extra"]
         assert isinstance(extra, dict)
         for name in self._extra_names():
@@ -282,6 +304,12 @@ class TrainerCheckpointer:
             "(nothing read from save_dir)"
         )
         return True
+
+    def _load_entry(self, name: str, entry: StateDict) -> None:
+        if name in self._takes_owned:
+            self.states[name].load_state_dict(entry, owned=True)  # type: ignore[call-arg]
+        else:
+            self.states[name].load_state_dict(entry)
 
     def _committed_steps_seen_by_rank_0(self, save_dir: Path | None) -> list[int]:
         """The committed steps of ``save_dir``, read once by global rank 0 and sent to every rank: each

@@ -1,171 +1,167 @@
 """In-memory checkpoints: each rank's own state in host memory that outlives its process.
 
 A copy is this rank's local state exactly as it holds it (its pieces of the parameters and
-of the optimizer state, its scalars, the loader position and counters, its RNG streams),
-written by a background thread to ``<folder>/step_<N>/rank_<R>.safetensors`` with the
-rest in ``rank_<R>.json``, which is renamed into place last: the rank's commit. The folder is
-meant to be on a memory filesystem (``/dev/shm``), so the copy survives the death of the
-training processes on the node (not of the node). Restoring reads this rank's own files
-back into the same state objects at the same layout: a restart by the launcher keeps the
-world. Nothing is pickled; each rank keeps its two newest steps.
+of the optimizer state, its scalars, the loader position and counters, its RNG streams). Each
+rank keeps two slots, ``<folder>/rank_<R>/slot_{0,1}.bin``: files on a memory filesystem
+(``/dev/shm``) mapped into the process, so a copy is one ``copy_`` of each tensor into the
+mapping and nothing else (no serialisation, no second copy, no writer thread) and survives
+the death of the process (not of the node). ``slot_<s>.json`` (the step, where each tensor
+lies, the scalars and the rest) is renamed into place after the copy: the slot's commit. A
+save overwrites the slot that does not hold the newest step, removing its commit first, so a
+rank killed mid-copy still holds the step before. Restoring copies the rank's own slot back
+into the state objects at the same layout: a restart by the launcher keeps the world, and no
+rank reads another's files. Nothing is pickled.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import threading
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
 from scaling.config import StateDict
 from scaling.trainer.checkpoint._tree import decode_pytree, encode_pytree, fill_state, flatten_state
 
-_STEP = re.compile(r"step_(\d{8})$")
-KEEP = 2
+_ALIGN = 64
+SLOTS = (0, 1)
+
+
+def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, list[object]], int]:
+    """Each tensor's ``[byte offset, shape, dtype name]`` in one flat buffer, and the buffer's size."""
+    layout: dict[str, list[object]] = {}
+    offset = 0
+    for key, t in tensors.items():
+        layout[key] = [offset, list(t.shape), str(t.dtype).removeprefix("torch.")]
+        offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    return layout, max(offset, _ALIGN)
+
+
+def _view(buffer: torch.Tensor, place: list[object]) -> torch.Tensor:
+    offset, shape, dtype_name = place
+    dtype = getattr(torch, str(dtype_name))
+    assert isinstance(offset, int) and isinstance(shape, list)
+    count = 1
+    for size in shape:
+        count *= size
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    return buffer[offset : offset + nbytes].view(dtype).view(shape)
 
 
 class MemoryCheckpoints:
-    """This rank's in-memory copies under ``folder`` (see the module docstring).
+    """This rank's two in-memory copies under ``folder`` (see the module docstring).
 
     Args:
-        folder: shared by the ranks of a node (each writes only its own files).
-        rank: this process's global rank (names its files).
+        folder: shared by the ranks of a node (each writes only ``rank_<R>/``).
+        rank: this process's global rank.
     """
 
     def __init__(self, folder: Path, rank: int) -> None:
         self.folder, self.rank = folder, rank
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._dir = folder / f"rank_{rank}"
+        self._maps: dict[int, torch.Tensor] = {}  # slot -> its file, mapped (uint8)
 
-    def _files(self, step: int) -> tuple[Path, Path]:
-        step_dir = self.folder / f"step_{step:08d}"
-        return step_dir / f"rank_{self.rank}.safetensors", step_dir / f"rank_{self.rank}.json"
+    def _marker(self, slot: int) -> Path:
+        return self._dir / f"slot_{slot}.json"
+
+    def _data(self, slot: int) -> Path:
+        return self._dir / f"slot_{slot}.bin"
+
+    def _committed(self) -> dict[int, dict[str, object]]:
+        records = {}
+        for slot in SLOTS:
+            try:
+                records[slot] = json.loads(self._marker(slot).read_text())
+            except FileNotFoundError:
+                continue
+        return records
 
     def held_steps(self) -> list[int]:
-        """The steps whose copy this rank finished writing, oldest first."""
-        if not self.folder.is_dir():
-            return []
-        steps = []
-        for entry in self.folder.iterdir():
-            match = _STEP.match(entry.name)
-            if match and self._files(int(match.group(1)))[1].is_file():
-                steps.append(int(match.group(1)))
-        return sorted(steps)
+        """The steps this rank holds a whole copy of, oldest first."""
+        return sorted(int(r["step"]) for r in self._committed().values())  # type: ignore[call-overload]
+
+    def _map(self, slot: int, size: int | None = None) -> torch.Tensor:
+        """Slot ``slot``'s file mapped into this process, first made ``size`` bytes long (default:
+        as it is; its contents stay)."""
+        mapped = self._maps.get(slot)
+        if mapped is None or (size is not None and mapped.numel() != size):
+            path = self._data(slot)
+            if size is not None:
+                self._dir.mkdir(parents=True, exist_ok=True)
+                path.touch()
+                os.truncate(path, size)
+            size = path.stat().st_size
+            mapped = self._maps[slot] = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        return mapped
 
     def save(self, step: int, sharded: StateDict, others: Mapping[str, object]) -> None:
         """Copy ``sharded`` (tensors and DTensors: their local pieces; scalars) and ``others``
-        (JSON-able state, RNG states) now, and write them in the background.
-
-        The tensors are copied into kept host buffers before this returns (CUDA ones by
-        non-blocking copies, waited for by the writer), so training may change them at once.
-        The previous copy is finished first.
-        """
-        self.wait()
+        (JSON-able state, RNG states) of ``step`` into the slot not holding the newest step."""
         tensors, scalars = flatten_state(sharded)
-        staged: dict[str, torch.Tensor] = {}
-        on_cuda = False
-        for key, value in tensors.items():
-            local = (value.to_local() if isinstance(value, DTensor) else value).detach()
-            cuda = local.device.type == "cuda"
-            buffer = self._buffers.get(key)
-            if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
-                buffer = self._buffers[key] = torch.empty(local.shape, dtype=local.dtype, pin_memory=cuda)
-            buffer.copy_(local, non_blocking=cuda)
-            on_cuda |= cuda
-            staged[f"sharded/{key}"] = buffer
-        done = torch.cuda.Event() if on_cuda else None  # after the copies on the current stream
-        if done is not None:
-            done.record()
+        local = {f"sharded/{k}": v.to_local() if isinstance(v, DTensor) else v for k, v in tensors.items()}
         others_tensors: dict[str, torch.Tensor] = {}
         encoded = encode_pytree(dict(others), others_tensors)
-        staged.update({f"others/{k}": v for k, v in others_tensors.items()})
-        record = {"step": step, "scalars": scalars, "others": encoded}
-        self._thread = threading.Thread(
-            target=self._write, args=(step, staged, record, done), name="scaling-memory-checkpoint", daemon=True
-        )
-        self._thread.start()
-
-    def _write(self, step: int, tensors: dict[str, torch.Tensor], record: object, done: object) -> None:
-        try:
-            if done is not None:
-                done.synchronize()  # type: ignore[attr-defined]
-            data, marker = self._files(step)
-            data.parent.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(data) + ".tmp")
-            os.replace(str(data) + ".tmp", data)
-            Path(str(marker) + ".tmp").write_text(json.dumps(record))
-            os.replace(str(marker) + ".tmp", marker)  # this rank's copy of the step is complete
-            for old in self.held_steps()[:-KEEP]:
-                self._remove(old)
-        except Exception as exc:  # noqa: BLE001 (re-raised by wait(), on the trainer's thread)
-            self._error = exc
-
-    def wait(self) -> None:
-        """Finish the copy being written; raise what writing it raised."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        error, self._error = self._error, None
-        if error is not None:
-            raise RuntimeError(f"writing this rank's in-memory checkpoint to {self.folder} failed: {error}") from error
+        local.update({f"others/{k}": v for k, v in others_tensors.items()})
+        committed = self._committed()
+        slot = min(SLOTS, key=lambda s: int(committed[s]["step"]) if s in committed else -1)  # type: ignore[call-overload]
+        layout, size = _layout(local)
+        self._marker(slot).unlink(missing_ok=True)  # uncommitted while it is overwritten
+        buffer = self._map(slot, size)
+        with torch.no_grad():
+            for key, value in local.items():
+                _view(buffer, layout[key]).copy_(value.detach())
+        record = {"step": step, "layout": layout, "scalars": scalars, "others": encoded}
+        tmp = Path(str(self._marker(slot)) + ".tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, self._marker(slot))  # this rank's copy of the step is whole
 
     def load(self, step: int, sharded: StateDict) -> tuple[StateDict, dict[str, object]]:
-        """This rank's copy of ``step``: its tensors copied into ``sharded``'s own (the state
-        objects' current state, at the layout the copy was taken), its scalars put in place;
-        and the other state as saved.
+        """This rank's copy of ``step`` in the shape of ``sharded`` (the state as this rank holds it
+        now, taken at the same layout): its tensors copied out of the slot, its scalars; and the
+        other state as saved.
 
         Raises:
             ValueError: a tensor of the copy does not fit (another layout or model).
         """
-        data, marker = self._files(step)
-        record = json.loads(marker.read_text())
-        saved = load_file(str(data))
-        tensors, _ = flatten_state(sharded)
-        with torch.no_grad():
-            for key, value in tensors.items():
-                local = value.to_local() if isinstance(value, DTensor) else value
-                copy = saved.get(f"sharded/{key}")
-                if copy is None or copy.shape != local.shape or copy.dtype != local.dtype:
-                    found = "nothing" if copy is None else f"{list(copy.shape)} {copy.dtype}"
-                    raise ValueError(
-                        f"in-memory checkpoint {data}: {key!r} holds {found}, this rank has {list(local.shape)} "
-                        f"{local.dtype}; a copy restores the same model at the same layout only"
-                    )
-                local.copy_(copy)
-        filled = fill_state(sharded, record["scalars"])
-        others = {k[len("others/") :]: v for k, v in saved.items() if k.startswith("others/")}
+        slot, record = next((s, r) for s, r in self._committed().items() if r["step"] == step)
+        layout = record["layout"]
+        assert isinstance(layout, dict)
+        buffer = self._map(slot)
+        template, _ = flatten_state(sharded)
+        values: dict[str, object] = dict(record["scalars"])  # type: ignore[call-overload]
+        for key, value in template.items():
+            target = value.to_local() if isinstance(value, DTensor) else value
+            place = layout.get(f"sharded/{key}")
+            copy = None if place is None else _view(buffer, place)
+            if copy is None or copy.shape != target.shape or copy.dtype != target.dtype:
+                found = "nothing" if copy is None else f"{list(copy.shape)} {copy.dtype}"
+                raise ValueError(
+                    f"in-memory checkpoint {self._data(slot)}: {key!r} holds {found}, this rank has "
+                    f"{list(target.shape)} {target.dtype}; a copy restores the same model at the same layout only"
+                )
+            values[key] = copy.clone()
+        others = {
+            k.removeprefix("others/"): _view(buffer, p).clone() for k, p in layout.items() if k.startswith("others/")
+        }
         decoded = decode_pytree(record["others"], others)
         assert isinstance(decoded, dict)
-        return filled, decoded
-
-    def _remove(self, step: int) -> None:
-        """This rank's files of ``step``, finished or not; the last rank to leave removes the folder."""
-        for path in self._files(step):
-            path.unlink(missing_ok=True)
-            Path(str(path) + ".tmp").unlink(missing_ok=True)
-        try:
-            path.parent.rmdir()
-        except OSError:
-            pass
+        return fill_state(sharded, values), decoded
 
     def clear(self, keep: int | None = None) -> None:
-        """Remove this rank's files of every step but ``keep`` (all of them: the run is over,
-        and the folder goes with the last rank's)."""
-        self.wait()
-        if not self.folder.is_dir():
-            return
-        for entry in self.folder.iterdir():
-            match = _STEP.match(entry.name)
-            if match and int(match.group(1)) != keep:
-                self._remove(int(match.group(1)))
-        try:
-            self.folder.rmdir()
-        except OSError:
-            pass
+        """Remove this rank's copies but that of step ``keep`` (all of them: the run is over, and
+        the folder goes with the last rank's)."""
+        committed = self._committed()
+        for slot in SLOTS:
+            if keep is not None and slot in committed and committed[slot]["step"] == keep:
+                continue
+            self._maps.pop(slot, None)
+            for path in (self._marker(slot), Path(str(self._marker(slot)) + ".tmp"), self._data(slot)):
+                path.unlink(missing_ok=True)
+        for folder in (self._dir, self.folder):
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (another rank's, or the copy kept), or gone
+                break

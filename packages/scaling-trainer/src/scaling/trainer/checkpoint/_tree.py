@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 _SCALARS = (int, float, str, bool, type(None))
 Scalar = int | float | str | bool | None
+_PLAIN = frozenset({int, float, str, bool, type(None)})
 
 
 def _children(node: Mapping[object, object] | Sequence[object]) -> Iterator[tuple[object, object]]:
@@ -87,6 +88,8 @@ def encode_pytree(obj: object, tensors: dict[str, torch.Tensor], path: str = "ro
     if isinstance(obj, np.ndarray):
         tensors[path] = torch.from_numpy(np.ascontiguousarray(obj).view(np.uint8).reshape(-1).copy())
         return {"__ndarray__": path, "dtype": obj.dtype.str, "shape": list(obj.shape)}
+    if isinstance(obj, (tuple, list)) and all(type(v) in _PLAIN for v in obj):  # e.g. Python's RNG state
+        return {"__tuple__": list(obj)} if isinstance(obj, tuple) else list(obj)
     if isinstance(obj, tuple):
         return {"__tuple__": [encode_pytree(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]}
     if isinstance(obj, list):
