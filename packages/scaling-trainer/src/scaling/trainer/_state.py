@@ -177,6 +177,20 @@ class TrainerCheckpointer:
             self.memory.save(step, self._owned(), others)
         self.last_memory_step = step
 
+    def after_step(self, step: int, save_dir: Path | None) -> None:
+        """At the end of training step ``step``: save to ``save_dir`` when given (memory too), else
+        copy to memory on ``memory_checkpoint_interval``."""
+        interval = self.config.memory_checkpoint_interval
+        if save_dir is not None:
+            self.save(save_dir)
+        elif interval is not None and step % interval == 0:
+            self.save_to_memory()
+
+    def drop_memory(self) -> None:
+        """Remove this rank's in-memory copies: the run finished, no restart needs them."""
+        if self.memory is not None:
+            self.memory.clear()
+
     def save(self, save_dir: Path) -> None:
         """Save the current step (once), to memory too; the previous asynchronous save is finished first."""
         cfg, step = self.config, self._step()

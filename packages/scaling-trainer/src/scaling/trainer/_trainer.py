@@ -376,10 +376,7 @@ class BaseTrainer(Generic[ContextT]):
                     eval_metrics = self.evaluate()
                     self.metrics_logger.log(eval_metrics, step)
                     self.history.append(eval_metrics)
-                if save_dir is not None:
-                    self.checkpointer.save(save_dir)  # in memory too
-                elif cfg.memory_checkpoint_interval is not None and step % cfg.memory_checkpoint_interval == 0:
-                    self.checkpointer.save_to_memory()
+                self.checkpointer.after_step(step, save_dir)
                 profiler.step_end(step)
                 signum = watcher.agreed_signal()
                 if signum:
@@ -396,8 +393,7 @@ class BaseTrainer(Generic[ContextT]):
                 progress.close()
             self.checkpointer.wait()
             if self.context.iterations >= cfg.train_iterations:
-                if self.checkpointer.memory is not None:
-                    self.checkpointer.memory.clear()  # no restart needs them now
+                self.checkpointer.drop_memory()
                 self.metrics_logger.finish(self.context.iterations, self.history, self.checkpointer.last_saved_path())
             self.metrics_logger.close()
         self.wait_for_parameters()
