@@ -3,6 +3,7 @@ import scaling.testing
 
 def test_public_api():
     assert sorted(scaling.testing.__all__) == [
+        "ActivationBytes",
         "DEFAULT_TIMEOUT_SECONDS",
         "DistributedTestError",
         "DistributedTimeoutError",

@@ -1,13 +1,22 @@
-"""The transformer app's model-state bytes per rank for a config, without allocating the model
-(``scaling.trainer.planning``; ``scaling-transformer memory``)."""
+"""The transformer app's memory per rank for a config, without allocating the model: model state
+(``scaling.trainer.planning``; ``scaling-transformer memory``) and activations."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from scaling.nn import ParameterMeta
-from scaling.trainer.planning import MemoryLayout, ParameterSpec, RankMemory, parameter_specs, rank_memory
-from scaling.transformer.config import TransformerConfig
+from scaling.pipeline import partition_layers
+from scaling.trainer.planning import (
+    MemoryLayout,
+    ParameterSpec,
+    RankMemory,
+    in_flight_peak,
+    parameter_specs,
+    rank_memory,
+)
+from scaling.transformer.config import TransformerArchitectureConfig, TransformerConfig
 from scaling.transformer.model import layer_specs
 
 
@@ -61,3 +70,142 @@ def model_state_memory(
     return rank_memory(
         specs, layout, config.optimizer, stage, shard_rank, expert_shard_rank, ep_rank, method_of(config)
     )
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """Activation bytes of one pipeline stage's rank: the peak when a backward begins
+    (``peak``), what one micro-batch leaves held on each local model chunk (``per_chunk``), and
+    one block's terms by name (``block``; the same on every rank of a layout)."""
+
+    stage: int
+    peak: int
+    per_chunk: tuple[int, ...]
+    block: dict[str, int]
+
+
+def _refuse_unmodelled(config: TransformerConfig) -> None:
+    arch, top = config.transformer_architecture, config.topology
+    unmodelled = {
+        "topology.context_parallel_size": (top.context_parallel_size, 1),
+        "transformer_architecture.moe": (arch.moe, None),
+        "transformer_architecture.latent_attention": (arch.latent_attention, None),
+        "transformer_architecture.qk_norm": (arch.qk_norm, False),
+        "transformer_architecture.rotary_percentage": (arch.rotary_percentage, 1.0),
+        "transformer_architecture.attention_dropout": (arch.attention_dropout, 0.0),
+        "transformer_architecture.hidden_dropout": (arch.hidden_dropout, 0.0),
+        "transformer_architecture.embedding_dropout": (arch.embedding_dropout, 0.0),
+        "training.fp8.enabled": (config.training.fp8.enabled, False),
+        "training.compile.enabled": (config.training.compile.enabled, False),
+        "finetuning.method": (config.finetuning.method, "none"),
+    }
+    for field, (value, modelled) in unmodelled.items():
+        if value != modelled:
+            raise ValueError(
+                f"{field}={value!r}: the activation prediction models {field}={modelled!r} only so far (#52)"
+            )
+
+
+#: Bytes ``torch.utils.checkpoint`` keeps per region: the CPU generator's state (Mersenne Twister),
+#: and on CUDA the device generator's seed and offset besides.
+RNG_STATE_BYTES = {"cpu": 5056, "cuda": 5056 + 16}
+
+
+def _norm_bytes(arch: TransformerArchitectureConfig, stream: int) -> int:
+    """A norm's own saved tensors over ``stream`` tokens (its output is counted by its consumers):
+    RMSNorm (torch's composite) its input (an fp32 copy when 16-bit) and ``input x rsqrt`` in fp32,
+    and the fp32 rsqrt; LayerNorm its input in ``e`` and fp32 mean and rstd."""
+    if arch.norm == "rmsnorm":
+        return 4 * arch.hidden_size * stream * 2 + 4 * stream
+    return arch.dtype.itemsize * arch.hidden_size * stream + 8 * stream
+
+
+def block_activation_terms(config: TransformerConfig, device: str = "cpu") -> dict[str, int]:
+    """What one dense block's forward leaves held for the backward, per micro-batch and rank, by term.
+
+    ``T`` local tokens (micro-batch x sequence), ``T_s`` of the residual stream (``T / tp`` under
+    sequence parallelism), ``e`` the parameters' bytes, heads and the MLP split over TP. Each norm
+    keeps its own tensors (``_norm_bytes``) and its output in ``e`` for each projection that reads it
+    (one copy, or one gathered copy per column-parallel linear under sequence parallelism: SwiGLU's
+    gate and up gather separately); attention keeps the fused QKV projection, the rotated queries
+    and keys, RoPE's fp32 cos/sin, the kernel's output and fp32 log-sum-exp (recomputed under
+    ``selective``) and the output projection's input; documents keep their ids and positions (int64)
+    and a ``b s^2 e`` mask where the kernel is not CUDA's variable-length one; SwiGLU keeps gate, up,
+    SiLU and their product, GELU up and GELU. ``every_layer`` keeps the block's input only. Each
+    checkpointed region keeps the generators' states.
+    """
+    _refuse_unmodelled(config)
+    arch, top = config.transformer_architecture, config.topology
+    assert top.micro_batch_size is not None and top.model_parallel_size is not None
+    tp, b, s = top.model_parallel_size, top.micro_batch_size, config.data.sequence_length
+    e, h, d = arch.dtype.itemsize, arch.hidden_size, arch.head_size
+    tokens = b * s
+    stream = tokens // tp if arch.sequence_parallel else tokens
+    rng_state = RNG_STATE_BYTES[device]
+    if arch.activation_checkpointing == "every_layer":
+        return {"input": e * h * stream, "rng_state": rng_state}
+    nq, nkv, ffn = arch.num_attention_heads // tp, arch.kv_heads // tp, -(-arch.ffn_size // tp)
+    swiglu = arch.mlp_type == "swiglu"
+    readers = (1 + (2 if swiglu else 1)) if arch.sequence_parallel else 2
+    # RoPE's angles per call (queries, keys): [b, s, r/2] with per-sequence positions (documents).
+    positions = b if arch.document_masking else 1
+    terms = {
+        "norms": 2 * _norm_bytes(arch, stream) + readers * e * h * tokens,
+        "qkv": e * tokens * (nq + 2 * nkv) * d,
+        "rotary": e * tokens * (nq + nkv) * d + 2 * 2 * 4 * positions * s * (d // 2),
+        "attention": e * tokens * nq * d + 4 * b * nq * s,
+        "attention_projection_input": e * tokens * nq * d,
+        "documents": 0,
+        "mlp": (4 if swiglu else 2) * e * tokens * ffn,
+        "rng_state": 0,
+    }
+    if arch.activation_checkpointing == "selective":
+        terms["attention"], terms["rng_state"] = 0, rng_state
+    if arch.document_masking:
+        varlen = device == "cuda" and e == 2 and d % 8 == 0 and d <= 256
+        terms["documents"] = 2 * 8 * tokens + (0 if varlen else e * b * s * s)
+    return terms
+
+
+def activation_memory(config: TransformerConfig, stage: int = 0, device: str = "cpu") -> ActivationMemory:
+    """The activation bytes of pipeline ``stage``'s ranks for ``config``: the blocks' terms
+    (``block_activation_terms``), the head's norm and fp32 cross-entropy (log-softmax in one TP rank,
+    shifted logits and their exponentials over a vocabulary block), a chunk's received input (when
+    16-bit) and sent output held by the pipeline, a received gradient when a backward begins; summed
+    over the micro-batches in flight (``scaling.trainer.planning.in_flight_peak``).
+
+    Raises:
+        ValueError: naming a setting the prediction does not model yet (context parallelism, MoE,
+            latent attention, dropout, float8, compile, finetuning...).
+    """
+    block = block_activation_terms(config, device)
+    arch, top = config.transformer_architecture, config.topology
+    assert top.micro_batch_size is not None and top.model_parallel_size is not None
+    assert top.pipe_parallel_size is not None and top.gradient_accumulation_steps is not None
+    tp, pp = top.model_parallel_size, top.pipe_parallel_size
+    e, h = arch.dtype.itemsize, arch.hidden_size
+    tokens = top.micro_batch_size * config.data.sequence_length
+    stream = tokens // tp if arch.sequence_parallel else tokens
+    vocab = -(-arch.vocab_size // tp)
+    # fp32 log-softmax in one rank; over TP the shifted logits, their exponentials and per-token masks.
+    loss = 4 * tokens * vocab if tp == 1 else 8 * tokens * vocab + 26 * tokens
+    head = _norm_bytes(arch, stream) + e * h * tokens + loss
+    # A chunk's output is kept for its backward, and its packed copy (with int64 positions) until sent.
+    sent = 2 * e * h * stream + (8 * tokens if arch.document_masking else 0)
+    virtual = config.training.num_virtual_stages
+    partition = partition_layers(arch.num_layers + 2, pp, num_virtual=virtual)
+    last = arch.num_layers + 1
+    per_chunk = []
+    for chunk in range(virtual):
+        layers = partition[chunk * pp + stage]
+        held = sum(sum(block.values()) for i in layers if 0 < i < last)
+        held += head if last in layers else 0
+        if 0 not in layers and e != 4 and arch.norm == "rmsnorm":  # kept besides the norm's fp32 copy
+            held += e * h * stream
+        held += sent if last not in layers else 0
+        per_chunk.append(held)
+    received_gradient = e * h * stream if stage < pp - 1 or virtual > 1 else 0
+    peak = in_flight_peak(
+        per_chunk, config.training.schedule, pp, top.gradient_accumulation_steps, stage, received_gradient
+    )
+    return ActivationMemory(stage, peak, tuple(per_chunk), block)

@@ -10,9 +10,11 @@ from scaling.testing._harness import (
     shutdown_workers,
     worker_pids,
 )
+from scaling.testing._memory import ActivationBytes
 from scaling.testing._parity import assert_parity, make_topology, shard
 
 __all__ = [
+    "ActivationBytes",
     "DEFAULT_TIMEOUT_SECONDS",
     "DistributedTestError",
     "DistributedTimeoutError",

@@ -3,9 +3,11 @@
 The first part of the planner (#52): model-state bytes per rank (parameters, gradients, master
 weights, optimizer state; device and host) for any TP, PP, DP, CP, EP, ZeRO stage, HSDP, precision,
 update rule and offload, exactly as the packages allocate them (``_memory.py``; tested against the
-storages a step holds).
+storages a step holds); activation bytes of a stage from its in-flight micro-batches
+(``_activations.py``), given what the app's planner says one micro-batch holds per model chunk.
 """
 
+from scaling.trainer.planning._activations import in_flight_peak
 from scaling.trainer.planning._memory import (
     MemoryLayout,
     ParameterSpec,
@@ -15,4 +17,12 @@ from scaling.trainer.planning._memory import (
     rank_memory,
 )
 
-__all__ = ["MemoryLayout", "ParameterSpec", "RankMemory", "parameter_specs", "peak_rank_memory", "rank_memory"]
+__all__ = [
+    "MemoryLayout",
+    "ParameterSpec",
+    "RankMemory",
+    "in_flight_peak",
+    "parameter_specs",
+    "peak_rank_memory",
+    "rank_memory",
+]

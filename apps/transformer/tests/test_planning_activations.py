@@ -1,0 +1,89 @@
+"""The planner's activation bytes (``scaling.transformer.memory.activation_memory``) against what a
+training step holds when each backward begins (``scaling.testing.ActivationBytes``), on every rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from transformer_testlib import tiny_config
+
+from scaling.testing import ActivationBytes, run_distributed
+from scaling.topology import Topology
+from scaling.transformer.config import TransformerConfig
+from scaling.transformer.memory import activation_memory
+from scaling.transformer.train import build_trainer
+
+#: The goal of #52: activation bytes within 5 % of measurement.
+TOLERANCE = 0.05
+
+
+def measure_worker(cfg: dict[str, Any]) -> tuple[int, int]:
+    """This rank's pipeline stage and the most its forwards held when a backward began, over the
+    second training step (the first one's lazily made optimizer state is not an activation)."""
+    config = TransformerConfig.from_dict(cfg)
+    topology = Topology.from_env(config.topology)
+    try:
+        trainer = build_trainer(config, topology)
+        trainer.train_step()
+        with ActivationBytes() as watch:
+            trainer.train_step()
+        return topology.axis("pp").rank, watch.at_backward
+    finally:
+        topology.destroy()
+
+
+#: name: (architecture, other sections, micro-batches per rank); every other block setting as tiny_config's.
+LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
+    "fp32": ({}, {}, 1),
+    "bf16-no-documents": ({"precision": "bf16", "document_masking": False}, {}, 1),
+    "selective": ({"activation_checkpointing": "selective"}, {}, 1),
+    "every-layer-bf16": ({"activation_checkpointing": "every_layer", "precision": "bf16"}, {}, 1),
+    "gelu-layernorm": ({"mlp_type": "gelu", "norm": "layernorm"}, {}, 1),
+    "accumulation4": ({}, {}, 4),
+    "dp2-zero3": ({}, {"dp": 2, "optimizer": {"zero_stage": 3}}, 1),
+    "tp2": ({}, {"tp": 2}, 1),
+    "tp2-sp-bf16": ({"sequence_parallel": True, "precision": "bf16"}, {"tp": 2}, 1),
+    "pp2-1f1b": ({}, {"pp": 2}, 4),
+    "pp2-gpipe-bf16": ({"precision": "bf16"}, {"pp": 2, "training": {"schedule": "gpipe"}}, 4),
+    "pp2-zb-h1-bf16": ({"precision": "bf16"}, {"pp": 2, "training": {"schedule": "zb_h1"}}, 4),
+    "pp2-interleaved": (
+        {"num_layers": 6},
+        {"pp": 2, "training": {"schedule": "interleaved_1f1b", "num_virtual_stages": 2}},
+        4,
+    ),  # fmt: skip
+    "tp2-pp2-sp-selective": (
+        {"sequence_parallel": True, "activation_checkpointing": "selective"},
+        {"tp": 2, "pp": 2},
+        4,
+    ),  # fmt: skip
+}
+QUICK = {"fp32", "pp2-1f1b"}
+
+
+def _config(corpus: Any, name: str) -> tuple[dict[str, Any], int]:
+    arch, sections, micro_batches = LAYOUTS[name]
+    cfg = tiny_config(corpus, steps=2, **sections)
+    pp, dp = sections.get("pp", 1), sections.get("dp", 1)
+    cfg["transformer_architecture"].update(hidden_size=64, num_layers=2 * pp, max_sequence_length=64)
+    cfg["transformer_architecture"].update(arch)
+    cfg["data"]["sequence_length"] = 32
+    cfg["topology"].update(micro_batch_size=2, global_batch_size=2 * micro_batches * dp)
+    return cfg, sections.get("tp", 1) * pp * dp
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow) for n in LAYOUTS])
+def test_activation_bytes_are_predicted_within_5_percent_on_every_rank(tiny_corpus, name):
+    cfg, world = _config(tiny_corpus, name)
+    config = TransformerConfig.from_dict(cfg)
+    for rank, (stage, held) in enumerate(run_distributed(measure_worker, world, cfg, timeout_seconds=180)):
+        predicted = activation_memory(config, stage).peak
+        assert abs(predicted / held - 1) <= TOLERANCE, f"{name} rank {rank} (stage {stage}): {predicted=} {held=}"
+
+
+def test_a_setting_not_modelled_is_named(tiny_corpus):
+    cfg, _ = _config(tiny_corpus, "fp32")
+    cfg["transformer_architecture"]["hidden_dropout"] = 0.1
+    with pytest.raises(ValueError, match=r"transformer_architecture.hidden_dropout=0.1: the activation prediction"):
+        activation_memory(TransformerConfig.from_dict(cfg))

@@ -1,0 +1,75 @@
+"""Activation bytes on any device, CPU included, from the storages torch's operators create.
+
+CPU PyTorch keeps no allocator statistics (``torch.cuda.max_memory_allocated`` has no CPU twin), so
+the planner's activation predictions are checked by watching every operator's outputs under a
+``TorchDispatchMode``: a storage first seen as the output of an operator running outside a backward
+pass (the autograd engine has no current node) is a forward's, held until it is freed (a weak
+reference's callback). A view's or an in-place operator's output shares an input's storage and is not
+new, so the model's parameters and buffers never count.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class ActivationBytes(TorchDispatchMode):
+    """Watch the storages forward passes create while they live.
+
+    Attributes:
+        at_backward: the most bytes the forward passes' storages held when a backward pass began
+            (its first operator): the activations a backward finds, a pipeline's in-flight
+            micro-batches included. Sized when counted: ZeRO-3 frees a gathered parameter by
+            resizing its storage to 0, which no operator sees.
+
+    Example::
+
+        with ActivationBytes() as watch:
+            trainer.train_step()
+        watch.at_backward
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at_backward = 0
+        self._graph_task = -1
+        self._live: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+
+    def _forget(self, key: int) -> Callable[[object], None]:
+        def freed(_: object) -> None:
+            self._live.pop(key, None)
+
+        return freed
+
+    def held(self) -> int:
+        """The bytes the forward passes' live storages hold now."""
+        live = (ref() for ref in self._live.values())
+        return sum(storage.nbytes() for storage in live if storage is not None)
+
+    def __torch_dispatch__(
+        self,
+        func: Any,  # Any: an OpOverload; torch types the mode's hook loosely
+        types: Any,  # Any: as torch passes it
+        args: tuple[Any, ...] = (),  # Any: operator arguments of every kind
+        kwargs: dict[str, Any] | None = None,  # Any: as args
+    ) -> Any:  # Any: whatever the operator returns
+        out = func(*args, **(kwargs or {}))
+        if torch._C._current_autograd_node() is not None:  # in a backward pass
+            if (task := torch._C._current_graph_task_id()) != self._graph_task:
+                self._graph_task = task
+                self.at_backward = max(self.at_backward, self.held())
+            return out
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+                storage = leaf.untyped_storage()
+                key = id(storage)
+                if key not in inputs and key not in self._live:
+                    self._live[key] = weakref.ref(storage, self._forget(key))
+        return out
