@@ -9,7 +9,7 @@ scaling-transformer import-hf HF_DIR OUT_DIR        # Llama/Qwen/Mixtral safeten
 scaling-transformer export-hf OUT_DIR HF_DIR        # ours -> the family's config.json + safetensors
 scaling-transformer export-hf CKPT HF_DIR --peft-dir ADAPTER_DIR   # + the LoRA adapter in PEFT format
 scaling-transformer presets                         # the named architectures (transformer_architecture.preset)
-scaling-transformer memory my.yml topology.model_parallel_size=8    # model-state bytes per rank, per stage
+scaling-transformer memory my.yml topology.model_parallel_size=8    # model-state and activation bytes per rank, per stage
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def _presets(args: argparse.Namespace) -> int:
 def _memory(args: argparse.Namespace) -> int:
     from scaling.trainer.planning import rank_memory
     from scaling.transformer.config import TransformerConfig
-    from scaling.transformer.memory import memory_inputs, method_of
+    from scaling.transformer.memory import activation_memory, memory_inputs, method_of
 
     if "=" in args.config and not Path(args.config).exists():  # `scaling-transformer memory topology.x=1`
         args.overrides, args.config = [args.config, *args.overrides], str(DEFAULT_CONFIG)
@@ -173,15 +173,29 @@ def _memory(args: argparse.Namespace) -> int:
         f"model state per rank at {sizes}, ZeRO-{opt.zero_stage}{', offload' if opt.cpu_offload else ''}, "
         f"{arch.precision}, {opt.method}: {arch.num_parameters():,} parameters"
     )
+    device = "cpu" if config.topology.device == "cpu" else "cuda"
+    try:
+        activations: list[int] | None = [activation_memory(config, s, device).peak for s in range(layout.pp)]
+        unmodelled = ""
+    except ValueError as err:
+        activations, unmodelled = None, str(err)
     print(
-        f"{'stage':>5} {'parameters':>11} {'gradients':>11} {'master':>11} {'state':>11} {'device':>11} {'host':>11}  GiB, first rank of the stage"
+        f"{'stage':>5} {'parameters':>11} {'gradients':>11} {'master':>11} {'state':>11} {'device':>11} {'host':>11} "
+        f"{'activations':>11} {'total':>11}  GiB, first rank of the stage"
     )
     for stage in range(layout.pp):
         m = rank_memory(specs, layout, config.optimizer, stage, method_of=method_of(config))
+        act = (
+            f"{activations[stage] / gib:>11.3f} {(m.device + activations[stage]) / gib:>11.3f}"
+            if activations is not None
+            else f"{'-':>11} {'-':>11}"
+        )
         print(
             f"{stage:>5} {m.parameters / gib:>11.3f} {m.gradients / gib:>11.3f} {m.master / gib:>11.3f} "
-            f"{m.state / gib:>11.3f} {m.device / gib:>11.3f} {m.host / gib:>11.3f}"
+            f"{m.state / gib:>11.3f} {m.device / gib:>11.3f} {m.host / gib:>11.3f} {act}"
         )
+    if unmodelled:
+        print(f"activations not predicted: {unmodelled}")
     return 0
 
 
@@ -230,7 +244,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("presets", help="list the named architectures (transformer_architecture.preset)")
     p.set_defaults(fn=_presets)
     p = sub.add_parser(
-        "memory", help="model-state bytes per rank of a config's layout, per pipeline stage, without allocating"
+        "memory",
+        help="model-state and activation bytes per rank of a config's layout, per pipeline stage, without allocating",
     )
     p.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="YAML or JSON config (default: bundled)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. topology.model_parallel_size=8")
