@@ -45,6 +45,7 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
     "tp2": ({}, {"tp": 2}, 1),
     "tp2-sp-bf16": ({"sequence_parallel": True, "precision": "bf16"}, {"tp": 2}, 1),
     "pp2-1f1b": ({}, {"pp": 2}, 4),
+    "pp2-1f1b-8-micro-batches": ({}, {"pp": 2}, 8),  # gloo keeps every send's buffer until the step ends
     "pp2-gpipe-bf16": ({"precision": "bf16"}, {"pp": 2, "training": {"schedule": "gpipe"}}, 4),
     "pp2-zb-h1-bf16": ({"precision": "bf16"}, {"pp": 2, "training": {"schedule": "zb_h1"}}, 4),
     "pp2-interleaved": (
@@ -52,13 +53,23 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
         {"pp": 2, "training": {"schedule": "interleaved_1f1b", "num_virtual_stages": 2}},
         4,
     ),  # fmt: skip
+    "cp2-ring": ({}, {"cp": 2}, 1),
+    "cp2-ring-selective-bf16": ({"activation_checkpointing": "selective", "precision": "bf16"}, {"cp": 2}, 1),
+    "cp2-all-to-all-bf16": ({"context_parallel_method": "all_to_all", "precision": "bf16"}, {"cp": 2}, 1),
+    "cp2-all-to-all-no-documents": ({"context_parallel_method": "all_to_all", "document_masking": False}, {"cp": 2}, 1),
+    "cp2-all-to-all-selective": (
+        {"context_parallel_method": "all_to_all", "activation_checkpointing": "selective"},
+        {"cp": 2},
+        1,
+    ),  # fmt: skip
+    "cp2-tp2-sp-pp2": ({"sequence_parallel": True}, {"cp": 2, "tp": 2, "pp": 2}, 4),
     "tp2-pp2-sp-selective": (
         {"sequence_parallel": True, "activation_checkpointing": "selective"},
         {"tp": 2, "pp": 2},
         4,
     ),  # fmt: skip
 }
-QUICK = {"fp32", "pp2-1f1b"}
+QUICK = {"fp32", "pp2-1f1b", "cp2-all-to-all-bf16"}
 
 
 def _config(corpus: Any, name: str) -> tuple[dict[str, Any], int]:
@@ -69,7 +80,7 @@ def _config(corpus: Any, name: str) -> tuple[dict[str, Any], int]:
     cfg["transformer_architecture"].update(arch)
     cfg["data"]["sequence_length"] = 32
     cfg["topology"].update(micro_batch_size=2, global_batch_size=2 * micro_batches * dp)
-    return cfg, sections.get("tp", 1) * pp * dp
+    return cfg, sections.get("tp", 1) * sections.get("cp", 1) * pp * dp
 
 
 @pytest.mark.distributed

@@ -29,3 +29,10 @@ def test_interleaving_weighs_each_chunk_s_micro_batches_by_their_own_bytes():
 def test_zb_h1_frees_a_micro_batch_at_its_input_backward():
     assert in_flight_peak([5], "zb_h1", 2, 4, 0) == 2 * 5
     assert in_flight_peak([5], "zb_h1", 2, 4, 1) == 5
+
+
+def test_sends_kept_until_the_step_ends_add_up_over_the_micro_batches():
+    # 1F1B's last stage of 2 sends one gradient per micro-batch, after that micro-batch's backward: at
+    # the last backward it holds the m - 1 earlier ones; the first stage has sent its m activations.
+    assert in_flight_peak([0], "1f1b", 2, 8, 1, kept_sends=(100, 1)) == 7
+    assert in_flight_peak([0], "1f1b", 2, 8, 0, kept_sends=(100, 1)) == 800

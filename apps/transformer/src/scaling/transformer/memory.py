@@ -85,9 +85,8 @@ class ActivationMemory:
 
 
 def _refuse_unmodelled(config: TransformerConfig) -> None:
-    arch, top = config.transformer_architecture, config.topology
+    arch = config.transformer_architecture
     unmodelled = {
-        "topology.context_parallel_size": (top.context_parallel_size, 1),
         "transformer_architecture.moe": (arch.moe, None),
         "transformer_architecture.latent_attention": (arch.latent_attention, None),
         "transformer_architecture.qk_norm": (arch.qk_norm, False),
@@ -137,7 +136,9 @@ def block_activation_terms(config: TransformerConfig, device: str = "cpu") -> di
     _refuse_unmodelled(config)
     arch, top = config.transformer_architecture, config.topology
     assert top.micro_batch_size is not None and top.model_parallel_size is not None
-    tp, b, s = top.model_parallel_size, top.micro_batch_size, config.data.sequence_length
+    tp, cp, b = top.model_parallel_size, top.context_parallel_size, top.micro_batch_size
+    seq = config.data.sequence_length
+    s = seq // cp  # this rank's part of each sequence
     e, h, d = arch.dtype.itemsize, arch.hidden_size, arch.head_size
     tokens = b * s
     stream = tokens // tp if arch.sequence_parallel else tokens
@@ -159,11 +160,19 @@ def block_activation_terms(config: TransformerConfig, device: str = "cpu") -> di
         "mlp": (4 if swiglu else 2) * e * tokens * ffn,
         "rng_state": 0,
     }
-    if arch.activation_checkpointing == "selective":
-        terms["attention"], terms["rng_state"] = 0, rng_state
-    if arch.document_masking:
+    if cp > 1:
+        # int64 positions of the zigzag pieces; documents: ids and positions of the whole sequences.
+        terms["documents"] = 3 * 8 * tokens + (2 * 8 * b * seq if arch.document_masking else 0)
+        if arch.context_parallel_method == "all_to_all":
+            terms["documents"] += 2 * 8 * seq  # the zigzag order and its inverse
+            if arch.activation_checkpointing != "selective":  # heads over CP: the kernel's own q, k, v
+                terms["qkv"], terms["rotary"] = 0, 2 * 2 * 4 * positions * s * (d // 2)
+                terms["attention"] += e * tokens * (nq + 2 * nkv) * d
+    elif arch.document_masking:
         varlen = device == "cuda" and e == 2 and d % 8 == 0 and d <= 256
         terms["documents"] = 2 * 8 * tokens + (0 if varlen else e * b * s * s)
+    if arch.activation_checkpointing == "selective":
+        terms["attention"], terms["rng_state"] = 0, rng_state
     return terms
 
 
@@ -175,8 +184,7 @@ def activation_memory(config: TransformerConfig, stage: int = 0, device: str = "
     over the micro-batches in flight (``scaling.trainer.planning.in_flight_peak``).
 
     Raises:
-        ValueError: naming a setting the prediction does not model yet (context parallelism, MoE,
-            latent attention, dropout, float8, compile, finetuning...).
+        ValueError: naming a setting the prediction does not model yet (MoE, latent attention, dropout, float8, compile, finetuning...).
     """
     block = block_activation_terms(config, device)
     arch, top = config.transformer_architecture, config.topology
@@ -184,14 +192,16 @@ def activation_memory(config: TransformerConfig, stage: int = 0, device: str = "
     assert top.pipe_parallel_size is not None and top.gradient_accumulation_steps is not None
     tp, pp = top.model_parallel_size, top.pipe_parallel_size
     e, h = arch.dtype.itemsize, arch.hidden_size
-    tokens = top.micro_batch_size * config.data.sequence_length
+    tokens = top.micro_batch_size * config.data.sequence_length // top.context_parallel_size
     stream = tokens // tp if arch.sequence_parallel else tokens
     vocab = -(-arch.vocab_size // tp)
     # fp32 log-softmax in one rank; over TP the shifted logits, their exponentials and per-token masks.
     loss = 4 * tokens * vocab if tp == 1 else 8 * tokens * vocab + 26 * tokens
     head = _norm_bytes(arch, stream) + e * h * tokens + loss
-    # A chunk's output is kept for its backward, and its packed copy (with int64 positions) until sent.
-    sent = 2 * e * h * stream + (8 * tokens if arch.document_masking else 0)
+    # On gloo each send's packed copy (an activation's with its int64 positions) lives until the step
+    # ends (scaling.trainer.planning.in_flight_peak); NCCL's finished sends are freed as they go.
+    packed = e * h * stream + (8 * tokens if arch.document_masking else 0)
+    kept_sends = (packed, e * h * stream) if device == "cpu" else (0, 0)
     virtual = config.training.num_virtual_stages
     partition = partition_layers(arch.num_layers + 2, pp, num_virtual=virtual)
     last = arch.num_layers + 1
@@ -202,10 +212,10 @@ def activation_memory(config: TransformerConfig, stage: int = 0, device: str = "
         held += head if last in layers else 0
         if 0 not in layers and e != 4 and arch.norm == "rmsnorm":  # kept besides the norm's fp32 copy
             held += e * h * stream
-        held += sent if last not in layers else 0
+        held += e * h * stream if last not in layers else 0  # the output, kept for its backward
         per_chunk.append(held)
     received_gradient = e * h * stream if stage < pp - 1 or virtual > 1 else 0
     peak = in_flight_peak(
-        per_chunk, config.training.schedule, pp, top.gradient_accumulation_steps, stage, received_gradient
+        per_chunk, config.training.schedule, pp, top.gradient_accumulation_steps, stage, received_gradient, kept_sends
     )
     return ActivationMemory(stage, peak, tuple(per_chunk), block)

@@ -5,13 +5,17 @@ its layers: ``scaling.transformer.memory``); the schedule says how many forwards
 whose backward has not yet begun. The stage's activation peak is the most it holds when a backward
 begins: 1F1B's first stage holds ``min(p, m)`` micro-batches, GPipe's all ``m``, interleaved 1F1B
 more of its earlier chunks. A backward (or ZB-H1's input backward) frees its micro-batch's chunk.
+
+On gloo a send's buffer lives until the step's end: gloo's send handle reports completion only
+once waited for, so ``PipeTransport`` cannot collect finished sends as it goes (NCCL's can) and
+waits for them all after the last instruction; ``kept_sends`` counts those buffers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from scaling.pipeline import SCHEDULES, Backward, BackwardInput, Forward
+from scaling.pipeline import SCHEDULES, Backward, BackwardInput, Exchange, Forward, SendActivation, SendGrad
 
 
 def in_flight_peak(
@@ -21,6 +25,7 @@ def in_flight_peak(
     num_micro_batches: int,
     stage: int,
     at_backward: int = 0,
+    kept_sends: tuple[int, int] = (0, 0),
 ) -> int:
     """The most activation bytes ``stage`` holds when one of its backwards begins.
 
@@ -30,15 +35,21 @@ def in_flight_peak(
         schedule: a name in ``scaling.pipeline.SCHEDULES``.
         num_stages, num_micro_batches, stage: the pipeline's ``p``, ``m`` and this stage.
         at_backward: bytes the backward's micro-batch adds when it begins (a received gradient).
+        kept_sends: bytes of each activation send and each gradient send held until the step ends
+            (gloo; ``(0, 0)`` where finished sends are freed).
     """
     kwargs = {"num_virtual": len(chunk_bytes)} if schedule == "interleaved_1f1b" else {}
     program = SCHEDULES[schedule](num_stages, num_micro_batches, stage, **kwargs)
     held: set[tuple[int, int]] = set()
-    peak = 0
+    peak = sent = 0
     for instruction in program:
+        for op in instruction.ops if isinstance(instruction, Exchange) else (instruction,):
+            sent += (
+                kept_sends[0] if isinstance(op, SendActivation) else kept_sends[1] if isinstance(op, SendGrad) else 0
+            )
         if isinstance(instruction, Forward):
             held.add((instruction.micro_batch, instruction.chunk))
         elif isinstance(instruction, (Backward, BackwardInput)):
-            peak = max(peak, sum(chunk_bytes[chunk] for _, chunk in held) + at_backward)
+            peak = max(peak, sum(chunk_bytes[chunk] for _, chunk in held) + at_backward + sent)
             held.discard((instruction.micro_batch, instruction.chunk))
     return peak
