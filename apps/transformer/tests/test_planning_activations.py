@@ -33,6 +33,8 @@ def measure_worker(cfg: dict[str, Any]) -> tuple[int, int]:
         topology.destroy()
 
 
+MOE = {"num_experts": 4, "top_k": 2, "num_shared_experts": 1}
+
 #: name: (architecture, other sections, micro-batches per rank); every other block setting as tiny_config's.
 LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
     "fp32": ({}, {}, 1),
@@ -63,6 +65,14 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
         1,
     ),  # fmt: skip
     "cp2-tp2-sp-pp2": ({"sequence_parallel": True}, {"cp": 2, "tp": 2, "pp": 2}, 4),
+    "moe": ({"moe": MOE, "document_masking": False}, {}, 1),
+    "moe-tp2-bf16": ({"moe": MOE, "precision": "bf16"}, {"tp": 2}, 1),
+    "moe-dp2-ep2": ({"moe": MOE}, {"dp": 2, "topology": {"expert_parallel_size": 2}}, 1),
+    "moe-every-other-pp2-dp2-ep2-bf16": (
+        {"moe": {**MOE, "every": 2}, "precision": "bf16"},
+        {"pp": 2, "dp": 2, "topology": {"expert_parallel_size": 2}},
+        4,
+    ),  # fmt: skip
     "tp2-pp2-sp-selective": (
         {"sequence_parallel": True, "activation_checkpointing": "selective"},
         {"tp": 2, "pp": 2},
@@ -88,9 +98,16 @@ def _config(corpus: Any, name: str) -> tuple[dict[str, Any], int]:
 def test_activation_bytes_are_predicted_within_5_percent_on_every_rank(tiny_corpus, name):
     cfg, world = _config(tiny_corpus, name)
     config = TransformerConfig.from_dict(cfg)
-    for rank, (stage, held) in enumerate(run_distributed(measure_worker, world, cfg, timeout_seconds=180)):
+    results = run_distributed(measure_worker, world, cfg, timeout_seconds=180)
+    if config.topology.expert_parallel_size > 1:
+        # Routing is not balanced over the expert-parallel ranks; the prediction is their mean's.
+        by_stage: dict[int, list[int]] = {}
+        for stage, held in results:
+            by_stage.setdefault(stage, []).append(held)
+        results = [(stage, sum(held) // len(held)) for stage, held in by_stage.items()]
+    for stage, held in results:
         predicted = activation_memory(config, stage).peak
-        assert abs(predicted / held - 1) <= TOLERANCE, f"{name} rank {rank} (stage {stage}): {predicted=} {held=}"
+        assert abs(predicted / held - 1) <= TOLERANCE, f"{name} stage {stage}: {predicted=} {held=}"
 
 
 def test_a_setting_not_modelled_is_named(tiny_corpus):

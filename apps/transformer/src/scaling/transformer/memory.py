@@ -76,18 +76,20 @@ def model_state_memory(
 class ActivationMemory:
     """Activation bytes of one pipeline stage's rank: the peak when a backward begins
     (``peak``), what one micro-batch leaves held on each local model chunk (``per_chunk``), and
-    one block's terms by name (``block``; the same on every rank of a layout)."""
+    a dense block's and a mixture-of-experts block's terms by name (``block``, ``moe_block``: None
+    without MoE; the same on every rank of a layout)."""
 
     stage: int
     peak: int
     per_chunk: tuple[int, ...]
     block: dict[str, int]
+    moe_block: dict[str, int] | None = None
 
 
 def _refuse_unmodelled(config: TransformerConfig) -> None:
     arch = config.transformer_architecture
     unmodelled = {
-        "transformer_architecture.moe": (arch.moe, None),
+        "transformer_architecture.moe with sequence_parallel": (arch.moe is not None and arch.sequence_parallel, False),
         "transformer_architecture.latent_attention": (arch.latent_attention, None),
         "transformer_architecture.qk_norm": (arch.qk_norm, False),
         "transformer_architecture.rotary_percentage": (arch.rotary_percentage, 1.0),
@@ -119,7 +121,7 @@ def _norm_bytes(arch: TransformerArchitectureConfig, stream: int) -> int:
     return arch.dtype.itemsize * arch.hidden_size * stream + 8 * stream
 
 
-def block_activation_terms(config: TransformerConfig, device: str = "cpu") -> dict[str, int]:
+def block_activation_terms(config: TransformerConfig, device: str = "cpu", moe: bool = False) -> dict[str, int]:
     """What one dense block's forward leaves held for the backward, per micro-batch and rank, by term.
 
     ``T`` local tokens (micro-batch x sequence), ``T_s`` of the residual stream (``T / tp`` under
@@ -132,6 +134,12 @@ def block_activation_terms(config: TransformerConfig, device: str = "cpu") -> di
     and a ``b s^2 e`` mask where the kernel is not CUDA's variable-length one; SwiGLU keeps gate, up,
     SiLU and their product, GELU up and GELU. ``every_layer`` keeps the block's input only. Each
     checkpointed region keeps the generators' states.
+
+    ``moe``: a mixture-of-experts block, whose routed tokens are assumed balanced over the expert-
+    parallel ranks (each processes ``T k`` pairs: exact for their mean); its ``mlp`` term is the
+    router's fp32 scores and int64 choices, the pairs' rows in expert order and their outputs in
+    token order (``2 e T k h``), each expert's SwiGLU over its rows (``4 e T k f_e``), and the
+    shared experts' SwiGLU.
     """
     _refuse_unmodelled(config)
     arch, top = config.transformer_architecture, config.topology
@@ -160,6 +168,14 @@ def block_activation_terms(config: TransformerConfig, device: str = "cpu") -> di
         "mlp": (4 if swiglu else 2) * e * tokens * ffn,
         "rng_state": 0,
     }
+    if moe and arch.moe is not None:
+        k, experts = arch.moe.top_k, arch.moe.num_experts
+        expert_ffn = arch.moe.ffn_size or arch.ffn_size
+        pairs = tokens * k
+        router = 4 * tokens * experts + 32 * pairs + 4 * tokens
+        shared = 4 * e * tokens * -(-arch.moe.num_shared_experts * expert_ffn // tp)
+        expert_ffn = -(-expert_ffn // tp)
+        terms["mlp"] = router + 2 * e * pairs * h + 4 * e * pairs * expert_ffn + shared
     if cp > 1:
         # int64 positions of the zigzag pieces; documents: ids and positions of the whole sequences.
         terms["documents"] = 3 * 8 * tokens + (2 * 8 * b * seq if arch.document_masking else 0)
@@ -184,12 +200,14 @@ def activation_memory(config: TransformerConfig, stage: int = 0, device: str = "
     over the micro-batches in flight (``scaling.trainer.planning.in_flight_peak``).
 
     Raises:
-        ValueError: naming a setting the prediction does not model yet (MoE, latent attention, dropout, float8, compile, finetuning...).
+        ValueError: naming a setting the prediction does not model yet (MoE with sequence
+            parallelism, latent attention, dropout, float8, compile, finetuning...).
     """
-    block = block_activation_terms(config, device)
     arch, top = config.transformer_architecture, config.topology
     assert top.micro_batch_size is not None and top.model_parallel_size is not None
     assert top.pipe_parallel_size is not None and top.gradient_accumulation_steps is not None
+    block = block_activation_terms(config, device)
+    moe_block = block_activation_terms(config, device, moe=True) if arch.moe is not None else None
     tp, pp = top.model_parallel_size, top.pipe_parallel_size
     e, h = arch.dtype.itemsize, arch.hidden_size
     tokens = top.micro_batch_size * config.data.sequence_length // top.context_parallel_size
@@ -208,7 +226,11 @@ def activation_memory(config: TransformerConfig, stage: int = 0, device: str = "
     per_chunk = []
     for chunk in range(virtual):
         layers = partition[chunk * pp + stage]
-        held = sum(sum(block.values()) for i in layers if 0 < i < last)
+        held = sum(
+            sum((moe_block if moe_block is not None and arch.is_moe_block(i - 1) else block).values())
+            for i in layers
+            if 0 < i < last
+        )
         held += head if last in layers else 0
         if 0 not in layers and e != 4 and arch.norm == "rmsnorm":  # kept besides the norm's fp32 copy
             held += e * h * stream
@@ -218,4 +240,4 @@ def activation_memory(config: TransformerConfig, stage: int = 0, device: str = "
     peak = in_flight_peak(
         per_chunk, config.training.schedule, pp, top.gradient_accumulation_steps, stage, received_gradient, kept_sends
     )
-    return ActivationMemory(stage, peak, tuple(per_chunk), block)
+    return ActivationMemory(stage, peak, tuple(per_chunk), block, moe_block)
