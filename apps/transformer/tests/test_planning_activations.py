@@ -65,6 +65,12 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
         1,
     ),  # fmt: skip
     "cp2-tp2-sp-pp2": ({"sequence_parallel": True}, {"cp": 2, "tp": 2, "pp": 2}, 4),
+    "qk-norm-dropout": ({"qk_norm": True, "hidden_dropout": 0.1, "embedding_dropout": 0.1}, {}, 1),
+    "qk-norm-dropout-bf16-tp2-sp": (
+        {"qk_norm": True, "hidden_dropout": 0.1, "precision": "bf16", "sequence_parallel": True},
+        {"tp": 2},
+        1,
+    ),  # fmt: skip
     "moe": ({"moe": MOE, "document_masking": False}, {}, 1),
     "moe-tp2-bf16": ({"moe": MOE, "precision": "bf16"}, {"tp": 2}, 1),
     "moe-dp2-ep2": ({"moe": MOE}, {"dp": 2, "topology": {"expert_parallel_size": 2}}, 1),
@@ -112,6 +118,6 @@ def test_activation_bytes_are_predicted_within_5_percent_on_every_rank(tiny_corp
 
 def test_a_setting_not_modelled_is_named(tiny_corpus):
     cfg, _ = _config(tiny_corpus, "fp32")
-    cfg["transformer_architecture"]["hidden_dropout"] = 0.1
-    with pytest.raises(ValueError, match=r"transformer_architecture.hidden_dropout=0.1: the activation prediction"):
+    cfg["transformer_architecture"]["attention_dropout"] = 0.1
+    with pytest.raises(ValueError, match=r"transformer_architecture.attention_dropout=0.1: the activation prediction"):
         activation_memory(TransformerConfig.from_dict(cfg))

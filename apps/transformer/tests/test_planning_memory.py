@@ -138,7 +138,7 @@ def test_the_memory_command_prints_each_stage_s_first_rank(tiny_corpus, capsys):
     assert len(lines) == 4
     assert main(["memory", str(path), "finetuning.method=lora"]) == 2
     assert "covers full training only" in capsys.readouterr().err
-    assert main(["memory", str(path), "transformer_architecture.hidden_dropout=0.1"]) == 0
+    assert main(["memory", str(path), "transformer_architecture.attention_dropout=0.1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[2].split()[-2:] == ["-", "-"]
-    assert lines[-1].startswith("activations not predicted: transformer_architecture.hidden_dropout=0.1")
+    assert lines[-1].startswith("activations not predicted: transformer_architecture.attention_dropout=0.1")

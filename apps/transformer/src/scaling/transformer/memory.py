@@ -91,11 +91,8 @@ def _refuse_unmodelled(config: TransformerConfig) -> None:
     unmodelled = {
         "transformer_architecture.moe with sequence_parallel": (arch.moe is not None and arch.sequence_parallel, False),
         "transformer_architecture.latent_attention": (arch.latent_attention, None),
-        "transformer_architecture.qk_norm": (arch.qk_norm, False),
         "transformer_architecture.rotary_percentage": (arch.rotary_percentage, 1.0),
         "transformer_architecture.attention_dropout": (arch.attention_dropout, 0.0),
-        "transformer_architecture.hidden_dropout": (arch.hidden_dropout, 0.0),
-        "transformer_architecture.embedding_dropout": (arch.embedding_dropout, 0.0),
         "training.fp8.enabled": (config.training.fp8.enabled, False),
         "training.compile.enabled": (config.training.compile.enabled, False),
         "finetuning.method": (config.finetuning.method, "none"),
@@ -132,8 +129,10 @@ def block_activation_terms(config: TransformerConfig, device: str = "cpu", moe: 
     and keys, RoPE's fp32 cos/sin, the kernel's output and fp32 log-sum-exp (recomputed under
     ``selective``) and the output projection's input; documents keep their ids and positions (int64)
     and a ``b s^2 e`` mask where the kernel is not CUDA's variable-length one; SwiGLU keeps gate, up,
-    SiLU and their product, GELU up and GELU. ``every_layer`` keeps the block's input only. Each
-    checkpointed region keeps the generators' states.
+    SiLU and their product, GELU up and GELU; QK-norm each head's input and ``input x rsqrt`` in fp32
+    and the rsqrt, for queries and keys; hidden dropout a mask per residual branch (the input's dtype
+    on the CPU, bool on CUDA). ``every_layer`` keeps the block's input only. Each checkpointed region
+    keeps the generators' states.
 
     ``moe``: a mixture-of-experts block, whose routed tokens are assumed balanced over the expert-
     parallel ranks (each processes ``T k`` pairs: exact for their mean); its ``mlp`` term is the
@@ -168,6 +167,11 @@ def block_activation_terms(config: TransformerConfig, device: str = "cpu", moe: 
         "mlp": (4 if swiglu else 2) * e * tokens * ffn,
         "rng_state": 0,
     }
+    if arch.qk_norm:  # over each head: the input (fp32), input x rsqrt (fp32) and rsqrt of q and k
+        terms["qk_norm"] = 4 * tokens * nq * d + (4 * tokens * nkv * d if e != 4 else 0)
+        terms["qk_norm"] += 4 * tokens * (nq + nkv) * (d + 1)
+    if arch.hidden_dropout > 0:  # a mask per residual branch: the input's dtype on CPU, bool on CUDA
+        terms["dropout"] = 2 * (e if device == "cpu" else 1) * h * stream
     if moe and arch.moe is not None:
         k, experts = arch.moe.top_k, arch.moe.num_experts
         expert_ffn = arch.moe.ffn_size or arch.ffn_size
@@ -201,7 +205,7 @@ def activation_memory(config: TransformerConfig, stage: int = 0, device: str = "
 
     Raises:
         ValueError: naming a setting the prediction does not model yet (MoE with sequence
-            parallelism, latent attention, dropout, float8, compile, finetuning...).
+            parallelism, latent attention, attention dropout, float8, compile, finetuning...).
     """
     arch, top = config.transformer_architecture, config.topology
     assert top.micro_batch_size is not None and top.model_parallel_size is not None
@@ -216,6 +220,7 @@ def activation_memory(config: TransformerConfig, stage: int = 0, device: str = "
     # fp32 log-softmax in one rank; over TP the shifted logits, their exponentials and per-token masks.
     loss = 4 * tokens * vocab if tp == 1 else 8 * tokens * vocab + 26 * tokens
     head = _norm_bytes(arch, stream) + e * h * tokens + loss
+    embedding = (e if device == "cpu" else 1) * h * stream if arch.embedding_dropout > 0 else 0  # the mask
     # On gloo each send's packed copy (an activation's with its int64 positions) lives until the step
     # ends (scaling.trainer.planning.in_flight_peak); NCCL's finished sends are freed as they go.
     packed = e * h * stream + (8 * tokens if arch.document_masking else 0)
@@ -232,6 +237,7 @@ def activation_memory(config: TransformerConfig, stage: int = 0, device: str = "
             if 0 < i < last
         )
         held += head if last in layers else 0
+        held += embedding if 0 in layers else 0
         if 0 not in layers and e != 4 and arch.norm == "rmsnorm":  # kept besides the norm's fp32 copy
             held += e * h * stream
         held += e * h * stream if last not in layers else 0  # the output, kept for its backward
