@@ -34,6 +34,7 @@ def measure_worker(cfg: dict[str, Any]) -> tuple[int, int]:
 
 
 MOE = {"num_experts": 4, "top_k": 2, "num_shared_experts": 1}
+LATENT = {"kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12}
 
 #: name: (architecture, other sections, micro-batches per rank); every other block setting as tiny_config's.
 LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
@@ -69,6 +70,17 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
     "qk-norm-dropout-bf16-tp2-sp": (
         {"qk_norm": True, "hidden_dropout": 0.1, "precision": "bf16", "sequence_parallel": True},
         {"tp": 2},
+        1,
+    ),  # fmt: skip
+    "latent-attention": ({"latent_attention": LATENT, "num_kv_heads": None, "document_masking": False}, {}, 1),
+    "latent-attention-bf16-tp2-documents": (
+        {"latent_attention": LATENT, "num_kv_heads": None, "precision": "bf16"},
+        {"tp": 2},
+        1,
+    ),  # fmt: skip
+    "latent-attention-no-query-latent-moe": (
+        {"latent_attention": {**LATENT, "q_lora_rank": None}, "num_kv_heads": None, "moe": MOE},
+        {},
         1,
     ),  # fmt: skip
     "moe": ({"moe": MOE, "document_masking": False}, {}, 1),

@@ -90,7 +90,10 @@ def _refuse_unmodelled(config: TransformerConfig) -> None:
     arch = config.transformer_architecture
     unmodelled = {
         "transformer_architecture.moe with sequence_parallel": (arch.moe is not None and arch.sequence_parallel, False),
-        "transformer_architecture.latent_attention": (arch.latent_attention, None),
+        "transformer_architecture.latent_attention with sequence_parallel": (
+            arch.latent_attention is not None and arch.sequence_parallel,
+            False,
+        ),
         "transformer_architecture.rotary_percentage": (arch.rotary_percentage, 1.0),
         "transformer_architecture.attention_dropout": (arch.attention_dropout, 0.0),
         "training.fp8.enabled": (config.training.fp8.enabled, False),
@@ -116,6 +119,36 @@ def _norm_bytes(arch: TransformerArchitectureConfig, stream: int) -> int:
     if arch.norm == "rmsnorm":
         return 4 * arch.hidden_size * stream * 2 + 4 * stream
     return arch.dtype.itemsize * arch.hidden_size * stream + 8 * stream
+
+
+def _latent_attention_terms(
+    arch: TransformerArchitectureConfig, b: int, s: int, tp: int, positions: int, device: str
+) -> dict[str, int]:
+    """Multi-head latent attention's terms (``tp`` heads split): the query and key/value latents'
+    norms (input and ``input x rsqrt`` in fp32, output in ``e``, rsqrt; the key/value projection's
+    whole output in fp32), RoPE's tables for the shared key. CPU SDPA runs the math kernel (queries and
+    keys of another width than values) in fp32: scaled queries and keys, the ``b n s^2`` softmax, the
+    values; CUDA's efficient kernel keeps q, k, the key/value projection, the output and log-sum-exp
+    (by analogy, not yet measured)."""
+    latent = arch.latent_attention
+    assert latent is not None
+    e, tokens = arch.dtype.itemsize, b * s
+    n = arch.num_attention_heads // tp
+    dqk, dv, dr = latent.qk_nope_head_dim + latent.qk_rope_head_dim, latent.v_head_dim, latent.qk_rope_head_dim
+    kvr, ql = latent.kv_lora_rank, latent.q_lora_rank
+    latents = 4 * tokens * kvr * 2 + (4 * tokens * dr if e == 4 else 0) + e * tokens * kvr + 4 * tokens
+    if ql is not None:
+        latents += 4 * tokens * ql * 2 + e * tokens * ql + 4 * tokens
+    if device == "cpu":
+        core = 4 * tokens * n * (2 * dqk + dv) + 4 * b * n * s * s
+    else:
+        core = e * tokens * n * (2 * dqk + latent.qk_nope_head_dim + 2 * dv) + 4 * b * n * s
+    return {
+        "qkv": latents,
+        "rotary": 2 * 2 * 4 * positions * s * (dr // 2),
+        "attention": core,
+        "attention_projection_input": e * tokens * n * dv,
+    }
 
 
 def block_activation_terms(config: TransformerConfig, device: str = "cpu", moe: bool = False) -> dict[str, int]:
@@ -167,6 +200,8 @@ def block_activation_terms(config: TransformerConfig, device: str = "cpu", moe: 
         "mlp": (4 if swiglu else 2) * e * tokens * ffn,
         "rng_state": 0,
     }
+    if arch.latent_attention is not None:
+        terms.update(_latent_attention_terms(arch, b, s, tp, positions, device))
     if arch.qk_norm:  # over each head: the input (fp32), input x rsqrt (fp32) and rsqrt of q and k
         terms["qk_norm"] = 4 * tokens * nq * d + (4 * tokens * nkv * d if e != 4 else 0)
         terms["qk_norm"] += 4 * tokens * (nq + nkv) * (d + 1)
@@ -204,8 +239,8 @@ def activation_memory(config: TransformerConfig, stage: int = 0, device: str = "
     over the micro-batches in flight (``scaling.trainer.planning.in_flight_peak``).
 
     Raises:
-        ValueError: naming a setting the prediction does not model yet (MoE with sequence
-            parallelism, latent attention, attention dropout, float8, compile, finetuning...).
+        ValueError: naming a setting the prediction does not model yet (MoE or latent
+            attention with sequence parallelism, attention dropout, float8, compile, finetuning...).
     """
     arch, top = config.transformer_architecture, config.topology
     assert top.micro_batch_size is not None and top.model_parallel_size is not None
