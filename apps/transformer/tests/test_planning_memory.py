@@ -13,7 +13,7 @@ from scaling.testing import run_distributed
 from scaling.topology import Topology
 from scaling.transformer.__main__ import main
 from scaling.transformer.config import TransformerConfig
-from scaling.transformer.memory import activation_memory, model_state_memory
+from scaling.transformer.memory import activation_memory, model_state_memory, peak_memory
 from scaling.transformer.train import build_trainer
 
 MOE = {"moe": {"every": 2, "num_experts": 4, "top_k": 2, "num_shared_experts": 1}}
@@ -132,13 +132,17 @@ def test_the_memory_command_prints_each_stage_s_first_rank(tiny_corpus, capsys):
     config = TransformerConfig.from_dict(cfg)
     for stage, line in enumerate(lines[2:]):
         m, a = model_state_memory(config, stage), activation_memory(config, stage, "cpu").peak
+        peak = peak_memory(config, stage, "cpu").peak
         assert line.split() == [str(stage), *(f"{b / 2**30:.3f}" for b in (m.parameters, m.gradients, m.master,
-                                                                            m.state, m.device, m.host, a,
-                                                                            m.device + a))]  # fmt: skip
+                                                                            m.state, m.device, m.host, a, peak))]  # fmt: skip
     assert len(lines) == 4
     assert main(["memory", str(path), "finetuning.method=lora"]) == 2
     assert "covers full training only" in capsys.readouterr().err
     assert main(["memory", str(path), "transformer_architecture.attention_dropout=0.1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[2].split()[-2:] == ["-", "-"]
-    assert lines[-1].startswith("activations not predicted: transformer_architecture.attention_dropout=0.1")
+    assert lines[-1].startswith("not predicted: transformer_architecture.attention_dropout=0.1")
+    assert main(["memory", str(path), "optimizer.zero_stage=3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split()[-2] != "-" and lines[2].split()[-1] == "-"
+    assert lines[-1].startswith("not predicted: optimizer.zero_stage=3")

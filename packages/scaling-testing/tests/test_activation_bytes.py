@@ -1,10 +1,11 @@
-"""ActivationBytes: the bytes forward passes' storages hold when a backward begins, on the CPU."""
+"""ActivationBytes (what forward passes' storages hold when a backward begins) and PeakBytes (the most
+held, the model state included), on the CPU."""
 
 from __future__ import annotations
 
 import torch
 
-from scaling.testing import ActivationBytes
+from scaling.testing import ActivationBytes, PeakBytes
 
 
 def test_a_backward_finds_what_the_forward_saved_and_views_and_parameters_do_not_count():
@@ -32,3 +33,18 @@ def test_the_most_held_over_several_backwards_is_kept_and_a_storage_resized_to_n
         doubled = kept * 2
         doubled.untyped_storage().resize_(0)  # ZeRO-3 frees a gathered parameter this way
         assert watch.held() == 256 * 64 * 4
+
+
+def test_the_peak_counts_the_existing_state_until_it_is_freed_and_what_operators_make():
+    weight = torch.nn.Parameter(torch.randn(64, 64))
+    x = torch.randn(16, 64)
+    weight.grad = torch.zeros(64, 64)
+    watch = PeakBytes([weight, weight.grad])
+    assert watch.peak == 2 * 64 * 64 * 4
+    with watch:
+        weight.grad = None  # the step drops last step's gradient: no reference is left
+        assert watch.held() == 64 * 64 * 4
+        (x @ weight).sum().backward()
+    # When the new gradient is made: the weight, that gradient, the sum's gradient made whole for the
+    # product's backward ([16, 64]), the sum and its seed (the product itself was freed: nothing saves it).
+    assert watch.peak == 2 * 64 * 64 * 4 + 16 * 64 * 4 + 4 + 4

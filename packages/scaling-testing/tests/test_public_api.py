@@ -7,6 +7,7 @@ def test_public_api():
         "DEFAULT_TIMEOUT_SECONDS",
         "DistributedTestError",
         "DistributedTimeoutError",
+        "PeakBytes",
         "WorkerPool",
         "assert_parity",
         "make_topology",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -159,7 +160,7 @@ def _presets(args: argparse.Namespace) -> int:
 def _memory(args: argparse.Namespace) -> int:
     from scaling.trainer.planning import rank_memory
     from scaling.transformer.config import TransformerConfig
-    from scaling.transformer.memory import activation_memory, memory_inputs, method_of
+    from scaling.transformer.memory import activation_memory, memory_inputs, method_of, peak_memory
 
     if "=" in args.config and not Path(args.config).exists():  # `scaling-transformer memory topology.x=1`
         args.overrides, args.config = [args.config, *args.overrides], str(DEFAULT_CONFIG)
@@ -174,28 +175,30 @@ def _memory(args: argparse.Namespace) -> int:
         f"{arch.precision}, {opt.method}: {arch.num_parameters():,} parameters"
     )
     device = "cpu" if config.topology.device == "cpu" else "cuda"
-    try:
-        activations: list[int] | None = [activation_memory(config, s, device).peak for s in range(layout.pp)]
-        unmodelled = ""
-    except ValueError as err:
-        activations, unmodelled = None, str(err)
+    notes: list[str] = []
+
+    def predicted(fn: Callable[[int], int]) -> list[int] | None:
+        try:
+            return [fn(stage) for stage in range(layout.pp)]
+        except ValueError as err:
+            notes.append(str(err))
+            return None
+
+    activations = predicted(lambda stage: activation_memory(config, stage, device).peak)
+    peaks = predicted(lambda stage: peak_memory(config, stage, device).peak) if activations is not None else None
     print(
         f"{'stage':>5} {'parameters':>11} {'gradients':>11} {'master':>11} {'state':>11} {'device':>11} {'host':>11} "
-        f"{'activations':>11} {'total':>11}  GiB, first rank of the stage"
+        f"{'activations':>11} {'peak':>11}  GiB, first rank of the stage"
     )
     for stage in range(layout.pp):
         m = rank_memory(specs, layout, config.optimizer, stage, method_of=method_of(config))
-        act = (
-            f"{activations[stage] / gib:>11.3f} {(m.device + activations[stage]) / gib:>11.3f}"
-            if activations is not None
-            else f"{'-':>11} {'-':>11}"
-        )
+        extra = " ".join(f"{'-':>11}" if got is None else f"{got[stage] / gib:>11.3f}" for got in (activations, peaks))
         print(
             f"{stage:>5} {m.parameters / gib:>11.3f} {m.gradients / gib:>11.3f} {m.master / gib:>11.3f} "
-            f"{m.state / gib:>11.3f} {m.device / gib:>11.3f} {m.host / gib:>11.3f} {act}"
+            f"{m.state / gib:>11.3f} {m.device / gib:>11.3f} {m.host / gib:>11.3f} {extra}"
         )
-    if unmodelled:
-        print(f"activations not predicted: {unmodelled}")
+    for note in notes:
+        print(f"not predicted: {note}")
     return 0
 
 

@@ -231,12 +231,15 @@ def block_activation_terms(config: TransformerConfig, device: str = "cpu", moe: 
     return terms
 
 
-def activation_memory(config: TransformerConfig, stage: int = 0, device: str = "cpu") -> ActivationMemory:
+def activation_memory(
+    config: TransformerConfig, stage: int = 0, device: str = "cpu", after_first: int = 0
+) -> ActivationMemory:
     """The activation bytes of pipeline ``stage``'s ranks for ``config``: the blocks' terms
     (``block_activation_terms``), the head's norm and fp32 cross-entropy (log-softmax in one TP rank,
     shifted logits and their exponentials over a vocabulary block), a chunk's received input (when
     16-bit) and sent output held by the pipeline, a received gradient when a backward begins; summed
-    over the micro-batches in flight (``scaling.trainer.planning.in_flight_peak``).
+    over the micro-batches in flight (``scaling.trainer.planning.in_flight_peak``). ``after_first``:
+    bytes counted with them from the stage's first backward on (``peak_memory``'s gradients).
 
     Raises:
         ValueError: naming a setting the prediction does not model yet (MoE or latent
@@ -279,6 +282,81 @@ def activation_memory(config: TransformerConfig, stage: int = 0, device: str = "
         per_chunk.append(held)
     received_gradient = e * h * stream if stage < pp - 1 or virtual > 1 else 0
     peak = in_flight_peak(
-        per_chunk, config.training.schedule, pp, top.gradient_accumulation_steps, stage, received_gradient, kept_sends
+        per_chunk,
+        config.training.schedule,
+        pp,
+        top.gradient_accumulation_steps,
+        stage,
+        received_gradient,
+        kept_sends,
+        after_first,
     )
     return ActivationMemory(stage, peak, tuple(per_chunk), block, moe_block)
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    """The most device bytes a rank of pipeline ``stage`` holds in a step (``peak``) and its parts:
+    model state at rest, activations (with the gradients already made, when the peak is at a later
+    backward) and the moment's transient (``transient``): the loss's gradient on the last stage in
+    the backward, the DP reduction's buckets at its end, or the optimizer step's fp32 gradient
+    copies, whichever moment holds more (``moment``)."""
+
+    stage: int
+    peak: int
+    model_state: RankMemory
+    activations: int
+    transient: int
+    moment: str
+
+
+def peak_memory(config: TransformerConfig, stage: int = 0, device: str = "cpu") -> PeakMemory:
+    """The peak device bytes of the first rank of pipeline ``stage`` (``model_state_memory`` and
+    ``activation_memory``; see ``PeakMemory``).
+
+    In the backward the step holds the parameters and optimizer state (the gradients of the last
+    step were dropped), the activations of the micro-batches in flight, the gradients made by the
+    stage's earlier backwards, and on the last stage the loss's fp32 gradient over the logits (the
+    log-softmax's and its input's; over TP the shifted logits' too). When the backward ends it holds
+    the whole model state and, over DP x CP, the reduction's flat buckets, all kept until the
+    reduction finishes (every gradient in fp32, and once more in a 16-bit parameter's dtype; ZeRO 1-2
+    the reduce-scatters' outputs, ZeRO-2 the last bucket's gradients). At the optimizer step it holds the whole model
+    state and, with 16-bit parameters, the reduced gradients' fp32 copies (as large as the master
+    weights).
+
+    Raises:
+        ValueError: as ``activation_memory``, and for ZeRO-3 (its gathered parameters are not
+            modelled yet).
+    """
+    if config.optimizer.zero_stage == 3:
+        raise ValueError("optimizer.zero_stage=3: the peak prediction does not model ZeRO-3's gathered parameters yet")
+    state = model_state_memory(config, stage)
+    arch, top = config.transformer_architecture, config.topology
+    assert top.model_parallel_size is not None and top.micro_batch_size is not None
+    assert top.pipe_parallel_size is not None
+    tp = top.model_parallel_size
+    tokens = top.micro_batch_size * config.data.sequence_length // top.context_parallel_size
+    vocab = -(-arch.vocab_size // tp)
+    last = stage == top.pipe_parallel_size - 1
+    transient = (2 if tp == 1 else 3) * 4 * tokens * vocab if last else 0
+    activations = activation_memory(config, stage, device, after_first=state.gradients).peak
+    # The DP x CP reduction (scaling.optim's GradientReducer): each bucket's flat copy is kept until
+    # finish() waits for it, every gradient in fp32 and with 16-bit parameters once more in theirs;
+    # ZeRO 1-2 add each reduce-scatter's output (1/world of it, fp32), and ZeRO-2 the last bucket's
+    # whole gradients, alive while it launches.
+    e, zero = arch.dtype.itemsize, config.optimizer.zero_stage
+    world = (top.data_parallel_size or 1) * top.context_parallel_size
+    numel = state.parameters // e
+    buckets = 0
+    if world > 1:
+        buckets = (4 + (e if e != 4 else 0)) * numel + (4 * numel // world if zero in (1, 2) else 0)
+        buckets += min(numel * e, config.optimizer.allreduce_bucket_size) if zero == 2 else 0
+    fp32_copies = state.master if e != 4 else 0
+    moments = {
+        "backward": (state.device - state.gradients + activations + transient, transient),
+        "reduction": (state.device + buckets, buckets),
+        "optimizer": (state.device + fp32_copies, fp32_copies),
+    }
+    moment = max(moments, key=lambda name: moments[name][0])
+    peak, extra = moments[moment]
+    return PeakMemory(stage, peak, state, activations, extra, moment)

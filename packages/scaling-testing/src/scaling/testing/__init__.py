@@ -10,7 +10,7 @@ from scaling.testing._harness import (
     shutdown_workers,
     worker_pids,
 )
-from scaling.testing._memory import ActivationBytes
+from scaling.testing._memory import ActivationBytes, PeakBytes
 from scaling.testing._parity import assert_parity, make_topology, shard
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
     "DistributedTestError",
     "DistributedTimeoutError",
+    "PeakBytes",
     "WorkerPool",
     "assert_parity",
     "make_topology",

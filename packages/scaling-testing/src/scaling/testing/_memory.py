@@ -1,18 +1,18 @@
-"""Activation bytes on any device, CPU included, from the storages torch's operators create.
+"""Activation and peak bytes on any device, CPU included, from the storages torch's operators create.
 
 CPU PyTorch keeps no allocator statistics (``torch.cuda.max_memory_allocated`` has no CPU twin), so
 the planner's activation predictions are checked by watching every operator's outputs under a
 ``TorchDispatchMode``: a storage first seen as the output of an operator running outside a backward
 pass (the autograd engine has no current node) is a forward's, held until it is freed (a weak
 reference's callback). A view's or an in-place operator's output shares an input's storage and is not
-new, so the model's parameters and buffers never count.
+new, so the model's parameters and buffers never count. ``PeakBytes`` adds the storages that exist
+before (the model state, given) and keeps the most all of them held after any operator.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -41,12 +41,6 @@ class ActivationBytes(TorchDispatchMode):
         self._graph_task = -1
         self._live: dict[int, weakref.ref[torch.UntypedStorage]] = {}
 
-    def _forget(self, key: int) -> Callable[[object], None]:
-        def freed(_: object) -> None:
-            self._live.pop(key, None)
-
-        return freed
-
     def held(self) -> int:
         """The bytes the forward passes' live storages hold now."""
         live = (ref() for ref in self._live.values())
@@ -54,11 +48,11 @@ class ActivationBytes(TorchDispatchMode):
 
     def __torch_dispatch__(
         self,
-        func: Any,  # Any: an OpOverload; torch types the mode's hook loosely
-        types: Any,  # Any: as torch passes it
-        args: tuple[Any, ...] = (),  # Any: operator arguments of every kind
-        kwargs: dict[str, Any] | None = None,  # Any: as args
-    ) -> Any:  # Any: whatever the operator returns
+        func: Callable[..., object],
+        types: object,
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
         out = func(*args, **(kwargs or {}))
         if torch._C._current_autograd_node() is not None:  # in a backward pass
             if (task := torch._C._current_graph_task_id()) != self._graph_task:
@@ -71,5 +65,55 @@ class ActivationBytes(TorchDispatchMode):
                 storage = leaf.untyped_storage()
                 key = id(storage)
                 if key not in inputs and key not in self._live:
-                    self._live[key] = weakref.ref(storage, self._forget(key))
+                    self._live[key] = weakref.ref(storage, _forget(self._live, key))
         return out
+
+
+class PeakBytes(TorchDispatchMode):
+    """The most bytes held after any operator run under it: the storages of ``existing`` (the model
+    state: parameters, gradients, optimizer state) and every storage an operator creates, each
+    as it is sized then (ZeRO's resized storages included), while it lives.
+
+    Only weak references are kept: drop your own references to what ``existing`` held (a gradient
+    the step sets to None is then freed, as in a run without the watch).
+
+    Attributes:
+        peak: the most held; ``held()``: what is held now.
+    """
+
+    def __init__(self, existing: Iterable[torch.Tensor]) -> None:
+        super().__init__()
+        self._live: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        for tensor in existing:
+            self._watch(tensor.untyped_storage())
+        self.peak = self.held()
+
+    def _watch(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        if key not in self._live:
+            self._live[key] = weakref.ref(storage, _forget(self._live, key))
+
+    def held(self) -> int:
+        live = (ref() for ref in self._live.values())
+        return sum(storage.nbytes() for storage in live if storage is not None)
+
+    def __torch_dispatch__(
+        self,
+        func: Callable[..., object],
+        types: object,
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+                self._watch(leaf.untyped_storage())
+        self.peak = max(self.peak, self.held())
+        return out
+
+
+def _forget(live: dict[int, weakref.ref[torch.UntypedStorage]], key: int) -> Callable[[object], None]:
+    def freed(_: object) -> None:
+        live.pop(key, None)
+
+    return freed

@@ -26,6 +26,7 @@ def in_flight_peak(
     stage: int,
     at_backward: int = 0,
     kept_sends: tuple[int, int] = (0, 0),
+    after_first: int = 0,
 ) -> int:
     """The most activation bytes ``stage`` holds when one of its backwards begins.
 
@@ -37,11 +38,12 @@ def in_flight_peak(
         at_backward: bytes the backward's micro-batch adds when it begins (a received gradient).
         kept_sends: bytes of each activation send and each gradient send held until the step ends
             (gloo; ``(0, 0)`` where finished sends are freed).
+        after_first: bytes held from the stage's first backward on (the gradients it made).
     """
     kwargs = {"num_virtual": len(chunk_bytes)} if schedule == "interleaved_1f1b" else {}
     program = SCHEDULES[schedule](num_stages, num_micro_batches, stage, **kwargs)
     held: set[tuple[int, int]] = set()
-    peak = sent = 0
+    peak = sent = backwards = 0
     for instruction in program:
         for op in instruction.ops if isinstance(instruction, Exchange) else (instruction,):
             sent += (
@@ -50,6 +52,8 @@ def in_flight_peak(
         if isinstance(instruction, Forward):
             held.add((instruction.micro_batch, instruction.chunk))
         elif isinstance(instruction, (Backward, BackwardInput)):
-            peak = max(peak, sum(chunk_bytes[chunk] for _, chunk in held) + at_backward + sent)
+            grads = after_first if backwards else 0
+            peak = max(peak, sum(chunk_bytes[chunk] for _, chunk in held) + at_backward + sent + grads)
+            backwards += 1
             held.discard((instruction.micro_batch, instruction.chunk))
     return peak
