@@ -146,3 +146,20 @@ def test_the_memory_command_prints_each_stage_s_first_rank(tiny_corpus, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[2].split()[-2] != "-" and lines[2].split()[-1] == "-"
     assert lines[-1].startswith("not predicted: optimizer.zero_stage=3")
+
+
+def test_device_memory_says_whether_the_predicted_peak_fits_and_names_the_overflow(tiny_corpus, capsys):
+    cfg = _config(tiny_corpus, "dp2-tp2-pp2-zero1")
+    path = tiny_corpus.parent / "fits.yml"
+    path.write_text(yaml.safe_dump(cfg))
+    config = TransformerConfig.from_dict(cfg)
+    worst = max((peak_memory(config, stage, "cpu") for stage in range(2)), key=lambda p: p.peak)
+    gib = worst.peak / 2**30
+    assert main(["memory", str(path), "--device-memory", f"{gib * 1.01}"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith(f"fits: the largest peak, stage {worst.stage}'s")
+    assert main(["memory", str(path), "--device-memory", f"{gib / 2}"]) == 1
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith(f"does not fit: stage {worst.stage} peaks at {gib:.3f} GiB ({worst.moment}: model state")
+    assert f"{gib / 2:.3f} GiB over" in last and "optimizer.zero_stage" in last
+    assert main(["memory", str(path), "optimizer.zero_stage=3", "--device-memory", "80"]) == 2
+    assert "cannot tell whether it fits" in capsys.readouterr().out

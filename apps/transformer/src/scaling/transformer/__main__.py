@@ -157,6 +157,16 @@ def _presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"--device-memory={text!r}: give the device's memory in GiB, a number > 0")
+    return value
+
+
 def _memory(args: argparse.Namespace) -> int:
     from scaling.trainer.planning import rank_memory
     from scaling.transformer.config import TransformerConfig
@@ -185,21 +195,45 @@ def _memory(args: argparse.Namespace) -> int:
             return None
 
     activations = predicted(lambda stage: activation_memory(config, stage, device).peak)
-    peaks = predicted(lambda stage: peak_memory(config, stage, device).peak) if activations is not None else None
+    peaks = predicted(lambda stage: peak_memory(config, stage, device)) if activations is not None else None
     print(
         f"{'stage':>5} {'parameters':>11} {'gradients':>11} {'master':>11} {'state':>11} {'device':>11} {'host':>11} "
         f"{'activations':>11} {'peak':>11}  GiB, first rank of the stage"
     )
     for stage in range(layout.pp):
         m = rank_memory(specs, layout, config.optimizer, stage, method_of=method_of(config))
-        extra = " ".join(f"{'-':>11}" if got is None else f"{got[stage] / gib:>11.3f}" for got in (activations, peaks))
+        peak = None if peaks is None else [p.peak for p in peaks]
+        extra = " ".join(f"{'-':>11}" if got is None else f"{got[stage] / gib:>11.3f}" for got in (activations, peak))
         print(
             f"{stage:>5} {m.parameters / gib:>11.3f} {m.gradients / gib:>11.3f} {m.master / gib:>11.3f} "
             f"{m.state / gib:>11.3f} {m.device / gib:>11.3f} {m.host / gib:>11.3f} {extra}"
         )
     for note in notes:
         print(f"not predicted: {note}")
-    return 0
+    if args.device_memory is None:
+        return 0
+    if peaks is None:
+        print(f"--device-memory {args.device_memory:g}: cannot tell whether it fits (the peak is not predicted)")
+        return 2
+    worst = max(peaks, key=lambda p: p.peak)
+    budget = args.device_memory * gib
+    if worst.peak <= budget:
+        print(f"fits: the largest peak, stage {worst.stage}'s, is {worst.peak / gib:.3f} of {args.device_memory:g} GiB")
+        return 0
+    state = worst.model_state
+    if worst.moment == "backward":
+        parts = (f"backward: model state without gradients {(state.device - state.gradients) / gib:.3f}, activations "
+                 f"and gradients made {worst.activations / gib:.3f}, the loss's gradient {worst.transient / gib:.3f}")  # fmt: skip
+    else:
+        transient = "the DP reduction's buckets" if worst.moment == "reduction" else "fp32 gradient copies"
+        parts = f"{worst.moment}: model state {state.device / gib:.3f}, {transient} {worst.transient / gib:.3f}"
+    print(
+        f"does not fit: stage {worst.stage} peaks at {worst.peak / gib:.3f} GiB ({parts}), "
+        f"{(worst.peak - budget) / gib:.3f} GiB over {args.device_memory:g} GiB; shard more (optimizer.zero_stage, "
+        "topology.model_parallel_size or pipe_parallel_size), checkpoint activations "
+        "(transformer_architecture.activation_checkpointing) or lower topology.micro_batch_size"
+    )
+    return 1
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -252,6 +286,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="YAML or JSON config (default: bundled)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. topology.model_parallel_size=8")
+    p.add_argument(
+        "--device-memory",
+        type=_positive_gib,
+        default=None,
+        metavar="GIB",
+        help="the device's memory: exit 1, naming the stage and its parts, when a predicted peak exceeds it",
+    )
     p.set_defaults(fn=_memory)
     return parser
 
