@@ -18,7 +18,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from scaling.transformer.corpus import DEFAULT_VOCAB_SIZE, default_paths
 
@@ -157,6 +157,18 @@ def _presets(args: argparse.Namespace) -> int:
     return 0
 
 
+T = TypeVar("T")
+
+
+def _per_stage(fn: Callable[[int], T], stages: int, notes: list[str]) -> list[T] | None:
+    """``fn(stage)`` for each stage, or None with the refusal's message added to ``notes``."""
+    try:
+        return [fn(stage) for stage in range(stages)]
+    except ValueError as err:
+        notes.append(str(err))
+        return None
+
+
 def _positive_gib(text: str) -> float:
     try:
         value = float(text)
@@ -186,16 +198,8 @@ def _memory(args: argparse.Namespace) -> int:
     )
     device = "cpu" if config.topology.device == "cpu" else "cuda"
     notes: list[str] = []
-
-    def predicted(fn: Callable[[int], int]) -> list[int] | None:
-        try:
-            return [fn(stage) for stage in range(layout.pp)]
-        except ValueError as err:
-            notes.append(str(err))
-            return None
-
-    activations = predicted(lambda stage: activation_memory(config, stage, device).peak)
-    peaks = predicted(lambda stage: peak_memory(config, stage, device)) if activations is not None else None
+    activations = _per_stage(lambda stage: activation_memory(config, stage, device).peak, layout.pp, notes)
+    peaks = _per_stage(lambda stage: peak_memory(config, stage, device), layout.pp, notes) if activations else None
     print(
         f"{'stage':>5} {'parameters':>11} {'gradients':>11} {'master':>11} {'state':>11} {'device':>11} {'host':>11} "
         f"{'activations':>11} {'peak':>11}  GiB, first rank of the stage"
