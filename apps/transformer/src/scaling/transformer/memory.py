@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -310,6 +311,33 @@ class PeakMemory:
     moment: str
 
 
+def _zero3_gathered(config: TransformerConfig, stage: int) -> int:
+    """ZeRO-3's whole parameters in a backward: two adjacent blocks of the stage (the one running and
+    the one prefetched) and a tied embedding (whole from the head's backward to the embedding's)."""
+    specs, layout = memory_inputs(config)
+    per_layer: dict[int, int] = {}
+    tied = 0
+    for spec in specs:
+        index = spec.meta.layer_index
+        assert index is not None
+        size = _local_bytes(spec, layout.tp)
+        if spec.meta.tied_key is not None:
+            tied = max(tied, size)
+        else:
+            per_layer[index] = per_layer.get(index, 0) + size
+    held = partition_layers(layout.num_layers, layout.pp, num_virtual=layout.num_virtual_stages)
+    layers = sorted(i for c in range(layout.num_virtual_stages) for i in held[c * layout.pp + stage])
+    pairs = [per_layer.get(a, 0) + per_layer.get(b, 0) for a, b in zip(layers, layers[1:])] or [0]
+    return max(pairs) + tied
+
+
+def _local_bytes(spec: ParameterSpec, tp: int) -> int:
+    shape = list(spec.meta.logical_shape)
+    if spec.meta.parallel_dim is not None and tp > 1:
+        shape[spec.meta.parallel_dim] = -(-shape[spec.meta.parallel_dim] // tp)
+    return math.prod(shape) * spec.dtype.itemsize
+
+
 def peak_memory(config: TransformerConfig, stage: int = 0, device: str = "cpu") -> PeakMemory:
     """The peak device bytes of the first rank of pipeline ``stage`` (``model_state_memory`` and
     ``activation_memory``; see ``PeakMemory``).
@@ -325,11 +353,21 @@ def peak_memory(config: TransformerConfig, stage: int = 0, device: str = "cpu") 
     weights).
 
     Raises:
-        ValueError: as ``activation_memory``, and for ZeRO-3 (its gathered parameters are not
+        ValueError: as ``activation_memory``, and for ZeRO-3 keeping layers whole after their
+            forward (``zero3_reshard_after_forward=false``) or under pipeline parallelism (not
             modelled yet).
     """
-    if config.optimizer.zero_stage == 3:
-        raise ValueError("optimizer.zero_stage=3: the peak prediction does not model ZeRO-3's gathered parameters yet")
+    opt = config.optimizer
+    if opt.zero_stage == 3 and not opt.zero3_reshard_after_forward:
+        raise ValueError(
+            "optimizer.zero3_reshard_after_forward=false: the peak prediction models ZeRO-3 with each layer freed "
+            "after its forward only (the default)"
+        )
+    if opt.zero_stage == 3 and (config.topology.pipe_parallel_size or 1) > 1:
+        raise ValueError(
+            "optimizer.zero_stage=3 with topology.pipe_parallel_size > 1: the peak prediction does not model "
+            "ZeRO-3's gathers and reduce-scatters under a pipeline schedule yet (measured up to 22 % more)"
+        )
     state = model_state_memory(config, stage)
     arch, top = config.transformer_architecture, config.topology
     assert top.model_parallel_size is not None and top.micro_batch_size is not None
@@ -340,6 +378,8 @@ def peak_memory(config: TransformerConfig, stage: int = 0, device: str = "cpu") 
     last = stage == top.pipe_parallel_size - 1
     transient = (2 if tp == 1 else 3) * 4 * tokens * vocab if last else 0
     activations = activation_memory(config, stage, device, after_first=state.gradients).peak
+    if opt.zero_stage == 3:  # a layer whole, the next one prefetched, a tied embedding whole meanwhile
+        transient += _zero3_gathered(config, stage)
     # The DP x CP reduction (scaling.optim's GradientReducer): each bucket's flat copy is kept until
     # finish() waits for it, every gradient in fp32 and with 16-bit parameters once more in theirs;
     # ZeRO 1-2 add each reduce-scatter's output (1/world of it, fp32), and ZeRO-2 the last bucket's
@@ -348,7 +388,7 @@ def peak_memory(config: TransformerConfig, stage: int = 0, device: str = "cpu") 
     world = (top.data_parallel_size or 1) * top.context_parallel_size
     numel = state.parameters // e
     buckets = 0
-    if world > 1:
+    if world > 1 and zero < 3:  # ZeRO-3 reduce-scatters layer by layer as the backward goes
         buckets = (4 + (e if e != 4 else 0)) * numel + (4 * numel // world if zero in (1, 2) else 0)
         buckets += min(numel * e, config.optimizer.allreduce_bucket_size) if zero == 2 else 0
     fp32_copies = state.master if e != 4 else 0
