@@ -75,6 +75,12 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
         {"dp": 2, "optimizer": {"zero_stage": 3}},
         1,
     ),  # fmt: skip
+    "dp2-offload": ({}, {"dp": 2, "optimizer": {"zero_stage": 1, "cpu_offload": True}}, 1),
+    "hsdp-zero3-bf16": (
+        {"precision": "bf16"},
+        {"dp": 4, "optimizer": {"zero_stage": 3}, "topology": {"data_parallel_shard_size": 2}},
+        1,
+    ),  # fmt: skip
     "pp2-dp2-zero3-untied": ({"tied_embeddings": False}, {"pp": 2, "dp": 2, "optimizer": {"zero_stage": 3}}, 4),
     "dp2-zero1-bf16": ({"precision": "bf16"}, {"dp": 2, "optimizer": {"zero_stage": 1}}, 1),
     "cp2-zero2": ({}, {"cp": 2, "optimizer": {"zero_stage": 2}}, 1),

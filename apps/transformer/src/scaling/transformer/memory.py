@@ -348,9 +348,12 @@ def peak_memory(config: TransformerConfig, stage: int = 0, device: str = "cpu") 
     log-softmax's and its input's; over TP the shifted logits' too). When the backward ends it holds
     the whole model state and, over DP x CP, the reduction's flat buckets, all kept until the
     reduction finishes (every gradient in fp32, and once more in a 16-bit parameter's dtype; ZeRO 1-2
-    the reduce-scatters' outputs, ZeRO-2 the last bucket's gradients). At the optimizer step it holds the whole model
-    state and, with 16-bit parameters, the reduced gradients' fp32 copies (as large as the master
-    weights).
+    the reduce-scatters' outputs, ZeRO-2 the last bucket's gradients). At the optimizer step it holds
+    the whole model state and, with 16-bit parameters, the reduced gradients' fp32 copies (as large
+    as the master weights). Under ZeRO-3 the backward adds two adjacent blocks and a tied embedding
+    made whole, and there is no reduction moment. Under ``cpu_offload`` on a CPU device (host memory
+    is the device's) each moment adds the offloaded state, and the last two the reduced gradients'
+    host copy.
 
     Raises:
         ValueError: as ``activation_memory``, and for ZeRO-3 keeping layers whole after their
@@ -392,10 +395,14 @@ def peak_memory(config: TransformerConfig, stage: int = 0, device: str = "cpu") 
         buckets = (4 + (e if e != 4 else 0)) * numel + (4 * numel // world if zero in (1, 2) else 0)
         buckets += min(numel * e, config.optimizer.allreduce_bucket_size) if zero == 2 else 0
     fp32_copies = state.master if e != 4 else 0
+    # Offload copies the reduced gradient shards to the host (fp32); on a CPU device host memory is the
+    # device's, so the offloaded state counts too.
+    offloaded = 4 * numel // (opt.zero_stage >= 1 and world or 1) if opt.cpu_offload else 0
+    host, later = (state.host, offloaded) if device == "cpu" else (0, 0)
     moments = {
-        "backward": (state.device - state.gradients + activations + transient, transient),
-        "reduction": (state.device + buckets, buckets),
-        "optimizer": (state.device + fp32_copies, fp32_copies),
+        "backward": (state.device - state.gradients + activations + transient + host, transient),
+        "reduction": (state.device + buckets + host + later, buckets + later),
+        "optimizer": (state.device + fp32_copies + host + later, fp32_copies + later),
     }
     moment = max(moments, key=lambda name: moments[name][0])
     peak, extra = moments[moment]
