@@ -99,7 +99,7 @@ def _refuse_unmodelled(config: TransformerConfig) -> None:
         "transformer_architecture.attention_dropout": (arch.attention_dropout, 0.0),
         "training.fp8.enabled": (config.training.fp8.enabled, False),
         "training.compile.enabled": (config.training.compile.enabled, False),
-        "finetuning.method": (config.finetuning.method, "none"),
+        "finetuning.dropout": (config.finetuning.dropout, 0.0),
     }
     for field, (value, modelled) in unmodelled.items():
         if value != modelled:
@@ -113,13 +113,25 @@ def _refuse_unmodelled(config: TransformerConfig) -> None:
 RNG_STATE_BYTES = {"cpu": 5056, "cuda": 5056 + 16}
 
 
-def _norm_bytes(arch: TransformerArchitectureConfig, stream: int) -> int:
+def _norm_bytes(arch: TransformerArchitectureConfig, stream: int, frozen: bool = False) -> int:
     """A norm's own saved tensors over ``stream`` tokens (its output is counted by its consumers):
-    RMSNorm (torch's composite) its input (an fp32 copy when 16-bit) and ``input x rsqrt`` in fp32,
-    and the fp32 rsqrt; LayerNorm its input in ``e`` and fp32 mean and rstd."""
+    RMSNorm (torch's composite) its input (an fp32 copy when 16-bit), ``input x rsqrt`` in fp32
+    (for its weight's gradient: not when ``frozen``) and the fp32 rsqrt; LayerNorm its input in ``e``
+    and fp32 mean and rstd."""
     if arch.norm == "rmsnorm":
-        return 4 * arch.hidden_size * stream * 2 + 4 * stream
+        return 4 * arch.hidden_size * stream * (1 if frozen else 2) + 4 * stream
     return arch.dtype.itemsize * arch.hidden_size * stream + 8 * stream
+
+
+def _lora(config: TransformerConfig) -> bool:
+    """LoRA on every linear of the blocks, the base frozen (what the activation terms model)."""
+    tuning = config.finetuning
+    if tuning.method not in ("none", "lora") or (tuning.method == "lora" and tuning.target_modules is not None):
+        raise ValueError(
+            f"finetuning.method={tuning.method!r} (target_modules={tuning.target_modules!r}): the activation "
+            "prediction models full training and LoRA on every linear layer only so far (#52)"
+        )
+    return tuning.method == "lora"
 
 
 def _latent_attention_terms(
@@ -191,8 +203,9 @@ def block_activation_terms(config: TransformerConfig, device: str = "cpu", moe: 
     readers = (1 + (2 if swiglu else 1)) if arch.sequence_parallel else 2
     # RoPE's angles per call (queries, keys): [b, s, r/2] with per-sequence positions (documents).
     positions = b if arch.document_masking else 1
+    lora = _lora(config)
     terms = {
-        "norms": 2 * _norm_bytes(arch, stream) + readers * e * h * tokens,
+        "norms": 2 * _norm_bytes(arch, stream, frozen=lora) + readers * e * h * tokens,
         "qkv": e * tokens * (nq + 2 * nkv) * d,
         "rotary": e * tokens * (nq + nkv) * d + 2 * 2 * 4 * positions * s * (d // 2),
         "attention": e * tokens * nq * d + 4 * b * nq * s,
@@ -203,6 +216,8 @@ def block_activation_terms(config: TransformerConfig, device: str = "cpu", moe: 
     }
     if arch.latent_attention is not None:
         terms.update(_latent_attention_terms(arch, b, s, tp, positions, device))
+    if lora:  # each adapted linear keeps its A projection's output (its input is kept already)
+        terms["lora"] = (5 if swiglu else 4) * e * tokens * config.finetuning.rank
     if arch.qk_norm:  # over each head: the input (fp32), input x rsqrt (fp32) and rsqrt of q and k
         terms["qk_norm"] = 4 * tokens * nq * d + (4 * tokens * nkv * d if e != 4 else 0)
         terms["qk_norm"] += 4 * tokens * (nq + nkv) * (d + 1)
@@ -243,8 +258,9 @@ def activation_memory(
     bytes counted with them from the stage's first backward on (``peak_memory``'s gradients).
 
     Raises:
-        ValueError: naming a setting the prediction does not model yet (MoE or latent
-            attention with sequence parallelism, attention dropout, float8, compile, finetuning...).
+        ValueError: naming a setting the prediction does not model yet (MoE or latent attention
+            with sequence parallelism, attention dropout, float8, compile, finetuning other than LoRA
+            on every linear...).
     """
     arch, top = config.transformer_architecture, config.topology
     assert top.micro_batch_size is not None and top.model_parallel_size is not None
@@ -258,8 +274,12 @@ def activation_memory(
     vocab = -(-arch.vocab_size // tp)
     # fp32 log-softmax in one rank; over TP the shifted logits, their exponentials and per-token masks.
     loss = 4 * tokens * vocab if tp == 1 else 8 * tokens * vocab + 26 * tokens
-    head = _norm_bytes(arch, stream) + e * h * tokens + loss
+    lora = _lora(config)
+    # A frozen head (LoRA) keeps its norm's input and rsqrt only: its product needs no input.
+    head = _norm_bytes(arch, stream, frozen=lora) + (0 if lora else e * h * tokens) + loss
     embedding = (e if device == "cpu" else 1) * h * stream if arch.embedding_dropout > 0 else 0  # the mask
+    # A frozen embedding's output needs no gradient: the first block's first norm keeps only its output.
+    first_norm = _norm_bytes(arch, stream, frozen=True) if lora and "norms" in block else 0
     # On gloo each send's packed copy (an activation's with its int64 positions) lives until the step
     # ends (scaling.trainer.planning.in_flight_peak); NCCL's finished sends are freed as they go.
     packed = e * h * stream + (8 * tokens if arch.document_masking else 0)
@@ -277,6 +297,7 @@ def activation_memory(
         )
         held += head if last in layers else 0
         held += embedding if 0 in layers else 0
+        held -= first_norm if 1 in layers else 0
         if 0 not in layers and e != 4 and arch.norm == "rmsnorm":  # kept besides the norm's fp32 copy
             held += e * h * stream
         held += e * h * stream if last not in layers else 0  # the output, kept for its backward
