@@ -88,6 +88,17 @@ LAYOUTS: dict[str, tuple[dict[str, Any], int]] = {
     "dp2-offload": ({"dp": 2, "optimizer": {"zero_stage": 1, "cpu_offload": True}}, 2),
     "dp2-muon-zero1": ({"dp": 2, "optimizer": {"zero_stage": 1, "method": "muon"}}, 2),
     "dp2-tp2-pp2-zero1": ({"dp": 2, "tp": 2, "pp": 2, "optimizer": {"zero_stage": 1}}, 8),
+    "dp2-lora-zero1-bf16": (
+        {
+            "dp": 2,
+            "optimizer": {"zero_stage": 1},
+            "finetuning": {"method": "lora", "rank": 4},
+            "transformer_architecture": {"precision": "bf16"},
+        },
+        2,
+    ),  # fmt: skip
+    "tp2-lora-attention": ({"tp": 2, "finetuning": {"method": "lora", "target_modules": "attention\\..*"}}, 2),
+    "dp2-zero2-adapter": ({"dp": 2, "optimizer": {"zero_stage": 2}, "finetuning": {"method": "adapter"}}, 2),
 }
 QUICK = {"dp2-zero3", "dp2-ep2-moe-zero1"}
 
@@ -136,8 +147,8 @@ def test_the_memory_command_prints_each_stage_s_first_rank(tiny_corpus, capsys):
         assert line.split() == [str(stage), *(f"{b / 2**30:.3f}" for b in (m.parameters, m.gradients, m.master,
                                                                             m.state, m.device, m.host, a, peak))]  # fmt: skip
     assert len(lines) == 4
-    assert main(["memory", str(path), "finetuning.method=lora"]) == 2
-    assert "covers full training only" in capsys.readouterr().err
+    assert main(["memory", str(path), "training.groups=[{name: all, include: ['.*'], method: sgd}]"]) == 2
+    assert "knows the default groups only" in capsys.readouterr().err
     assert main(["memory", str(path), "transformer_architecture.attention_dropout=0.1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[2].split()[-2:] == ["-", "-"]

@@ -7,6 +7,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from scaling.nn import ParameterMeta
 from scaling.pipeline import partition_layers
 from scaling.trainer.planning import (
@@ -18,25 +20,27 @@ from scaling.trainer.planning import (
     rank_memory,
 )
 from scaling.transformer.config import TransformerArchitectureConfig, TransformerConfig
+from scaling.transformer.finetuning import apply_finetuning
 from scaling.transformer.model import layer_specs
 
 
 def memory_inputs(config: TransformerConfig) -> tuple[list[ParameterSpec], MemoryLayout]:
-    """The whole model's parameters (built on the meta device) and the config's layout.
+    """The whole model's parameters (built on the meta device, with ``finetuning``'s adapters and
+    its frozen base) and the config's layout.
 
     Raises:
-        ValueError: for what the prediction does not cover yet: ``finetuning`` (its adapters and
-            frozen base) and ``training.groups`` choosing an update rule per group.
+        ValueError: for what the prediction does not cover yet: ``training.groups`` choosing an
+            update rule per group.
     """
-    if config.finetuning.method != "none":
-        raise ValueError(
-            f"finetuning.method={config.finetuning.method!r}: the model-state prediction covers full "
-            "training only (adapters and a frozen base are not modelled yet)"
-        )
     if any(group.method is not None for group in config.training.groups):
         raise ValueError("training.groups with a method: the model-state prediction knows the default groups only")
     arch, top = config.transformer_architecture, config.topology
-    specs = parameter_specs(layer_specs(arch, None))
+    tuning = config.finetuning
+
+    def adapt(index: int, layer: torch.nn.Module) -> None:
+        apply_finetuning([(index, layer)], tuning, sequence_parallel=arch.sequence_parallel)
+
+    specs = parameter_specs(layer_specs(arch, None), adapt=adapt if tuning.method != "none" else None)
     layout = MemoryLayout(
         num_layers=arch.num_layers + 2,
         tp=top.model_parallel_size or 1,
@@ -332,10 +336,18 @@ class PeakMemory:
     moment: str
 
 
+def _stage_specs(config: TransformerConfig, stage: int) -> tuple[list[ParameterSpec], MemoryLayout]:
+    """The parameters of pipeline ``stage``'s layers (and the layout)."""
+    specs, layout = memory_inputs(config)
+    held = partition_layers(layout.num_layers, layout.pp, num_virtual=layout.num_virtual_stages)
+    layers = {i for c in range(layout.num_virtual_stages) for i in held[c * layout.pp + stage]}
+    return [spec for spec in specs if spec.meta.layer_index in layers], layout
+
+
 def _zero3_gathered(config: TransformerConfig, stage: int) -> int:
     """ZeRO-3's whole parameters in a backward: two adjacent blocks of the stage (the one running and
     the one prefetched) and a tied embedding (whole from the head's backward to the embedding's)."""
-    specs, layout = memory_inputs(config)
+    specs, layout = _stage_specs(config, stage)
     per_layer: dict[int, int] = {}
     tied = 0
     for spec in specs:
@@ -346,9 +358,8 @@ def _zero3_gathered(config: TransformerConfig, stage: int) -> int:
             tied = max(tied, size)
         else:
             per_layer[index] = per_layer.get(index, 0) + size
-    held = partition_layers(layout.num_layers, layout.pp, num_virtual=layout.num_virtual_stages)
-    layers = sorted(i for c in range(layout.num_virtual_stages) for i in held[c * layout.pp + stage])
-    pairs = [per_layer.get(a, 0) + per_layer.get(b, 0) for a, b in zip(layers, layers[1:])] or [0]
+    layers = sorted(per_layer)
+    pairs = [per_layer[a] + per_layer[b] for a, b in zip(layers, layers[1:])] or [0]
     return max(pairs) + tied
 
 
@@ -371,8 +382,9 @@ def peak_memory(config: TransformerConfig, stage: int = 0, device: str = "cpu") 
     reduction finishes (every gradient in fp32, and once more in a 16-bit parameter's dtype; ZeRO 1-2
     the reduce-scatters' outputs, ZeRO-2 the last bucket's gradients). At the optimizer step it holds
     the whole model state and, with 16-bit parameters, the reduced gradients' fp32 copies (as large
-    as the master weights). Under ZeRO-3 the backward adds two adjacent blocks and a tied embedding
-    made whole, and there is no reduction moment. Under ``cpu_offload`` on a CPU device (host memory
+    as the master weights). With ``every_layer`` checkpointing the backward's transient is the larger
+    of that gradient and a block's activations, recomputed. Under ZeRO-3 the backward adds two adjacent
+    blocks and a tied embedding made whole, and there is no reduction moment. Under ``cpu_offload`` on a CPU device (host memory
     is the device's) each moment adds the offloaded state, and the last two the reduced gradients'
     host copy.
 
@@ -404,13 +416,20 @@ def peak_memory(config: TransformerConfig, stage: int = 0, device: str = "cpu") 
     activations = activation_memory(config, stage, device, after_first=state.gradients).peak
     if opt.zero_stage == 3:  # a layer whole, the next one prefetched, a tied embedding whole meanwhile
         transient += _zero3_gathered(config, stage)
+    if arch.activation_checkpointing == "every_layer":  # a block recomputed in its backward holds it all
+        whole = config.model_copy(
+            update={"transformer_architecture": arch.model_copy(update={"activation_checkpointing": "none"})}
+        )
+        transient = max(transient, sum(block_activation_terms(whole, device).values()))
     # The DP x CP reduction (scaling.optim's GradientReducer): each bucket's flat copy is kept until
     # finish() waits for it, every gradient in fp32 and with 16-bit parameters once more in theirs;
     # ZeRO 1-2 add each reduce-scatter's output (1/world of it, fp32), and ZeRO-2 the last bucket's
     # whole gradients, alive while it launches.
     e, zero = arch.dtype.itemsize, config.optimizer.zero_stage
     world = (top.data_parallel_size or 1) * top.context_parallel_size
-    numel = state.parameters // e
+    # The reduced elements: the trained ones (ZeRO 0-1 keep their whole .grad; ZeRO-2's shards do not
+    # tell, so every parameter counts: exact without finetuning).
+    numel = (state.gradients if zero < 2 else state.parameters) // e
     buckets = 0
     if world > 1 and zero < 3:  # ZeRO-3 reduce-scatters layer by layer as the backward goes
         buckets = (4 + (e if e != 4 else 0)) * numel + (4 * numel // world if zero in (1, 2) else 0)

@@ -98,10 +98,16 @@ class RankMemory:
         return self.parameters + self.gradients + self.master + self.state
 
 
-def parameter_specs(layer_specs: Sequence[LayerSpec], dtype: torch.dtype | None = None) -> list[ParameterSpec]:
+def parameter_specs(
+    layer_specs: Sequence[LayerSpec],
+    dtype: torch.dtype | None = None,
+    adapt: Callable[[int, torch.nn.Module], object] | None = None,
+) -> list[ParameterSpec]:
     """The whole model's parameters from its ``LayerSpec``\\ s built for one process on the meta device
     (no memory; a layer whose spec repeats an earlier one's is not built again). ``dtype``: the
-    parameters' dtype when the layers are built in another (default: as built)."""
+    parameters' dtype when the layers are built in another (default: as built). ``adapt(index,
+    layer)``: changes a built layer as the app does before training (adapters added, the base frozen:
+    ``requires_grad`` says what trains)."""
     out: list[ParameterSpec] = []
     built: dict[str, list[ParameterSpec]] = {}
     with torch.device("meta"):
@@ -109,6 +115,8 @@ def parameter_specs(layer_specs: Sequence[LayerSpec], dtype: torch.dtype | None 
             key = repr(spec)
             if key not in built:
                 layer = set_layer_index(spec.initialize(), index)
+                if adapt is not None:
+                    adapt(index, layer)
                 built[key] = [
                     ParameterSpec(meta, dtype or param.dtype, param.requires_grad, _expert_of(meta))
                     for _, param, meta in named_parameters_with_meta(layer)
