@@ -425,7 +425,7 @@ def peak_memory(config: TransformerConfig, stage: int = 0, device: str = "cpu") 
     # finish() waits for it, every gradient in fp32 and with 16-bit parameters once more in theirs;
     # ZeRO 1-2 add each reduce-scatter's output (1/world of it, fp32), and ZeRO-2 the last bucket's
     # whole gradients, alive while it launches.
-    e, zero = arch.dtype.itemsize, config.optimizer.zero_stage
+    e, zero = arch.dtype.itemsize, opt.zero_stage
     world = (top.data_parallel_size or 1) * top.context_parallel_size
     # The reduced elements: the trained ones (ZeRO 0-1 keep their whole .grad; ZeRO-2's shards do not
     # tell, so every parameter counts: exact without finetuning).
@@ -433,11 +433,11 @@ def peak_memory(config: TransformerConfig, stage: int = 0, device: str = "cpu") 
     buckets = 0
     if world > 1 and zero < 3:  # ZeRO-3 reduce-scatters layer by layer as the backward goes
         buckets = (4 + (e if e != 4 else 0)) * numel + (4 * numel // world if zero in (1, 2) else 0)
-        buckets += min(numel * e, config.optimizer.allreduce_bucket_size) if zero == 2 else 0
+        buckets += min(numel * e, opt.allreduce_bucket_size) if zero == 2 else 0
     fp32_copies = state.master if e != 4 else 0
     # Offload copies the reduced gradient shards to the host (fp32); on a CPU device host memory is the
     # device's, so the offloaded state counts too.
-    offloaded = 4 * numel // (opt.zero_stage >= 1 and world or 1) if opt.cpu_offload else 0
+    offloaded = 4 * numel // (world if zero >= 1 else 1) if opt.cpu_offload else 0
     host, later = (state.host, offloaded) if device == "cpu" else (0, 0)
     moments = {
         "backward": (state.device - state.gradients + activations + transient + host, transient),
