@@ -220,6 +220,18 @@ def test_cp2_pp2_dp2(tiny_corpus, reference_losses):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.parametrize(("sizes", "arch"), [({"tp": 2}, {"sequence_parallel": True}), ({"cp": 2, "pp": 2}, {})])
+def test_per_operator_checkpointing(tiny_corpus, reference_losses, sizes, arch):
+    """``operators``: the blocks' matrix products and attention kept, the rest recomputed in the backward (TP's
+    collectives and the ring's exchanges run again there)."""
+    cfg = tiny_config(tiny_corpus, steps=STEPS, **sizes)
+    cfg["transformer_architecture"].update(arch, activation_checkpointing="operators")
+    world = sizes.get("tp", 1) * sizes.get("cp", 1) * sizes.get("pp", 1)
+    _check(run_distributed(train_worker, world, cfg, timeout_seconds=240), reference_losses, f"operators {sizes}")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_cp4_all_to_all(tiny_corpus, reference_losses):
     # 2 kv heads over 4 CP ranks: repeated to 4 before the all-to-all.
     cfg = tiny_config(tiny_corpus, cp=4, steps=STEPS)

@@ -68,6 +68,12 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
     "selective": ({"activation_checkpointing": "selective"}, {}, 1),
     "every-layer-bf16": ({"activation_checkpointing": "every_layer", "precision": "bf16"}, {}, 1),
     "gelu-layernorm": ({"mlp_type": "gelu", "norm": "layernorm"}, {}, 1),
+    "operators": ({"activation_checkpointing": "operators"}, {}, 1),
+    "operators-gelu-bf16-tp2-sp-pp2": (
+        {"activation_checkpointing": "operators", "mlp_type": "gelu", "precision": "bf16", "sequence_parallel": True},
+        {"tp": 2, "pp": 2},
+        4,
+    ),  # fmt: skip
     "accumulation4": ({}, {}, 4),
     "dp2-zero3": ({}, {"dp": 2, "optimizer": {"zero_stage": 3}}, 1),
     "dp2-zero3-bf16-selective": (

@@ -1,17 +1,19 @@
-"""Activation checkpointing (per layer, per stage, selective) reproduces losses and grads with dropout on."""
+"""Activation checkpointing (per layer, per stage, selective, per operator) reproduces losses and grads with
+dropout on; per-operator checkpointing keeps less than none and more than per layer."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from scaling.nn import (
+    MATMUL_AND_ATTENTION,
     AttentionConfig,
     ParallelMLP,
     ParallelSelfAttention,
     checkpoint_layer,
     checkpoint_sequential_layers,
 )
-from scaling.testing import make_topology, run_distributed
+from scaling.testing import ActivationBytes, make_topology, run_distributed
 from scaling.topology import seed_all
 
 H = 16
@@ -43,10 +45,11 @@ def _run(topology, mode):
     x = torch.randn(2, 6, H, generator=torch.Generator().manual_seed(1), requires_grad=True)
     losses = []
     for _ in range(2):  # two steps: the streams must continue identically after a recomputation
-        if mode == "layer":
+        if mode in ("layer", "operators"):
             h = x
+            save = MATMUL_AND_ATTENTION if mode == "operators" else None
             for b in blocks:
-                h = checkpoint_layer(b, h, rng_tracker=tracker)
+                h = checkpoint_layer(b, h, rng_tracker=tracker, save=save)
         elif mode == "stage":
             h = checkpoint_sequential_layers(blocks, x, rng_tracker=tracker)
         else:
@@ -64,7 +67,7 @@ def _checkpoint_parity(tp):
     topo = make_topology(model_parallel_size=tp)
     ref_losses, ref_grads = _run(topo, "none")
     assert not torch.equal(ref_losses[0], ref_losses[1])  # dropout differs between steps
-    for mode in ("selective", "layer", "stage"):
+    for mode in ("selective", "layer", "stage", "operators"):
         losses, grads = _run(topo, mode)
         for a, e in zip(losses + grads, ref_losses + ref_grads):
             assert torch.equal(a, e), mode
@@ -76,3 +79,33 @@ def _checkpoint_parity(tp):
 def test_checkpointing_is_bitwise_identical_with_dropout(tp):
     out = run_distributed(_checkpoint_parity, tp, tp, timeout_seconds=90)
     assert all(o == out[0] for o in out)
+
+
+def test_per_operator_checkpointing_keeps_the_products_and_recomputes_the_rest():
+    torch.manual_seed(0)
+    layers = [
+        torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)) for _ in range(3)
+    ]
+    x = torch.randn(32, 64, requires_grad=True)
+
+    def held(mode):
+        with ActivationBytes() as watch:
+            h = x
+            for layer in layers:
+                h = (
+                    layer(h)
+                    if mode == "none"
+                    else checkpoint_layer(layer, h, save=MATMUL_AND_ATTENTION if mode == "operators" else None)
+                )
+            h.sum().backward()
+        grads = [p.grad.clone() for layer in layers for p in layer.parameters()]
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+        return watch.at_backward, grads
+
+    (none, expected), (operators, got), (layer, _) = held("none"), held("operators"), held("layer")
+    for a, e in zip(got, expected):
+        assert torch.equal(a, e)
+    # Per layer the products' outputs ([32, 256] and [32, 64] per layer) are kept; GELU's is not.
+    assert layer < operators < none
+    assert none - operators == 3 * 32 * 256 * 4  # GELU's output, recomputed from the kept product

@@ -1,6 +1,7 @@
 import scaling.nn
 
 EXPECTED = [
+    "MATMUL_AND_ATTENTION",
     "AttentionConfig",
     "BaseLayer",
     "BottleneckAdapter",

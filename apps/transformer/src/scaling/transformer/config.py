@@ -238,9 +238,11 @@ class TransformerArchitectureConfig(BaseConfig):
     sequence_parallel: bool = Field(
         False, description="Split norms, dropout and residuals along the sequence over the TP ranks."
     )
-    activation_checkpointing: Literal["none", "every_layer", "selective"] = Field(
+    activation_checkpointing: Literal["none", "every_layer", "selective", "operators"] = Field(
         "none",
-        description="'every_layer' recomputes each block in the backward; 'selective' only softmax(QK^T)V.",
+        description="'every_layer' recomputes each block in the backward; 'selective' only softmax(QK^T)V; "
+        "'operators' recomputes each block except its matrix products and attention, whose outputs are kept "
+        "(torchtitan's per-operator selective checkpointing).",
     )
     document_masking: bool = Field(
         True,
@@ -338,7 +340,7 @@ class TransformerArchitectureConfig(BaseConfig):
                 "qkv_bias": (self.qkv_bias, (False,)),
                 "rotary_percentage": (self.rotary_percentage, (1.0,)),
                 "attention_dropout": (self.attention_dropout, (0.0,)),
-                "activation_checkpointing": (self.activation_checkpointing, ("none", "every_layer")),
+                "activation_checkpointing": (self.activation_checkpointing, ("none", "operators", "every_layer")),
             }
             bad = {k: v for k, (v, allowed) in clashes.items() if v not in allowed}
             if bad:

@@ -168,6 +168,24 @@ def _latent_attention_terms(
     }
 
 
+def _refuse_with_operators(config: TransformerConfig, moe: bool) -> None:
+    arch = config.transformer_architecture
+    clashes = {
+        "transformer_architecture.moe": moe,
+        "transformer_architecture.latent_attention": arch.latent_attention is not None,
+        "topology.context_parallel_size > 1": config.topology.context_parallel_size > 1,
+        "finetuning.method=lora": config.finetuning.method == "lora",
+        "transformer_architecture.qk_norm": arch.qk_norm,
+        "transformer_architecture.hidden_dropout > 0": arch.hidden_dropout > 0,
+    }
+    for what, clash in clashes.items():
+        if clash:
+            raise ValueError(
+                f"transformer_architecture.activation_checkpointing='operators' with {what}: the activation "
+                "prediction does not model it yet (#52)"
+            )
+
+
 def block_activation_terms(config: TransformerConfig, device: str = "cpu", moe: bool = False) -> dict[str, int]:
     """What one dense block's forward leaves held for the backward, per micro-batch and rank, by term.
 
@@ -204,6 +222,17 @@ def block_activation_terms(config: TransformerConfig, device: str = "cpu", moe: 
         return {"input": e * h * stream, "rng_state": rng_state}
     nq, nkv, ffn = arch.num_attention_heads // tp, arch.kv_heads // tp, -(-arch.ffn_size // tp)
     swiglu = arch.mlp_type == "swiglu"
+    if arch.activation_checkpointing == "operators":
+        _refuse_with_operators(config, moe)
+        # The input, each product's output (QKV; the projection's and the MLP's down, whole rows of
+        # partial sums under TP; gate and up, or up), attention's output and log-sum-exp.
+        products = (nq + 2 * nkv) * d + 2 * h + (2 if swiglu else 1) * ffn
+        return {
+            "input": e * h * stream,
+            "products": e * tokens * products,
+            "attention": e * tokens * nq * d + 4 * b * nq * s,
+            "rng_state": rng_state,
+        }
     readers = (1 + (2 if swiglu else 1)) if arch.sequence_parallel else 2
     # RoPE's angles per call (queries, keys): [b, s, r/2] with per-sequence positions (documents).
     positions = b if arch.document_masking else 1
@@ -416,7 +445,7 @@ def peak_memory(config: TransformerConfig, stage: int = 0, device: str = "cpu") 
     activations = activation_memory(config, stage, device, after_first=state.gradients).peak
     if opt.zero_stage == 3:  # a layer whole, the next one prefetched, a tied embedding whole meanwhile
         transient += _zero3_gathered(config, stage)
-    if arch.activation_checkpointing == "every_layer":  # a block recomputed in its backward holds it all
+    if arch.activation_checkpointing in ("every_layer", "operators"):  # a block recomputed in its backward
         whole = config.model_copy(
             update={"transformer_architecture": arch.model_copy(update={"activation_checkpointing": "none"})}
         )

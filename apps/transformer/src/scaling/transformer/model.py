@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from scaling.collectives import all_reduce, copy_to_model_parallel_region, gather_from_sequence_parallel_region
 from scaling.nn import (
+    MATMUL_AND_ATTENTION,
     AttentionConfig,
     BaseLayer,
     KVCache,
@@ -248,8 +249,10 @@ class TransformerBlock(BaseLayer[TransformerLayerIO, TransformerLayerIO]):
 
     def forward(self, x: TransformerLayerIO) -> TransformerLayerIO:
         cu, pos = x.cumulative_seq_lengths, x.position_ids
-        if self.arch.activation_checkpointing == "every_layer":
-            out = checkpoint_layer(self.block, x.activations, cu, pos, rng_tracker=self.rng_tracker)
+        policy = self.arch.activation_checkpointing
+        if policy in ("every_layer", "operators"):
+            save = MATMUL_AND_ATTENTION if policy == "operators" else None
+            out = checkpoint_layer(self.block, x.activations, cu, pos, rng_tracker=self.rng_tracker, save=save)
         else:
             out = self.block(x.activations, cu, pos)
         return TransformerLayerIO(out, pos, cu)

@@ -7,7 +7,12 @@ from scaling.nn._attention import (
     check_context_parallel,
     valid_model_parallel_sizes,
 )
-from scaling.nn._checkpoint import checkpoint_layer, checkpoint_sequential_layers, tracker_checkpoint_context
+from scaling.nn._checkpoint import (
+    MATMUL_AND_ATTENTION,
+    checkpoint_layer,
+    checkpoint_sequential_layers,
+    tracker_checkpoint_context,
+)
 from scaling.nn._compile import (
     CompileConfig,
     CompileMonitor,
@@ -57,6 +62,7 @@ from scaling.nn._peft import export_peft_adapter, load_peft_adapter, write_peft_
 from scaling.nn._rotary import KVCache, RopeScaling, RotaryEmbedding
 
 __all__ = [
+    "MATMUL_AND_ATTENTION",
     "AttentionConfig",
     "BaseLayer",
     "BottleneckAdapter",

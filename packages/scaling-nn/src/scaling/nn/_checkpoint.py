@@ -4,16 +4,22 @@
 on TP-sharded activations draws from the RNG tracker's streams instead, so their states
 are captured at the forward and put back for the recomputation (then advanced again, so
 the stream continues as if nothing had been recomputed).
+
+Per-operator checkpointing (``save=``): the outputs of the named operators are kept and only the
+rest is recomputed (torch's selective checkpointing, ``create_selective_checkpoint_contexts``; what
+torchtitan's ``selective`` ``op`` policy does): keeping the matrix products' and attention's outputs
+(``MATMUL_AND_ATTENTION``) recomputes only the cheap element-wise work.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+import functools
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 if TYPE_CHECKING:
     from scaling.topology import RNGTracker
@@ -50,20 +56,77 @@ def tracker_checkpoint_context(rng_tracker: RNGTracker | None) -> Callable[[], C
     return context_fn
 
 
-def checkpoint_layer(layer: Callable[..., T], *inputs: object, rng_tracker: RNGTracker | None = None) -> T:
+#: The operators whose outputs per-operator checkpointing keeps by default: the matrix products and
+#: the attention kernels (what costs compute to redo); everything element-wise is recomputed.
+MATMUL_AND_ATTENTION: frozenset[object] = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    if hasattr(torch.ops.aten, name)
+)
+
+
+def _keep(save: Collection[object], ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context(
+    save: Collection[object], rng_tracker: RNGTracker | None
+) -> Callable[[], tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]]:
+    """A ``context_fn`` keeping ``save``'s outputs and replaying ``rng_tracker``'s streams."""
+    tracker = tracker_checkpoint_context(rng_tracker)
+
+    def context_fn() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+        forward, recompute = create_selective_checkpoint_contexts(functools.partial(_keep, save))
+        tracker_forward, tracker_recompute = tracker()
+        # The tracker's own operators (saving and restoring generator states) stay outside the
+        # selective mode, which counts the region's operators and must see the same ones twice.
+        return _both(tracker_forward, forward), _both(tracker_recompute, recompute)
+
+    return context_fn
+
+
+@contextlib.contextmanager
+def _both(
+    first: contextlib.AbstractContextManager[object], second: contextlib.AbstractContextManager[object]
+) -> Iterator[None]:
+    with first, second:
+        yield
+
+
+def checkpoint_layer(
+    layer: Callable[..., T],
+    *inputs: object,
+    rng_tracker: RNGTracker | None = None,
+    save: Collection[object] | None = None,
+) -> T:
     """Run ``layer(*inputs)`` keeping only its inputs; recompute the rest in the backward.
 
     Inputs and outputs may be LayerIO dataclasses. Dropout masks (default generator and
     ``rng_tracker`` streams) are the same in the recomputation, so losses and gradients
-    equal those without checkpointing. Without grad mode it is a plain call.
+    equal those without checkpointing. Without grad mode it is a plain call. ``save``: operators
+    (``torch.ops.aten`` overloads, e.g. ``MATMUL_AND_ATTENTION``) whose outputs are kept too, so
+    the recomputation skips them.
     """
     if not torch.is_grad_enabled():
         return layer(*inputs)
     if torch.compiler.is_compiling():
         # Inside a compiled layer Dynamo traces checkpoint with the default context only; the
         # compiled graph draws its own dropout masks (see scaling.nn.compile_layer).
-        return checkpoint(layer, *inputs, use_reentrant=False)
-    return checkpoint(layer, *inputs, use_reentrant=False, context_fn=tracker_checkpoint_context(rng_tracker))
+        if save is None:
+            return checkpoint(layer, *inputs, use_reentrant=False)
+        policy = functools.partial(_keep, save)
+        context = functools.partial(create_selective_checkpoint_contexts, policy)
+        return checkpoint(layer, *inputs, use_reentrant=False, context_fn=context)
+    context_fn = tracker_checkpoint_context(rng_tracker) if save is None else _selective_context(save, rng_tracker)
+    return checkpoint(layer, *inputs, use_reentrant=False, context_fn=context_fn)
 
 
 def checkpoint_sequential_layers(layers: Sequence[Callable[[T], T]], x: T, rng_tracker: RNGTracker | None = None) -> T:
