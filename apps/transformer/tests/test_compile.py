@@ -61,13 +61,22 @@ def eager_losses(tiny_corpus):
         ),
         ({"cp": 2}, 2, "aot_eager", False, "none"),  # ring attention at graph breaks
         ({"dp": 2, "topology": {"expert_parallel_size": 2}}, 2, "aot_eager", False, "moe"),
+        ({"tp": 2}, 2, "aot_eager", "operators", "none"),  # per-operator checkpointing's policy traced
     ],
-    ids=["dp2-tp2-sp", "pp2-dp2-zero1-ac", "dp2-pp2-tp2-sp-ac-lora", "dp2-zero3-inductor", "cp2", "dp2-ep2-moe"],
+    ids=[
+        "dp2-tp2-sp",
+        "pp2-dp2-zero1-ac",
+        "dp2-pp2-tp2-sp-ac-lora",
+        "dp2-zero3-inductor",
+        "cp2",
+        "dp2-ep2-moe",
+        "tp2-sp-ops",
+    ],
 )
 def test_compiled_run_matches_eager(tiny_corpus, eager_losses, sizes, world, backend, ac, variant):
     cfg = tiny_config(tiny_corpus, steps=STEPS, training={"compile": {"enabled": True, "backend": backend}}, **sizes)
     cfg["transformer_architecture"].update(
-        sequence_parallel="tp" in sizes, activation_checkpointing="every_layer" if ac else "none"
+        sequence_parallel="tp" in sizes, activation_checkpointing={True: "every_layer", False: "none"}.get(ac, ac)
     )
     if variant == "lora":
         cfg["finetuning"] = LORA
