@@ -200,13 +200,13 @@ def _memory(args: argparse.Namespace) -> int:
     notes: list[str] = []
     activations = _per_stage(lambda stage: activation_memory(config, stage, device).peak, layout.pp, notes)
     peaks = _per_stage(lambda stage: peak_memory(config, stage, device), layout.pp, notes) if activations else None
+    peak = None if peaks is None else [p.peak for p in peaks]
     print(
         f"{'stage':>5} {'parameters':>11} {'gradients':>11} {'master':>11} {'state':>11} {'device':>11} {'host':>11} "
         f"{'activations':>11} {'peak':>11}  GiB, first rank of the stage"
     )
     for stage in range(layout.pp):
         m = rank_memory(specs, layout, config.optimizer, stage, method_of=method_of(config))
-        peak = None if peaks is None else [p.peak for p in peaks]
         extra = " ".join(f"{'-':>11}" if got is None else f"{got[stage] / gib:>11.3f}" for got in (activations, peak))
         print(
             f"{stage:>5} {m.parameters / gib:>11.3f} {m.gradients / gib:>11.3f} {m.master / gib:>11.3f} "

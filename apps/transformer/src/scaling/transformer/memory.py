@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -365,38 +364,25 @@ class PeakMemory:
     moment: str
 
 
-def _stage_specs(config: TransformerConfig, stage: int) -> tuple[list[ParameterSpec], MemoryLayout]:
-    """The parameters of pipeline ``stage``'s layers (and the layout)."""
-    specs, layout = memory_inputs(config)
-    held = partition_layers(layout.num_layers, layout.pp, num_virtual=layout.num_virtual_stages)
-    layers = {i for c in range(layout.num_virtual_stages) for i in held[c * layout.pp + stage]}
-    return [spec for spec in specs if spec.meta.layer_index in layers], layout
-
-
-def _zero3_gathered(config: TransformerConfig, stage: int) -> int:
+def _zero3_gathered(specs: list[ParameterSpec], layout: MemoryLayout, stage: int) -> int:
     """ZeRO-3's whole parameters in a backward: two adjacent blocks of the stage (the one running and
     the one prefetched) and a tied embedding (whole from the head's backward to the embedding's)."""
-    specs, layout = _stage_specs(config, stage)
+    held = partition_layers(layout.num_layers, layout.pp, num_virtual=layout.num_virtual_stages)
+    layers = {i for c in range(layout.num_virtual_stages) for i in held[c * layout.pp + stage]}
     per_layer: dict[int, int] = {}
     tied = 0
     for spec in specs:
         index = spec.meta.layer_index
-        assert index is not None
-        size = _local_bytes(spec, layout.tp)
+        if index not in layers:
+            continue
+        size = spec.local_numel(layout.tp) * spec.dtype.itemsize
         if spec.meta.tied_key is not None:
             tied = max(tied, size)
         else:
             per_layer[index] = per_layer.get(index, 0) + size
-    layers = sorted(per_layer)
-    pairs = [per_layer[a] + per_layer[b] for a, b in zip(layers, layers[1:])] or [0]
+    ordered = sorted(per_layer)
+    pairs = [per_layer[a] + per_layer[b] for a, b in zip(ordered, ordered[1:])] or [0]
     return max(pairs) + tied
-
-
-def _local_bytes(spec: ParameterSpec, tp: int) -> int:
-    shape = list(spec.meta.logical_shape)
-    if spec.meta.parallel_dim is not None and tp > 1:
-        shape[spec.meta.parallel_dim] = -(-shape[spec.meta.parallel_dim] // tp)
-    return math.prod(shape) * spec.dtype.itemsize
 
 
 def peak_memory(config: TransformerConfig, stage: int = 0, device: str = "cpu") -> PeakMemory:
@@ -433,7 +419,8 @@ def peak_memory(config: TransformerConfig, stage: int = 0, device: str = "cpu") 
             "optimizer.zero_stage=3 with topology.pipe_parallel_size > 1: the peak prediction does not model "
             "ZeRO-3's gathers and reduce-scatters under a pipeline schedule yet (measured up to 22 % more)"
         )
-    state = model_state_memory(config, stage)
+    specs, layout = memory_inputs(config)
+    state = rank_memory(specs, layout, opt, stage, method_of=method_of(config))
     arch, top = config.transformer_architecture, config.topology
     assert top.model_parallel_size is not None and top.micro_batch_size is not None
     assert top.pipe_parallel_size is not None
@@ -444,7 +431,7 @@ def peak_memory(config: TransformerConfig, stage: int = 0, device: str = "cpu") 
     transient = (2 if tp == 1 else 3) * 4 * tokens * vocab if last else 0
     activations = activation_memory(config, stage, device, after_first=state.gradients).peak
     if opt.zero_stage == 3:  # a layer whole, the next one prefetched, a tied embedding whole meanwhile
-        transient += _zero3_gathered(config, stage)
+        transient += _zero3_gathered(specs, layout, stage)
     if arch.activation_checkpointing in ("every_layer", "operators"):  # a block recomputed in its backward
         whole = config.model_copy(
             update={"transformer_architecture": arch.model_copy(update={"activation_checkpointing": "none"})}

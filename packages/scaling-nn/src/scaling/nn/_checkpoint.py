@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import typing
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -77,14 +78,21 @@ def _keep(save: Collection[object], ctx: object, op: object, *args: object, **kw
     return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _selective_context(
-    save: Collection[object], rng_tracker: RNGTracker | None
-) -> Callable[[], tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]]:
-    """A ``context_fn`` keeping ``save``'s outputs and replaying ``rng_tracker``'s streams."""
-    tracker = tracker_checkpoint_context(rng_tracker)
+def _keeping(save: Collection[object]) -> Callable[[], ContextPair]:
+    """torch's selective ``context_fn`` keeping ``save``'s outputs."""
+    # create_selective_checkpoint_contexts returns torch's two dispatch modes, context managers both.
+    return typing.cast(
+        "Callable[[], ContextPair]",
+        functools.partial(create_selective_checkpoint_contexts, functools.partial(_keep, save)),
+    )
 
-    def context_fn() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
-        forward, recompute = create_selective_checkpoint_contexts(functools.partial(_keep, save))
+
+def _selective_context(save: Collection[object], rng_tracker: RNGTracker | None) -> Callable[[], ContextPair]:
+    """A ``context_fn`` keeping ``save``'s outputs and replaying ``rng_tracker``'s streams."""
+    tracker, selective = tracker_checkpoint_context(rng_tracker), _keeping(save)
+
+    def context_fn() -> ContextPair:
+        forward, recompute = selective()
         tracker_forward, tracker_recompute = tracker()
         # The tracker's own operators (saving and restoring generator states) stay outside the
         # selective mode, which counts the region's operators and must see the same ones twice.
@@ -122,9 +130,7 @@ def checkpoint_layer(
         # compiled graph draws its own dropout masks (see scaling.nn.compile_layer).
         if save is None:
             return checkpoint(layer, *inputs, use_reentrant=False)
-        policy = functools.partial(_keep, save)
-        context = functools.partial(create_selective_checkpoint_contexts, policy)
-        return checkpoint(layer, *inputs, use_reentrant=False, context_fn=context)
+        return checkpoint(layer, *inputs, use_reentrant=False, context_fn=_keeping(save))
     context_fn = tracker_checkpoint_context(rng_tracker) if save is None else _selective_context(save, rng_tracker)
     return checkpoint(layer, *inputs, use_reentrant=False, context_fn=context_fn)
 

@@ -51,6 +51,13 @@ class ParameterSpec:
     trainable: bool = True
     expert: int | None = None
 
+    def local_numel(self, tp: int) -> int:
+        """Elements each TP rank of ``tp`` holds: ``ceil(n / tp)`` rows of the split dimension."""
+        shape = list(self.meta.logical_shape)
+        if self.meta.parallel_dim is not None and tp > 1:
+            shape[self.meta.parallel_dim] = -(-shape[self.meta.parallel_dim] // tp)
+        return math.prod(shape)
+
 
 @dataclass(frozen=True)
 class MemoryLayout:
@@ -137,13 +144,6 @@ def _owned(numel: int, world: int, rank: int) -> int:
     return min(start + chunk, numel) - start
 
 
-def _local_numel(meta: ParameterMeta, tp: int) -> int:
-    shape = list(meta.logical_shape)
-    if meta.parallel_dim is not None and tp > 1:
-        shape[meta.parallel_dim] = -(-shape[meta.parallel_dim] // tp)
-    return math.prod(shape)
-
-
 def rank_memory(
     parameters: Sequence[ParameterSpec],
     layout: MemoryLayout,
@@ -192,7 +192,7 @@ def rank_memory(
         if spec.expert is not None and spec.expert // local_experts != ep_rank:
             continue
         size = spec.dtype.itemsize
-        numel = _local_numel(meta, lay.tp)
+        numel = spec.local_numel(lay.tp)
         if spec.expert is not None:
             owned = _owned(numel, expert_world, expert_shard_rank % expert_world)
         else:
