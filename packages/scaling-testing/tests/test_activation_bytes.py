@@ -48,3 +48,37 @@ def test_the_peak_counts_the_existing_state_until_it_is_freed_and_what_operators
     # When the new gradient is made: the weight, that gradient, the sum's gradient made whole for the
     # product's backward ([16, 64]), the sum and its seed (the product itself was freed: nothing saves it).
     assert watch.peak == 2 * 64 * 64 * 4 + 16 * 64 * 4 + 4 + 4
+
+
+def test_storages_freed_on_another_thread_while_the_watch_sums_do_not_break_it():
+    # CI once lost a rank to "dictionary changed size during iteration": a thread dropped the last
+    # reference to a watched storage while the training thread summed what is held.
+    import queue
+    import sys
+    import threading
+
+    watch = PeakBytes([])
+    handed: queue.Queue[list[torch.Tensor] | None] = queue.Queue()
+
+    def drop() -> None:
+        while handed.get() is not None:
+            pass
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=drop)
+    thread.start()
+    try:
+        for _ in range(2000):
+            batch = [torch.empty(8) for _ in range(20)]
+            for storage in (tensor.untyped_storage() for tensor in batch):
+                watch._watch(storage)
+            handed.put(batch)
+            del storage
+            del batch
+            watch.held()
+    finally:
+        handed.put(None)
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert watch.held() == 0

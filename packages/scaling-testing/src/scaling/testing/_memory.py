@@ -35,7 +35,9 @@ class _Storages(TorchDispatchMode):
 
     def held(self) -> int:
         """The bytes the watched storages that live hold now."""
-        live = (ref() for ref in self._live.values())
+        # A copy: a storage freed meanwhile on another thread (a communication thread dropping its
+        # buffer) removes itself from ``_live`` while this sums.
+        live = [ref() for ref in list(self._live.values())]
         return sum(storage.nbytes() for storage in live if storage is not None)
 
     def __torch_dispatch__(
