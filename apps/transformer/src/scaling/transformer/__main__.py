@@ -10,6 +10,7 @@ scaling-transformer export-hf OUT_DIR HF_DIR        # ours -> the family's confi
 scaling-transformer export-hf CKPT HF_DIR --peft-dir ADAPTER_DIR   # + the LoRA adapter in PEFT format
 scaling-transformer presets                         # the named architectures (transformer_architecture.preset)
 scaling-transformer memory my.yml topology.model_parallel_size=8    # model-state and activation bytes per rank, per stage
+scaling-transformer memory my.yml --machine h100-sxm-node          # ... and the predicted step time and tokens/s
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, TypeVar
 from scaling.transformer.corpus import DEFAULT_VOCAB_SIZE, default_paths
 
 if TYPE_CHECKING:  # imported when used: torch takes seconds to import, the first line does not wait
+    from scaling.trainer.planning import MachineProfile
     from scaling.transformer.config import TransformerConfig
 
 DEFAULT_CONFIG = Path(__file__).with_name("config.yml")
@@ -179,14 +181,38 @@ def _positive_gib(text: str) -> float:
     return value
 
 
+def _print_step_time(config: TransformerConfig, profile: MachineProfile) -> None:
+    from scaling.transformer.steptime import step_time
+
+    try:
+        t = step_time(config, profile)
+    except ValueError as err:
+        print(f"step time not predicted: {err}")
+        return
+    c = t.chunk
+    print(
+        f"step time on {profile.name}: {t.total:.4g} s (pipeline {t.pipeline:.4g}, DP reduction left {t.reduction:.4g}, "
+        f"update {t.optimizer:.4g}; a micro-batch through the slowest chunk: forward {c.forward:.4g}, backward "
+        f"{c.backward:.4g}, of which communication {c.forward_communication:.4g} and {c.backward_communication:.4g}), "
+        f"{t.tokens_per_second_per_device:,.0f} tokens/s per device"
+    )
+
+
 def _memory(args: argparse.Namespace) -> int:
-    from scaling.trainer.planning import rank_memory
+    from scaling.trainer.planning import MachineProfile, rank_memory
     from scaling.transformer.config import TransformerConfig
     from scaling.transformer.memory import activation_memory, memory_inputs, method_of, peak_memory
 
     if "=" in args.config and not Path(args.config).exists():  # `scaling-transformer memory topology.x=1`
         args.overrides, args.config = [args.config, *args.overrides], str(DEFAULT_CONFIG)
     config = TransformerConfig.from_file(args.config, overrides=args.overrides)
+    profile = None
+    if args.machine is not None:
+        try:
+            profile = MachineProfile.load(args.machine)
+        except ValueError as err:
+            print(f"--machine: {err}", file=sys.stderr)
+            return 2
     specs, layout = memory_inputs(config)
     gib = 2**30
     arch, opt = config.transformer_architecture, config.optimizer
@@ -214,6 +240,8 @@ def _memory(args: argparse.Namespace) -> int:
         )
     for note in notes:
         print(f"not predicted: {note}")
+    if profile is not None:
+        _print_step_time(config, profile)
     if args.device_memory is None:
         return 0
     if peaks is None:
@@ -296,6 +324,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="GIB",
         help="the device's memory: exit 1, naming the stage and its parts, when a predicted peak exceeds it",
+    )
+    p.add_argument(
+        "--machine",
+        default=None,
+        metavar="PROFILE",
+        help="also predict the step time on this machine: a shipped profile (h100-sxm-node, h200-sxm-node) or a "
+        "profile file from `python -m scaling.trainer.planning profile`",
     )
     p.set_defaults(fn=_memory)
     return parser

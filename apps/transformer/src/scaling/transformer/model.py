@@ -347,11 +347,16 @@ class TransformerLoss:
 def flops_per_token(arch: TransformerArchitectureConfig, sequence_length: int) -> float:
     """Training FLOPs per token: ``6 N + 12 L H S`` (N active parameters, L layers, H the attention width:
     heads × head size, the hidden size unless ``head_dim`` is set; S sequence)."""
-    width: float = arch.num_attention_heads * arch.head_size
+    return 6.0 * arch.num_parameters(active=True) + 12.0 * arch.num_layers * attention_width(arch) * sequence_length
+
+
+def attention_width(arch: TransformerArchitectureConfig) -> float:
+    """Attention's channels over all heads, as its two products see them: heads x head size; with
+    latent attention the mean of QK^T's (query/key channels) and AV's (value channels)."""
     latent = arch.latent_attention
-    if latent is not None:  # QK^T over the query/key channels, AV over the value ones
-        width = arch.num_attention_heads * (latent.qk_nope_head_dim + latent.qk_rope_head_dim + latent.v_head_dim) / 2
-    return 6.0 * arch.num_parameters(active=True) + 12.0 * arch.num_layers * width * sequence_length
+    if latent is None:
+        return float(arch.num_attention_heads * arch.head_size)
+    return arch.num_attention_heads * (latent.qk_nope_head_dim + latent.qk_rope_head_dim + latent.v_head_dim) / 2
 
 
 def check_fp8(config: TransformerConfig) -> None:

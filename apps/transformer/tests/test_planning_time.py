@@ -1,0 +1,186 @@
+"""The planner's step time (``scaling.transformer.steptime``): what each part adds, the pipeline's
+makespan, a crowded CPU's bound, the operator counts it assumes against this app's real step, the
+memory command's ``--machine``, and the on-paper Llama 3 8B figure docs/planning.md quotes. How
+well it ranks measured steps is ``bench/plan_step_time.py``'s (timing never decides a test)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformer_testlib import tiny_config
+
+from scaling.testing import run_distributed
+from scaling.topology import Topology
+from scaling.trainer.planning import Link, MachineProfile
+from scaling.transformer.__main__ import DEFAULT_CONFIG, main
+from scaling.transformer.config import TransformerConfig
+from scaling.transformer.memory import peak_memory
+from scaling.transformer.steptime import OPERATORS, step_time
+from scaling.transformer.train import build_trainer
+
+GPU = MachineProfile(
+    name="gpu-like",
+    device="cuda",
+    source="the test's",
+    devices_per_node=8,
+    compute_slots=8,
+    matmul={"bf16": ((1e6, 1e12), (1e12, 5e14)), "fp32": ((1e6, 1e11), (1e12, 5e13))},
+    memory_bandwidth=2e12,
+    operator_overhead=5e-6,
+    intra_node=Link(bandwidth=2e11, latency=1e-5),
+    inter_node=Link(bandwidth=2e10, latency=2e-5),
+)
+CPU = MachineProfile(
+    name="cpu-like",
+    device="cpu",
+    source="the test's",
+    devices_per_node=1 << 20,
+    compute_slots=2,
+    matmul={"fp32": ((1e5, 2e10), (1e9, 8e10))},
+    memory_bandwidth=2e10,
+    operator_overhead=4e-6,
+    intra_node=Link(bandwidth=1e9, latency=1e-3),
+    inter_node=Link(bandwidth=1e9, latency=1e-3),
+    overlap=False,
+)
+
+
+def _config(corpus: Any = "unused", arch: dict[str, Any] | None = None, **sections: Any) -> TransformerConfig:
+    cfg = tiny_config(corpus, **sections)
+    cfg["transformer_architecture"].update(hidden_size=64, num_layers=4, max_sequence_length=64, **(arch or {}))
+    cfg["data"]["sequence_length"] = 64
+    dp = sections.get("dp", 1)
+    cfg["topology"].update(micro_batch_size=2, global_batch_size=8 * dp)
+    return TransformerConfig.from_dict(cfg)
+
+
+def test_every_layer_recomputes_the_forward_and_selective_attention_s_core():
+    none = step_time(_config(), GPU).chunk
+    every = step_time(_config(arch={"activation_checkpointing": "every_layer"}), GPU).chunk
+    selective = step_time(_config(arch={"activation_checkpointing": "selective"}), GPU).chunk
+    assert every.forward_compute == none.forward_compute
+    assert every.backward_compute == pytest.approx(none.backward_compute + none.forward_compute)
+    assert none.backward_compute < selective.backward_compute < every.backward_compute
+
+
+def test_tensor_parallelism_halves_the_products_and_adds_two_all_reduces_per_block_each_way():
+    one = step_time(_config(), GPU).chunk
+    tp2 = step_time(_config(tp=2), GPU).chunk
+    stream = 4 * 2 * 64 * 64  # fp32, micro-batch 2 x 64 tokens x hidden 64
+    per_block = 2 * GPU.collective_seconds("all_reduce", stream, 2)
+    assert tp2.forward_communication == pytest.approx(4 * per_block)
+    assert tp2.backward_communication == pytest.approx(4 * per_block)
+    assert tp2.forward_compute < one.forward_compute
+    sp = step_time(_config(tp=2, arch={"sequence_parallel": True}), GPU).chunk
+    gathers = GPU.collective_seconds("all_gather", stream, 2) + GPU.collective_seconds("reduce_scatter", stream, 2)
+    assert sp.forward_communication == pytest.approx(4 * 2 * gathers)
+
+
+def test_the_pipeline_s_makespan_is_the_schedule_s_and_zero_bubble_pays_its_weight_pass():
+    config = _config(pp=2)  # 4 micro-batches of 2 per step
+    t = step_time(config, GPU)
+    f, b = t.chunk.forward, t.chunk.backward
+    assert t.pipeline == pytest.approx((4 + 2 - 1) * (f + b))
+    zb = step_time(_config(pp=2, training={"schedule": "zb_h1"}), GPU)
+    assert zb.chunk == t.chunk and zb.pipeline != t.pipeline
+
+
+def test_ranks_crowding_a_cpu_s_cores_share_them_and_a_pipeline_s_idle_stages_lend_theirs():
+    one = step_time(_config(), CPU)
+    dp4 = step_time(_config(dp=4), CPU)  # 4 ranks on 2 slots, each its own 4 micro-batches
+    work = 4 * (one.chunk.forward_compute + one.chunk.backward_compute)
+    assert one.pipeline == pytest.approx(work)
+    assert dp4.pipeline == pytest.approx(2 * work)
+    pp2 = step_time(_config(pp=2), CPU)  # 2 ranks on 2 slots: the critical path
+    assert pp2.pipeline == pytest.approx(5 * (pp2.chunk.forward + pp2.chunk.backward))
+    assert dp4.reduction > 0 and dp4.tokens_per_second_per_device < one.tokens_per_second_per_device
+
+
+def test_zero3_gathers_each_layer_twice_per_micro_batch_and_leaves_no_reduction_after_the_step():
+    zero1 = step_time(_config(dp=2, optimizer={"zero_stage": 1}), GPU)
+    zero3 = step_time(_config(dp=2, optimizer={"zero_stage": 3}), GPU)
+    assert zero1.chunk.forward_communication == 0 and zero3.chunk.forward_communication > 0
+    assert zero3.chunk.backward_communication > zero3.chunk.forward_communication  # + the reduce-scatters
+    assert zero3.reduction == 0 < zero1.reduction
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.forward = self.backward = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if torch._C._current_autograd_node() is not None:
+            self.backward += 1
+        elif torch.is_grad_enabled():
+            self.forward += 1
+        return func(*args, **(kwargs or {}))
+
+
+def census_worker(cfg: dict[str, Any]) -> tuple[int, int]:
+    """The operators a training step runs forward (grad on, outside a backward) and backward."""
+    config = TransformerConfig.from_dict(cfg)
+    topology = Topology.from_env(config.topology)
+    try:
+        trainer = build_trainer(config, topology)
+        trainer.train_step()
+        with _Count() as count:
+            trainer.train_step()
+        return count.forward, count.backward
+    finally:
+        topology.destroy()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_the_operators_assumed_per_block_are_those_this_app_s_step_runs(tiny_corpus, kind):
+    counts = []
+    for layers in (2, 4):
+        cfg = tiny_config(tiny_corpus, steps=2)
+        cfg["transformer_architecture"].update(hidden_size=64, num_layers=layers, max_sequence_length=64)
+        if kind == "moe":
+            cfg["transformer_architecture"]["moe"] = {"num_experts": 4, "top_k": 2}
+        cfg["data"]["sequence_length"] = 32
+        cfg["topology"].update(micro_batch_size=2, global_batch_size=2)
+        counts.append(run_distributed(census_worker, 1, cfg, timeout_seconds=120)[0])
+    (f2, b2), (f4, b4) = counts
+    per_block = ((f4 - f2) / 2, (b4 - b2) / 2)
+    for counted, assumed in zip(per_block, OPERATORS[kind]):
+        assert abs(counted / assumed - 1) <= 0.1, f"{kind}: counted {per_block}, OPERATORS says {OPERATORS[kind]}"
+
+
+def _llama3_8b_fsdp8() -> dict[str, Any]:
+    """torchtitan's Llama 3.1 8B run (docs/performance.md): 8 H100, FSDP, local batch 2, sequence 8192,
+    per-operator checkpointing, bf16."""
+    cfg = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    cfg["topology"].update(data_parallel_size=8, micro_batch_size=2, global_batch_size=16, device="cuda")
+    cfg["transformer_architecture"] = dict(
+        preset="llama3_8b", precision="bf16", activation_checkpointing="operators", max_sequence_length=8192
+    )
+    cfg["data"]["sequence_length"] = 8192
+    cfg["optimizer"]["zero_stage"] = 3
+    return cfg
+
+
+def test_the_on_paper_llama3_8b_figures_docs_planning_md_quotes():
+    config = TransformerConfig.from_dict(_llama3_8b_fsdp8())
+    assert round(peak_memory(config, 0, "cuda").peak / 2**30, 1) == 88.6
+    for machine, tokens in (("h100-sxm-node", 9059), ("h200-sxm-node", 9912)):
+        assert round(step_time(config, MachineProfile.load(machine)).tokens_per_second_per_device) == tokens
+
+
+def test_the_memory_command_predicts_the_step_time_on_a_named_machine(tmp_path, capsys):
+    path = tmp_path / "llama.yml"
+    path.write_text(yaml.safe_dump(_llama3_8b_fsdp8()))
+    assert main(["memory", str(path), "--machine", "h100-sxm-node"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("step time on h100-sxm-node: 1.809 s (pipeline ") and line.endswith(
+        "9,059 tokens/s per device"
+    )
+    assert main(["memory", str(path), "--machine", "a100"]) == 2
+    assert "--machine: machine profile 'a100' is neither a file nor a shipped profile" in capsys.readouterr().err
