@@ -1,12 +1,11 @@
 """Measure a machine's profile for the step-time model: ``python -m scaling.trainer.planning profile``.
 
 Each figure is timed on this machine as a training rank would run it: products of square matrices
-per dtype at growing sizes, a large copy (memory bandwidth), a chain of small differentiable
-transformer blocks forward and backward (the fixed cost of one operator), and all-reduces of a
-small and a large tensor among real processes of the backend (gloo on CPU, NCCL on GPUs), each
-after a burst of products as in a step, every group of a size at once among as many processes as a
-layout runs, from which each (group size, processes) pair's latency and bandwidth follow by the
-ring's formula.
+per dtype at growing sizes, a large copy (memory bandwidth), tiny transformer blocks forward and
+backward (the fixed cost of one operator), and all-reduces of a small and a large tensor among real
+processes of the backend (gloo on CPU, NCCL on GPUs), each after a burst of products as in a step,
+every group of a size at once among as many processes as a layout runs, from which each (group
+size, processes) pair's latency and bandwidth follow by the ring's formula.
 """
 
 from __future__ import annotations
