@@ -19,6 +19,7 @@ from scaling.trainer.planning import Link, MachineProfile
 from scaling.transformer.__main__ import DEFAULT_CONFIG, main
 from scaling.transformer.config import TransformerConfig
 from scaling.transformer.memory import peak_memory
+from scaling.transformer.plan import _with_layout, rank_plans
 from scaling.transformer.steptime import OPERATORS, step_time
 from scaling.transformer.train import build_trainer
 
@@ -184,3 +185,41 @@ def test_the_memory_command_predicts_the_step_time_on_a_named_machine(tmp_path, 
     )
     assert main(["memory", str(path), "--machine", "a100"]) == 2
     assert "--machine: machine profile 'a100' is neither a file nor a shipped profile" in capsys.readouterr().err
+
+
+def test_plans_are_ranked_by_predicted_tokens_per_second_and_refused_with_their_reasons():
+    config = _config(dp=4)
+    rows = rank_plans(config, GPU, 4)
+    ranked = [r for r in rows if r.refused is None]
+    speeds = [r.step.tokens_per_second_per_device for r in ranked]  # type: ignore[union-attr]
+    assert speeds == sorted(speeds, reverse=True) and len(ranked) > 10
+    best = ranked[0]
+    again = _with_layout(config, best.tp, best.pp, best.cp, best.dp, best.zero_stage, best.activation_checkpointing)
+    assert best.step == step_time(again, GPU)
+    assert best.peak == max(peak_memory(again, s, "cuda").peak for s in range(best.pp))
+    refused = {r.refused for r in rows if r.refused is not None}
+    assert any(reason.startswith("optimizer.zero_stage=3 with topology.pipe_parallel_size > 1") for reason in refused)
+    assert any("num_kv_heads" in reason or "divisible" in reason for reason in refused)  # tp4 with 2 KV heads
+
+    peaks = sorted(r.peak for r in ranked)  # type: ignore[type-var]
+    budget = (peaks[0] + peaks[-1]) / 2
+    fitted = rank_plans(config, GPU, 4, device_memory=budget)
+    assert all(r.peak <= budget for r in fitted if r.refused is None)  # type: ignore[operator]
+    over = [r for r in fitted if r.refused is not None and r.refused.startswith("does not fit")]
+    assert over and all(r.peak > budget for r in over)  # type: ignore[operator]
+    with pytest.raises(ValueError, match=r"devices=0: give the number of devices"):
+        rank_plans(config, GPU, 0)
+
+
+@pytest.mark.slow  # 240 candidates of an 8B model: ~6 s
+def test_the_plan_command_prints_the_ranked_table_and_exits_1_when_nothing_fits(tmp_path, capsys):
+    path = tmp_path / "llama.yml"
+    path.write_text(yaml.safe_dump(_llama3_8b_fsdp8()))
+    assert main(["plan", str(path), "--machine", "h100-sxm-node", "--devices", "8", "--device-memory", "80"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("52 of 120 layouts of 8 devices on h100-sxm-node, 80 GiB each, fastest first")
+    assert lines[2].split()[:6] == ["1", "tp2", "pp1", "cp2", "dp2", "ZeRO-1"]
+    assert lines[-3].startswith("refused (30): optimizer.zero_stage=3 with topology.pipe_parallel_size > 1")
+    assert "refused (22): does not fit the device's memory" in lines
+    assert main(["plan", str(path), "--machine", "h100-sxm-node", "--devices", "8", "--device-memory", "1"]) == 1
+    assert capsys.readouterr().out.startswith("0 of 120 layouts")

@@ -1,4 +1,4 @@
-"""`scaling-transformer` (or `python -m scaling.transformer`): preprocess | train | generate | import-hf | export-hf | presets | memory.
+"""`scaling-transformer` (or `python -m scaling.transformer`): preprocess | train | generate | import-hf | export-hf | presets | memory | plan.
 
 scaling-transformer preprocess                      # build the default corpus and tokenizer
 scaling-transformer train                           # train the bundled config (1 CPU process)
@@ -11,6 +11,7 @@ scaling-transformer export-hf CKPT HF_DIR --peft-dir ADAPTER_DIR   # + the LoRA 
 scaling-transformer presets                         # the named architectures (transformer_architecture.preset)
 scaling-transformer memory my.yml topology.model_parallel_size=8    # model-state and activation bytes per rank, per stage
 scaling-transformer memory my.yml --machine h100-sxm-node          # ... and the predicted step time and tokens/s
+scaling-transformer plan my.yml --machine h100-sxm-node --devices 8 --device-memory 80   # layouts ranked by tokens/s
 """
 
 from __future__ import annotations
@@ -268,6 +269,45 @@ def _memory(args: argparse.Namespace) -> int:
     return 1
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from scaling.trainer.planning import MachineProfile
+    from scaling.transformer.config import TransformerConfig
+    from scaling.transformer.plan import rank_plans
+
+    if "=" in args.config and not Path(args.config).exists():  # `scaling-transformer plan topology.x=1`
+        args.overrides, args.config = [args.config, *args.overrides], str(DEFAULT_CONFIG)
+    try:
+        profile = MachineProfile.load(args.machine)
+    except ValueError as err:
+        print(f"--machine: {err}", file=sys.stderr)
+        return 2
+    config = TransformerConfig.from_file(args.config, overrides=args.overrides)
+    budget = None if args.device_memory is None else args.device_memory * 2**30
+    rows = rank_plans(config, profile, args.devices, budget)
+    ranked = [r for r in rows if r.refused is None]
+    memory = f", {args.device_memory:g} GiB each" if budget is not None else ""
+    print(
+        f"{len(ranked)} of {len(rows)} layouts of {args.devices} devices on {profile.name}{memory}, fastest first "
+        f"(global batch {config.topology.global_batch_size}, micro-batch {config.topology.micro_batch_size}, "
+        f"sequence {config.data.sequence_length}):"
+    )
+    print(f"{'':>4} {'layout':<36} {'micro-batches':>13} {'peak GiB':>9} {'step s':>9} {'tokens/s/device':>16}")
+    for i, row in enumerate(ranked[: args.top], 1):
+        assert row.peak is not None and row.step is not None  # ranked rows are predicted
+        print(
+            f"{i:>4} {row.layout:<36} {row.micro_batches:>13} {row.peak / 2**30:>9.2f} {row.step.total:>9.4g} "
+            f"{row.step.tokens_per_second_per_device:>16,.0f}"
+        )
+    reasons: dict[str, int] = {}
+    for row in rows:
+        if row.refused is not None:
+            key = row.refused if not row.refused.startswith("does not fit") else "does not fit the device's memory"
+            reasons[key] = reasons.get(key, 0) + 1
+    for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        print(f"refused ({count}): {reason}")
+    return 0 if ranked else 1
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scaling-transformer", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -333,6 +373,16 @@ def _parser() -> argparse.ArgumentParser:
         "profile file from `python -m scaling.trainer.planning profile`",
     )
     p.set_defaults(fn=_memory)
+    p = sub.add_parser(
+        "plan", help="rank a config's layouts on N devices of a machine by predicted tokens/s, with their peak memory"
+    )
+    p.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="YAML or JSON config (default: bundled)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.sequence_length=8192")
+    p.add_argument("--machine", required=True, metavar="PROFILE", help="a shipped profile name or a profile file")
+    p.add_argument("--devices", type=int, required=True, help="ranks to lay out (devices in the cluster)")
+    p.add_argument("--device-memory", type=_positive_gib, default=None, metavar="GIB", help="refuse what exceeds it")
+    p.add_argument("--top", type=int, default=10, help="ranked layouts to print (default 10)")
+    p.set_defaults(fn=_plan)
     return parser
 
 
