@@ -101,6 +101,7 @@ def test_gpu_check_bench_commands_parse(tmp_path):
         "bench/moe_step.py",
         "bench/compile_step.py",
         "bench/float8_layers.py",
+        "bench/plan_gpu_step.py",
     }
     compiles = [c for c in commands if c[0] == "bench/compile_step.py"]
     assert [" ".join(c[c.index("--profile") + 2 :]) for c in compiles] == ["", "--reference fsdp2", "--fp8 --ffn 5632"]
@@ -143,9 +144,9 @@ def test_gpu_check_orders_its_steps_and_names_the_skipped_ones_for_a_second_call
         timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    order = "tests app bench compile compile_fsdp2 compile_fp8 fp8_layers offload checkpoint moe cp_kernels"
+    order = "tests app bench plan compile compile_fsdp2 compile_fp8 fp8_layers offload checkpoint moe cp_kernels"
     assert f'run them in a second call: GPU_CHECK_STEPS="{order}"' in out.stdout, out.stdout
-    assert out.stdout.count(": skipped, its limit") == 11
+    assert out.stdout.count(": skipped, its limit") == 12
     assert (tmp_path / "report" / "report.txt").exists()
     summary = out.stdout.split("=== summary ===\n")[1].splitlines()
     assert summary[0] == "bench.txt:wall ratio ours/reference = 1.025", summary
