@@ -81,13 +81,13 @@ def test_tensor_parallelism_halves_the_products_and_adds_two_all_reduces_per_blo
     assert sp.forward_communication == pytest.approx(4 * 2 * gathers)
 
 
-def test_the_pipeline_s_makespan_is_the_schedule_s_and_zero_bubble_pays_its_weight_pass():
+def test_the_pipeline_s_makespan_is_the_schedule_s_and_zero_bubble_shrinks_it():
     config = _config(pp=2)  # 4 micro-batches of 2 per step
     t = step_time(config, GPU)
     f, b = t.chunk.forward, t.chunk.backward
     assert t.pipeline == pytest.approx((4 + 2 - 1) * (f + b))
     zb = step_time(_config(pp=2, training={"schedule": "zb_h1"}), GPU)
-    assert zb.chunk == t.chunk and zb.pipeline != t.pipeline
+    assert zb.chunk == t.chunk and zb.pipeline < t.pipeline
 
 
 def test_ranks_crowding_a_cpu_s_cores_share_them_and_a_pipeline_s_idle_stages_lend_theirs():

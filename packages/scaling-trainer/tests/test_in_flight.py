@@ -26,9 +26,13 @@ def test_interleaving_weighs_each_chunk_s_micro_batches_by_their_own_bytes():
     assert in_flight_peak([1, 100], "interleaved_1f1b", 2, 4, 0) == 3 * 1 + 2 * 100  # at B0.1
 
 
-def test_zb_h1_frees_a_micro_batch_at_its_input_backward():
+def test_zb_h1_holds_a_micro_batch_until_its_weight_pass_with_what_the_input_pass_kept():
     assert in_flight_peak([5], "zb_h1", 2, 4, 0) == 2 * 5
     assert in_flight_peak([5], "zb_h1", 2, 4, 1) == 5
+    # Stage 0 runs F0 F1 I0 W0 ...: at W0 it holds both micro-batches and I0's leftovers (3).
+    assert in_flight_peak([5], "zb_h1", 2, 4, 0, weight_pass=[3]) == 2 * 5 + 3
+    # ... and the gradients made so far from the first backward on: at W0, I0's.
+    assert in_flight_peak([5], "zb_h1", 2, 4, 0, after_first=7, weight_pass=[3]) == 2 * 5 + 3 + 7
 
 
 def test_sends_kept_until_the_step_ends_add_up_over_the_micro_batches():

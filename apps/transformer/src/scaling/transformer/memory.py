@@ -22,6 +22,9 @@ from scaling.transformer.config import TransformerArchitectureConfig, Transforme
 from scaling.transformer.finetuning import apply_finetuning
 from scaling.transformer.model import layer_specs
 
+#: Schedules whose backward is split into an input pass and a weight pass.
+ZERO_BUBBLE_SCHEDULES = ("zb_h1",)
+
 
 def memory_inputs(config: TransformerConfig) -> tuple[list[ParameterSpec], MemoryLayout]:
     """The whole model's parameters (built on the meta device, with ``finetuning``'s adapters and
@@ -279,8 +282,44 @@ def block_activation_terms(config: TransformerConfig, device: str = "cpu", moe: 
     return terms
 
 
+def weight_pass_bytes(config: TransformerConfig, specs: list[ParameterSpec], layers: set[int]) -> int:
+    """What a zero-bubble input pass over ``layers`` keeps for its weight pass, per micro-batch: the
+    gradient of each trained parameter's operator output (``scaling.pipeline``'s weight pass starts
+    there): a matrix's ``rows x out`` (TP-local; the head's logits, an expert's routed rows), a norm
+    weight's ``rows x h`` (the stream's rows under sequence parallelism), in the parameters' dtype; a
+    bias shares its matrix's product."""
+    arch, top = config.transformer_architecture, config.topology
+    assert top.micro_batch_size is not None and top.model_parallel_size is not None
+    tp, e = top.model_parallel_size, arch.dtype.itemsize
+    tokens = top.micro_batch_size * config.data.sequence_length // top.context_parallel_size
+    stream = tokens // tp if arch.sequence_parallel else tokens
+    moe, ep = arch.moe, top.expert_parallel_size
+    last = arch.num_layers + 1
+    kept = 2 * e * tokens * -(-arch.vocab_size // tp) if last in layers and arch.tied_embeddings else 0
+    for spec in specs:
+        meta = spec.meta
+        if meta.layer_index not in layers or not spec.trainable or meta.local_name.endswith("bias"):
+            continue
+        shape = meta.logical_shape
+        if len(shape) == 2:
+            rows = tokens
+            if spec.expert is not None and moe is not None:
+                if spec.expert // (moe.num_experts // ep):
+                    continue  # another expert-parallel rank's
+                rows = ep * tokens * moe.top_k // moe.num_experts
+            out = -(-shape[0] // tp) if meta.parallel_dim == 0 and tp > 1 else shape[0]
+            kept += e * rows * out * (1 if meta.layer_index != 0 else 0)  # an embedding is a look-up
+        elif len(shape) == 1:
+            kept += e * stream * shape[0]
+    return kept
+
+
 def activation_memory(
-    config: TransformerConfig, stage: int = 0, device: str = "cpu", after_first: int = 0
+    config: TransformerConfig,
+    stage: int = 0,
+    device: str = "cpu",
+    after_first: int = 0,
+    weight_pass_gradients: bool = False,
 ) -> ActivationMemory:
     """The activation bytes of pipeline ``stage``'s ranks for ``config``: the blocks' terms
     (``block_activation_terms``), the head's norm and fp32 cross-entropy (log-softmax in one TP rank,
@@ -288,6 +327,9 @@ def activation_memory(
     16-bit) and sent output held by the pipeline, a received gradient when a backward begins; summed
     over the micro-batches in flight (``scaling.trainer.planning.in_flight_peak``). ``after_first``:
     bytes counted with them from the stage's first backward on (``peak_memory``'s gradients).
+    Under a zero-bubble schedule a micro-batch's chunk is held until its weight pass; with
+    ``weight_pass_gradients`` (``peak_memory``'s) the gradients its input pass keeps for that pass
+    (``weight_pass_bytes``) count too.
 
     Raises:
         ValueError: naming a setting the prediction does not model yet (MoE or latent attention
@@ -335,6 +377,15 @@ def activation_memory(
         held += e * h * stream if last not in layers else 0  # the output, kept for its backward
         per_chunk.append(held)
     received_gradient = e * h * stream if stage < pp - 1 or virtual > 1 else 0
+    weight_pass: list[int] = []
+    if config.training.schedule in ZERO_BUBBLE_SCHEDULES:
+        # (0 bytes: the first chunk's input needs no gradient, so its weight pass is a whole backward)
+        specs, _ = memory_inputs(config)
+        chunks = [set(partition[chunk * pp + stage]) for chunk in range(virtual)]
+        weight_pass = [
+            0 if 0 in layers or not weight_pass_gradients else weight_pass_bytes(config, specs, layers)
+            for layers in chunks
+        ]
     peak = in_flight_peak(
         per_chunk,
         config.training.schedule,
@@ -344,6 +395,7 @@ def activation_memory(
         received_gradient,
         kept_sends,
         after_first,
+        weight_pass,
     )
     return ActivationMemory(stage, peak, tuple(per_chunk), block, moe_block)
 
@@ -429,7 +481,7 @@ def peak_memory(config: TransformerConfig, stage: int = 0, device: str = "cpu") 
     vocab = -(-arch.vocab_size // tp)
     last = stage == top.pipe_parallel_size - 1
     transient = (2 if tp == 1 else 3) * 4 * tokens * vocab if last else 0
-    activations = activation_memory(config, stage, device, after_first=state.gradients).peak
+    activations = activation_memory(config, stage, device, state.gradients, weight_pass_gradients=True).peak
     if opt.zero_stage == 3:  # a layer whole, the next one prefetched, a tied embedding whole meanwhile
         transient += _zero3_gathered(specs, layout, stage)
     if arch.activation_checkpointing in ("every_layer", "operators"):  # a block recomputed in its backward

@@ -21,8 +21,7 @@ the step runs:
   (q, k, v and the output each way); expert parallelism's dispatch and combine all-to-alls; the
   pipeline's send of the chunk's output (or its input's gradient).
 
-A zero-bubble schedule's input pass costs half a backward and its weight pass a whole one
-(``ZERO_BUBBLE_SPLIT``: the weight pass replays the input gradients' chain). The stage's makespan
+A zero-bubble schedule's input and weight passes cost half a backward each. The stage's makespan
 comes from the schedule's own programs
 (``scaling.trainer.planning.pipeline_seconds``); the slowest stage's chunk costs stand for every
 stage. Where a node has more ranks than ``compute_slots`` (a CPU's cores), its ranks' computation
@@ -48,11 +47,6 @@ from scaling.transformer.model import attention_width
 #: loss together; per parameter tensor in the update.
 OPERATORS = {"dense": (97, 125), "moe": (170, 245), "ends": (55, 35)}
 OPTIMIZER_OPERATORS = 5
-#: Zero-bubble schedules, and their input and weight passes' shares of a backward: the executor's
-#: weight pass (``torch.autograd.backward(..., inputs=params)`` on the retained graph) runs the
-#: input gradients' chain again to reach the weights, so it costs a whole backward.
-ZERO_BUBBLE = ("zb_h1",)
-ZERO_BUBBLE_SPLIT = (0.5, 1.0)
 
 _DTYPE_NAMES = {4: "fp32", 2: "bf16"}
 
@@ -249,15 +243,13 @@ def step_time(config: TransformerConfig, profile: MachineProfile) -> StepTime:
     ]
     slowest = max(chunks, key=lambda c: c.forward + c.backward)
     m = top.gradient_accumulation_steps
-    zero_bubble = config.training.schedule in ZERO_BUBBLE
-    split = ZERO_BUBBLE_SPLIT if zero_bubble else (0.5, 0.5)
-    pipeline = pipeline_seconds(config.training.schedule, pp, m, slowest.forward, slowest.backward, virtual, split)
+    pipeline = pipeline_seconds(config.training.schedule, pp, m, slowest.forward, slowest.backward, virtual)
     # More ranks than the node computes at once (a CPU's cores): the node's work over its slots
     # bounds the step from below, besides the critical path.
     world = layout.tp * layout.cp * pp * layout.dp
     crowding = min(world, profile.devices_per_node) / profile.compute_slots
     if crowding > 1:  # a rank's mean work (the stages' differ), its own communication
-        compute = m * sum(c.forward_compute + sum(split) * c.backward_compute for c in chunks) / pp
+        compute = m * sum(c.forward_compute + c.backward_compute for c in chunks) / pp
         communication = m * sum(c.forward_communication + c.backward_communication for c in chunks) / pp
         pipeline = max(pipeline, crowding * compute + communication)
 

@@ -41,6 +41,7 @@ from scaling.pipeline._instructions import (
     SendActivation,
     SendGrad,
 )
+from scaling.pipeline._weight_pass import WeightPass
 from scaling.topology import Topology
 
 
@@ -294,20 +295,23 @@ class StageExecutor:
         key = (ins.micro_batch, ins.chunk)
         roots, grads = self._roots(key)
         leaves = _grad_leaves(self.inputs[key])
-        got = torch.autograd.grad(roots, leaves, grads, retain_graph=True, allow_unused=True) if leaves else ()
+        # The weight pass starts where the parameters' gradients leave the input chain, from the
+        # gradients this pass computes there (_weight_pass.py): nothing is differentiated twice.
+        weights = WeightPass(roots, leaves, self.stage.chunk_parameters(ins.chunk))
+        try:
+            got = torch.autograd.grad(roots, leaves, grads, retain_graph=True, allow_unused=True) if leaves else ()
+        finally:
+            weights.stop_capturing()
         self.grads_in[key] = [g if g is not None else torch.zeros_like(t) for g, t in zip(got, leaves)]
-        # The weight pass reuses the graph with the same output gradients.
-        self.inputs[key] = (roots, grads)
+        self.inputs[key] = (roots, grads, weights)
 
     def _BackwardWeight(self, ins: BackwardWeight) -> None:
         key = (ins.micro_batch, ins.chunk)
-        roots, grads = self.inputs.pop(key)
-        self.outputs.pop(key)
+        roots, grads, weights = self.inputs.pop(key)
         # Accumulated into .grad as backward() does, so post-accumulate-grad hooks (gradient
         # reduction overlapped with backward, ZeRO-3) run as under the other schedules.
-        params = self.stage.chunk_parameters(ins.chunk)
-        if params:
-            torch.autograd.backward(roots, grads, inputs=params)
+        weights.run(roots, grads)
+        self.outputs.pop(key)
 
     # ---------------------------------------------------------------- messages
     def _SendActivation(self, ins: SendActivation) -> None:
