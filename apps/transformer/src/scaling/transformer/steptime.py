@@ -17,7 +17,8 @@ the step runs:
   attention's core, ``operators`` the element-wise work;
 - **communication inside the chunk**: tensor parallelism's all-reduces (or sequence parallelism's
   all-gathers and reduce-scatters) of the residual stream, two per block each way; context
-  parallelism's ring (``cp - 1`` key/value blocks each way, their gradients backward) or all-to-all
+  parallelism's ring (``cp - 1`` key/value shifts each way, and backward ``cp`` of their fp32
+  gradients) or all-to-all
   (q, k, v and the output each way); expert parallelism's dispatch and combine all-to-alls; the
   pipeline's send of the chunk's output (or its input's gradient).
 
@@ -44,8 +45,9 @@ from scaling.transformer.model import attention_width
 
 #: Operators one block's forward and backward run (aten operators, views included; counted in this
 #: app's step at ``document_masking`` on, fp32): dense, mixture-of-experts; the embedding, head and
-#: loss together; per parameter tensor in the update.
-OPERATORS = {"dense": (97, 125), "moe": (170, 245), "ends": (55, 35)}
+#: loss together; context parallelism's ring adds ``ring_step`` per step of the ring (``cp`` a block),
+#: its all-to-all ``all_to_all`` a block; per parameter tensor in the update.
+OPERATORS = {"dense": (97, 125), "moe": (170, 245), "ends": (55, 35), "ring_step": (7, 42), "all_to_all": (37, 45)}
 OPTIMIZER_OPERATORS = 5
 
 _DTYPE_NAMES = {4: "fp32", 2: "bf16"}
@@ -156,6 +158,10 @@ def _chunk_seconds(
         is_moe = arch.is_moe_block(i - 1)
         saved += sum(block_activation_terms(none, profile.device, moe=is_moe).values())
         fwd_ops, bwd_ops = OPERATORS["moe" if is_moe else "dense"]
+        if cp > 1:
+            ring = arch.context_parallel_method == "ring"
+            extra_fwd, extra_bwd = OPERATORS["ring_step" if ring else "all_to_all"]
+            fwd_ops, bwd_ops = fwd_ops + extra_fwd * (cp if ring else 1), bwd_ops + extra_bwd * (cp if ring else 1)
         operators[0] += fwd_ops
         operators[1] += bwd_ops
     if 0 in layers or last in layers:
@@ -193,9 +199,10 @@ def _chunk_seconds(
     if cp > 1:
         kv = 2 * e * tokens * arch.kv_heads * arch.head_size / tp
         if arch.context_parallel_method == "ring":
-            step = comm("send", kv, 2, tp)
-            comm_forward += (cp - 1) * step * len(blocks)
-            comm_backward += 2 * (cp - 1) * step * len(blocks)
+            # Forward: cp - 1 key/value shifts. Backward: the key/values again, and their fp32
+            # gradients' shift after every step, the last one bringing them home.
+            comm_forward += (cp - 1) * comm("send", kv, 2, tp) * len(blocks)
+            comm_backward += ((cp - 1) * comm("send", kv, 2, tp) + cp * comm("send", kv * 4 / e, 2, tp)) * len(blocks)
         else:
             qkvo = e * tokens * (2 * arch.num_attention_heads + 2 * arch.kv_heads) * arch.head_size / tp
             per_block = comm("all_to_all", qkvo, cp, tp)
