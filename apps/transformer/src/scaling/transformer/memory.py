@@ -282,6 +282,17 @@ def block_activation_terms(config: TransformerConfig, device: str = "cpu", moe: 
     return terms
 
 
+def routed_rows(config: TransformerConfig, spec: ParameterSpec, tokens: int) -> int | None:
+    """The rows a parameter's product takes on the first expert-parallel rank: ``tokens``, or for an
+    expert its routed share (balanced: ``ep T k / E``), None for another rank's expert."""
+    moe, ep = config.transformer_architecture.moe, config.topology.expert_parallel_size
+    if spec.expert is None or moe is None:
+        return tokens
+    if spec.expert // (moe.num_experts // ep):
+        return None
+    return ep * tokens * moe.top_k // moe.num_experts
+
+
 def weight_pass_bytes(config: TransformerConfig, specs: list[ParameterSpec], layers: set[int]) -> int:
     """What a zero-bubble input pass over ``layers`` keeps for its weight pass, per micro-batch: the
     gradient of each trained parameter's operator output (``scaling.pipeline``'s weight pass starts
@@ -293,22 +304,16 @@ def weight_pass_bytes(config: TransformerConfig, specs: list[ParameterSpec], lay
     tp, e = top.model_parallel_size, arch.dtype.itemsize
     tokens = top.micro_batch_size * config.data.sequence_length // top.context_parallel_size
     stream = tokens // tp if arch.sequence_parallel else tokens
-    moe, ep = arch.moe, top.expert_parallel_size
-    last = arch.num_layers + 1
-    kept = 2 * e * tokens * -(-arch.vocab_size // tp) if last in layers and arch.tied_embeddings else 0
-    for spec in specs:
+    kept = 0
+    for spec in specs:  # (the head's weight is the last layer's, tied to the embedding or not)
         meta = spec.meta
         if meta.layer_index not in layers or not spec.trainable or meta.local_name.endswith("bias"):
             continue
         shape = meta.logical_shape
-        if len(shape) == 2:
-            rows = tokens
-            if spec.expert is not None and moe is not None:
-                if spec.expert // (moe.num_experts // ep):
-                    continue  # another expert-parallel rank's
-                rows = ep * tokens * moe.top_k // moe.num_experts
+        rows = routed_rows(config, spec, tokens)
+        if len(shape) == 2 and rows is not None and meta.layer_index != 0:  # an embedding is a look-up
             out = -(-shape[0] // tp) if meta.parallel_dim == 0 and tp > 1 else shape[0]
-            kept += e * rows * out * (1 if meta.layer_index != 0 else 0)  # an embedding is a look-up
+            kept += e * rows * out
         elif len(shape) == 1:
             kept += e * stream * shape[0]
     return kept

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from scaling.pipeline import partition_layers
 from scaling.trainer.planning import MachineProfile, ParameterSpec, pipeline_seconds, spans_nodes
 from scaling.transformer.config import TransformerConfig
-from scaling.transformer.memory import block_activation_terms, memory_inputs
+from scaling.transformer.memory import block_activation_terms, memory_inputs, routed_rows
 from scaling.transformer.model import attention_width
 
 #: Operators one block's forward and backward run (aten operators, views included; counted in this
@@ -129,11 +129,9 @@ def _chunk_seconds(
     # Products: forward once; backward the input's and the weight's gradients.
     forward = backward = 0.0
     for spec in _linear_weights(specs, blocks):
-        rows = tokens
-        if spec.expert is not None and moe is not None:
-            rows = ep * tokens * moe.top_k // moe.num_experts
-            if spec.expert // (moe.num_experts // ep) != 0:
-                continue  # another expert-parallel rank's expert
+        rows = routed_rows(config, spec, tokens)
+        if rows is None:
+            continue  # another expert-parallel rank's expert
         flops = 2.0 * rows * spec.local_numel(tp)
         forward += profile.matmul_seconds(flops, dtype)
         backward += profile.matmul_seconds(flops, dtype, 2 if spec.trainable else 1)
