@@ -34,6 +34,8 @@ def test_public_api():
         "gather_heads_scatter_sequence",
         "get_recorder",
         "group_device",
+        "group_rank",
+        "group_size",
         "recv",
         "reduce_from_model_parallel_region",
         "reduce_scatter",

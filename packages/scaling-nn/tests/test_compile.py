@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from scaling.nn import (
     CompileConfig,
@@ -183,3 +184,34 @@ def test_compile_cache_dir_is_reused_by_a_restart(tmp_path):
     assert second.get("autograd_cache_hit") == graphs and second.get("autograd_cache_miss", 0) == 0, second
     assert second.get("fxgraph_cache_miss", 0) == 0, second
     assert any((tmp_path / "cache").rglob("*")), "nothing written to cache_dir"
+
+
+def loss_over_two_groups_worker() -> list[tuple[float, float]]:
+    """One compiled loss called with a group of one rank and then, on logits of the same shape, with
+    one of two ranks, as a process that builds a second trainer would: each call must take its own
+    group's path (the suite's pooled workers once ran a TP=2 loss down the TP=1 graph an earlier
+    test had compiled: "Target 271 is out of bounds")."""
+    import torch.distributed as dist
+
+    from scaling.nn import vocab_range
+
+    one, two = dist.new_group([0]), dist.new_group([0, 1])
+    torch.manual_seed(0)
+    logits, targets = torch.randn(6, 10), torch.randint(0, 10, (6,))
+    loss = compile_loss(vocab_parallel_cross_entropy, CompileConfig(enabled=True, backend="eager"))
+    pairs = []
+    if dist.get_rank() == 0:  # 5 classes whole on one rank
+        small = targets % 5
+        pairs.append((loss(logits[:, :5], small, one).item(), F.cross_entropy(logits[:, :5], small).item()))
+    start, end = vocab_range(10, 2, dist.get_rank())  # 10 classes, 5 a rank
+    pairs.append((loss(logits[:, start:end], targets, two).item(), F.cross_entropy(logits, targets).item()))
+    return pairs
+
+
+@pytest.mark.distributed
+def test_a_compiled_loss_follows_the_group_it_is_given_not_the_first_one():
+    from scaling.testing import run_distributed
+
+    for rank, pairs in enumerate(run_distributed(loss_over_two_groups_worker, 2)):
+        for got, expected in pairs:
+            assert got == pytest.approx(expected, rel=1e-6), f"rank {rank}: {pairs}"

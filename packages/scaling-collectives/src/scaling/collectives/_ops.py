@@ -35,12 +35,17 @@ _clock = time.perf_counter
 
 
 def group_size(group: ProcessGroup | None) -> int:
-    """Number of ranks in ``group``; 1 for ``None`` (the identity group)."""
+    """Number of ranks in ``group``; 1 for ``None`` (the identity group).
+
+    Under ``torch.compile`` this module runs eagerly (``scaling.nn``'s compile helpers skip it),
+    so the size is a value the compiled code guards on. ``dist.get_world_size(group)`` traced
+    instead is folded into the graph with a guard on the group's type only: a graph compiled for
+    one group then runs for another of a different size (a second trainer in the process)."""
     return 1 if group is None else group.size()
 
 
 def group_rank(group: ProcessGroup | None) -> int:
-    """This rank's index inside ``group``; 0 for ``None``."""
+    """This rank's index inside ``group``; 0 for ``None`` (see :func:`group_size` under compile)."""
     return 0 if group is None else group.rank()
 
 

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from scaling.collectives import (
     all_reduce,
+    group_rank,
+    group_size,
     reduce_from_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
@@ -180,12 +182,13 @@ def vocab_parallel_cross_entropy(
         raise ValueError(f"vocab_parallel_cross_entropy: reduction={reduction!r}; choose 'mean', 'sum' or 'none'")
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"vocab_parallel_cross_entropy: label_smoothing={label_smoothing} must be in [0, 1)")
-    size = dist.get_world_size(group) if group is not None else 1
+    # Read eagerly (not folded into a compiled graph with a guard on the group's type only).
+    size = group_size(group) if group is not None else 1
     if size == 1:
         return _cross_entropy_one_rank(
             logits_shard, targets, ignore_index, label_smoothing, loss_weights, vocab_size, reduction
         )
-    rank = dist.get_rank(group)
+    rank = group_rank(group)
     local_vocab = logits_shard.shape[-1]
     start = rank * local_vocab
     real_vocab = vocab_size if vocab_size is not None else local_vocab * size
