@@ -188,6 +188,15 @@ def _refuse_with_operators(config: TransformerConfig, moe: bool) -> None:
             )
 
 
+def without_checkpointing(config: TransformerConfig) -> TransformerConfig:
+    """``config`` with ``activation_checkpointing: none``: what a block's forward makes before any is
+    dropped (a recomputed block; the element-wise work of the step-time model)."""
+    arch = config.transformer_architecture
+    return config.model_copy(
+        update={"transformer_architecture": arch.model_copy(update={"activation_checkpointing": "none"})}
+    )
+
+
 def block_activation_terms(config: TransformerConfig, device: str = "cpu", moe: bool = False) -> dict[str, int]:
     """What one dense block's forward leaves held for the backward, per micro-batch and rank, by term.
 
@@ -490,10 +499,7 @@ def peak_memory(config: TransformerConfig, stage: int = 0, device: str = "cpu") 
     if opt.zero_stage == 3:  # a layer whole, the next one prefetched, a tied embedding whole meanwhile
         transient += _zero3_gathered(specs, layout, stage)
     if arch.activation_checkpointing in ("every_layer", "operators"):  # a block recomputed in its backward
-        whole = config.model_copy(
-            update={"transformer_architecture": arch.model_copy(update={"activation_checkpointing": "none"})}
-        )
-        transient = max(transient, sum(block_activation_terms(whole, device).values()))
+        transient = max(transient, sum(block_activation_terms(without_checkpointing(config), device).values()))
     # The DP x CP reduction (scaling.optim's GradientReducer): each bucket's flat copy is kept until
     # finish() waits for it, every gradient in fp32 and with 16-bit parameters once more in theirs;
     # ZeRO 1-2 add each reduce-scatter's output (1/world of it, fp32), and ZeRO-2 the last bucket's

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from scaling.pipeline import partition_layers
 from scaling.trainer.planning import MachineProfile, ParameterSpec, pipeline_seconds, spans_nodes
 from scaling.transformer.config import TransformerConfig
-from scaling.transformer.memory import block_activation_terms, memory_inputs, routed_rows
+from scaling.transformer.memory import block_activation_terms, memory_inputs, routed_rows, without_checkpointing
 from scaling.transformer.model import attention_width
 
 #: Operators one block's forward and backward run (aten operators, views included; counted in this
@@ -147,14 +147,14 @@ def _chunk_seconds(
     backward += 2 * attention
 
     # Element-wise work and operators.
-    none = config.model_copy(
-        update={"transformer_architecture": arch.model_copy(update={"activation_checkpointing": "none"})}
-    )
+    none = without_checkpointing(config)
+    kinds = {arch.is_moe_block(i - 1) for i in blocks}  # a dense and a MoE block's terms, once each
+    block_saved = {kind: sum(block_activation_terms(none, profile.device, moe=kind).values()) for kind in kinds}
     saved = 0.0
     operators = [0.0, 0.0]
     for i in blocks:
         is_moe = arch.is_moe_block(i - 1)
-        saved += sum(block_activation_terms(none, profile.device, moe=is_moe).values())
+        saved += block_saved[is_moe]
         fwd_ops, bwd_ops = OPERATORS["moe" if is_moe else "dense"]
         if cp > 1:
             ring = arch.context_parallel_method == "ring"
