@@ -116,6 +116,9 @@ class Batch:
     def only_targets(self) -> Batch:
         return self
 
+    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
+        return Batch(self.x.to(device, non_blocking=non_blocking), self.y.to(device, non_blocking=non_blocking))
+
 
 class _NoUpdate:
     """The methods train_step calls on an Optimizer, without an update: the step times the schedule and its results."""
@@ -124,6 +127,7 @@ class _NoUpdate:
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
+        self.data_parallel = self  # train_step reaches the DP reduction through it: nothing to reduce
 
     def zero_grad(self) -> None:
         self.module.zero_grad(set_to_none=True)
@@ -149,8 +153,8 @@ _NONE: Any = object()
 _HEADER = torch.tensor([0, 0, BATCH * WIDTH * 4, 0], dtype=torch.int64).view(torch.uint8)
 
 
-def _floor_exchange(framed: bool):
-    """A ``PipeTransport.exchange`` for this bench's ``IO`` messages only: bare tensors or one frame each."""
+def _floor_transfer(framed: bool):
+    """A ``PipeTransport.transfer`` for this bench's ``IO`` messages only: bare tensors or one frame each."""
 
     def send(tensor: torch.Tensor, peer: int) -> Any:
         payload = tensor.detach()
@@ -169,16 +173,12 @@ def _floor_exchange(framed: bool):
             raise RuntimeError("unexpected metadata change")
         return torch.from_numpy(frame[32:].view(np.float32).reshape(BATCH, WIDTH))
 
-    def exchange(self, *, send_forward=_NONE, recv_forward=False, send_backward=None, recv_backward=False, **_):
-        if send_forward is not _NONE:
-            self._in_flight.append((send(send_forward.x, self.next_rank), None))
-        if send_backward is not None:
-            self._in_flight.append((send(send_backward[0], self.prev_rank), None))
-        forward = IO(recv(self.prev_rank).requires_grad_()) if recv_forward else None
-        backward = [recv(self.next_rank)] if recv_backward else None
-        return forward, backward
+    def transfer(self, sends=(), receives=(), **_):
+        for channel, peer, obj in sends:
+            self._in_flight.append((send(obj.x if channel == "forward" else obj[0], peer), None))
+        return [IO(recv(peer).requires_grad_()) if channel == "forward" else [recv(peer)] for channel, peer in receives]
 
-    return exchange
+    return transfer
 
 
 def worker(
@@ -192,7 +192,7 @@ def worker(
 ) -> dict:
     """Per (schedule, m): this rank's (wall, busy) seconds of each repetition, ours and torch alternating."""
     if transport != "scaling":
-        PipeTransport.exchange = _floor_exchange(framed=transport == "frame")  # type: ignore[method-assign]
+        PipeTransport.transfer = _floor_transfer(framed=transport == "frame")  # type: ignore[method-assign]
     topo = make_topology(pipe_parallel_size=2)
     results: dict = {}
     for m in ms:

@@ -132,3 +132,13 @@ def test_ring_block_kernels_bench_compares_the_three_sides():
 def test_moe_step_bench_compares_grouped_experts_with_the_loop():
     out = _bench("bench/moe_step.py", "--hidden", "32", "--ffn", "64", "--tokens", "64", "--eps", "1", "--steps", "1")
     assert "grouped / loop (ep 1): " in out
+
+
+def test_pipeline_benches_run_with_their_own_transports_and_the_zero_bubble_schedules():
+    # The floor transports replace PipeTransport.transfer, which the executor calls for every message.
+    out = _bench("bench/pipeline_bubble.py", "--forward-ms", "1", "--backward-ms", "2", "--micro-batches", "2",
+                 "--repeats", "1", "--transport", "bare")  # fmt: skip
+    assert "our hand-offs: bare" in out
+    out = _bench("bench/zero_bubble.py", "--stages", "2", "--micro-batches", "4", "--layer-ms", "1", "--repeats", "1")
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1f1b"], ["zb_h1"], ["zb_v"])]
+    assert [row[0] for row in rows] == ["1f1b", "zb_h1", "zb_v"]

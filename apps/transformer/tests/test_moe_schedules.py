@@ -25,6 +25,7 @@ SCHEDULES = {
     "1f1b": {"schedule": "1f1b"},
     "zb_h1": {"schedule": "zb_h1"},
     "interleaved": {"schedule": "interleaved_1f1b", "num_virtual_stages": 2},
+    "zb_v": {"schedule": "zb_v"},
 }
 # Both losses: the Switch one per micro-batch and DeepSeek-V3's sequence-wise one.
 MOE = {"first_dense_layers": 1, "num_experts": 4, "top_k": 2, "aux_loss_coefficient": 0.1,

@@ -77,6 +77,26 @@ def test_pp2_interleaved(tiny_corpus, reference_losses):
 
 
 @pytest.mark.distributed
+def test_pp2_zb_v(tiny_corpus, reference_losses):
+    # 4 pipeline layers in a V: stage 0 holds the embedding and the head (the tied weight is local,
+    # nothing summed over stages), stage 1 the two blocks, handed from one chunk to the other locally.
+    cfg = tiny_config(tiny_corpus, pp=2, steps=STEPS, training={"schedule": "zb_v"})
+    _check(run_distributed(train_worker, 2, cfg, timeout_seconds=180), reference_losses, "pp2 zb_v")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_dp2_pp4_zb_v(tiny_corpus):
+    # 8 pipeline layers (6 blocks) over 4 stages in a V, each stage talking to both neighbours both
+    # ways, with ZeRO-1 over dp2: the one-process losses of the same 6-block model.
+    arch = {"num_layers": 6}
+    reference = _reference(tiny_corpus, arch)
+    cfg = tiny_config(tiny_corpus, pp=4, dp=2, steps=STEPS, training={"schedule": "zb_v"}, optimizer={"zero_stage": 1})
+    cfg["transformer_architecture"].update(arch)
+    _check(run_distributed(train_worker, 8, cfg, timeout_seconds=300), reference, "dp2 pp4 zb_v")
+
+
+@pytest.mark.distributed
 def test_tp2_sequence_parallel(tiny_corpus, reference_losses):
     cfg = tiny_config(tiny_corpus, tp=2, steps=STEPS)
     cfg["transformer_architecture"]["sequence_parallel"] = True

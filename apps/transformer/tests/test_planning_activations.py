@@ -97,6 +97,8 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
     "pp2-1f1b-8-micro-batches": ({}, {"pp": 2}, 8),  # gloo keeps every send's buffer until the step ends
     "pp2-gpipe-bf16": ({"precision": "bf16"}, {"pp": 2, "training": {"schedule": "gpipe"}}, 4),
     "pp2-zb-h1-bf16": ({"precision": "bf16"}, {"pp": 2, "training": {"schedule": "zb_h1"}}, 4),
+    # A V: stage 0 holds the embedding and the head, stage 1 the 6 blocks, turned round locally.
+    "pp2-zb-v": ({"num_layers": 6}, {"pp": 2, "training": {"schedule": "zb_v"}}, 4),
     "pp2-interleaved": (
         {"num_layers": 6},
         {"pp": 2, "training": {"schedule": "interleaved_1f1b", "num_virtual_stages": 2}},

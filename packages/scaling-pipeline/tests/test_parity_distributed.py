@@ -135,6 +135,43 @@ def test_interleaved_matches_one_process(world: int, pp: int, static_shapes: boo
     assert len(results[0][1]) == len(ref_grads) // pp  # each rank holds 2 chunks of NUM_LAYERS / (2 pp) layers
 
 
+def v_rank(pp: int, static_shapes: bool = False) -> tuple[float | None, dict[str, torch.Tensor]]:
+    topo = make_topology(pipe_parallel_size=pp)
+    module = ParallelModule(specs(NUM_LAYERS), topo, schedule="zb_v", static_shapes=static_shapes)
+    # Stage s holds virtual stages s and 2p - 1 - s: down the stages and back up.
+    s = topo.axis("pp").rank
+    assert module.num_virtual_stages == 2
+    assert [list(r) for r in module.chunks] == [list(module.partition[s]), list(module.partition[2 * pp - 1 - s])]
+    batches = micro_batches(NUM_MICRO_BATCHES)
+    run_once(module, batches)
+    training = module.transports.training
+    assert training is not None
+    handshakes = training.handshakes_received
+    loss, grads = run_once(module, batches)  # the same result, and no handshake: the caches span steps
+    assert training.handshakes_received == handshakes
+    assert (loss is not None) == (s == 0)  # the last virtual stage, with the loss, is on stage 0
+    evaluated = module.run_schedule(batches, loss_function, forward_only=True)
+    if loss is not None:
+        assert sum(float(v) for v in evaluated.losses.values()) / NUM_MICRO_BATCHES == pytest.approx(loss, rel=1e-6)
+    return loss, grads
+
+
+@pytest.mark.parametrize(("world", "pp", "static_shapes"), [(2, 2, False), (4, 4, False), (4, 2, False), (2, 2, True)])
+def test_zb_v_matches_one_process(world: int, pp: int, static_shapes: bool) -> None:
+    # Two chunks per rank in a V: stage 0 computes the first layers and the loss, the last
+    # stage turns the micro-batch round without a message, and each stage talks to both of
+    # its neighbours in both directions; (4, 2) is dp2 x pp2.
+    results = run_distributed(v_rank, world, pp, static_shapes, timeout_seconds=120)
+    ref_loss, ref_grads = reference("zb_v")
+    check_losses([loss for loss, _ in results], ref_loss, num_pipes=world // pp)
+    grads: dict[str, torch.Tensor] = {}
+    for _, rank_grads in results:
+        for name, grad in rank_grads.items():
+            assert_parity(grad, ref_grads[name], rtol=1e-6, atol=1e-9, name=name)
+        grads.update(rank_grads)
+    assert set(grads) == set(ref_grads)
+
+
 def tied_specs() -> list:
     # Layers 0 and 3 share linear.weight (as an input embedding and an LM head would).
     return [

@@ -36,10 +36,14 @@ def test_public_api_is_pinned() -> None:
             "interleaved_1f1b_schedule",
             "one_f_one_b_schedule",
             "partition_layers",
+            "placement_of",
             "render_program_grid",
             "simulate",
             "simulate_schedule",
+            "stage_of",
+            "virtual_stage",
             "zb_h1_schedule",
+            "zb_v_schedule",
         ]
     )
     assert sorted(scaling.pipeline.schedules.__all__) == [
@@ -49,6 +53,7 @@ def test_public_api_is_pinned() -> None:
         "interleaved_1f1b_schedule",
         "one_f_one_b_schedule",
         "zb_h1_schedule",
+        "zb_v_schedule",
     ]
     for name in scaling.pipeline.__all__:
         assert hasattr(scaling.pipeline, name), name

@@ -18,7 +18,10 @@ from scaling.pipeline import (
     one_f_one_b_schedule,
     simulate,
     simulate_schedule,
+    stage_of,
+    virtual_stage,
     zb_h1_schedule,
+    zb_v_schedule,
 )
 from scaling.pipeline.schedules.interleaved import group_size
 
@@ -96,6 +99,49 @@ def test_zb_h1_beats_1f1b_with_the_same_memory(p: int) -> None:
             assert zb.bubble_fraction < ref.bubble_fraction
         # Lower bound: even a perfect schedule waits (p - 1) forwards + input-grads.
         assert zb.bubble_fraction >= (p - 1) / (3 * m + p - 1) - 1e-12
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_zb_v_idles_only_while_the_pipeline_fills_and_holds_1f1b_s_memory(p: int) -> None:
+    # Equal costs per chunk (F = I = W): every stage busy 6m, and the step 6m + p - 1, the
+    # least possible (the last stage cannot start before the first micro-batch reaches it).
+    # Rendezvous: deadlock-free with sends that wait for their receiver.
+    unit = {"forward": 1.0, "backward_input": 1.0, "backward_weight": 1.0}
+    for m in range(2 * p, 4 * p + 1):
+        r = simulate_schedule(zb_v_schedule, p, m, costs=unit, send_semantics="rendezvous")
+        assert r.busy == (6.0 * m,) * p
+        assert r.makespan == 6 * m + p - 1
+        assert r.bubble_fraction == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12)
+        # 2p chunk activations (half a stage each) on every stage: 1F1B's first stage's p whole ones.
+        assert r.peak_activations == (2 * p,) * p
+        one_f_one_b = simulate_schedule(one_f_one_b_schedule, p, m, costs={"forward": 2.0, "backward": 4.0})
+        # Each stage idles a sixth of 1F1B's (p - 1)(F + B) for the same layers (F = 2, B = 4 per stage).
+        assert r.makespan - 6 * m == (one_f_one_b.makespan - 6 * m) / 6
+
+
+@pytest.mark.parametrize("p", STAGES)
+def test_zb_v_runs_any_micro_batch_count_without_deadlock(p: int) -> None:
+    for m in MICRO_BATCHES:
+        for semantics in ("rendezvous", "buffered"):
+            r = simulate_schedule(zb_v_schedule, p, m, send_semantics=semantics)
+            assert max(r.peak_activations) <= 2 * p
+        programs = [forward_only_schedule(p, m, s, 2, "v") for s in range(p)]
+        forward_only = simulate(programs, send_semantics="rendezvous", placement="v")
+        assert forward_only.busy == (2.0 * m,) * p
+
+
+def test_zb_v_places_chunks_in_a_v_and_turns_without_a_message() -> None:
+    p = 4
+    assert [virtual_stage(s, c, p, "v") for c in (0, 1) for s in range(p)] == [0, 1, 2, 3, 7, 6, 5, 4]
+    assert all(stage_of(virtual_stage(s, c, p, "v"), p, "v") == (s, c) for s in range(p) for c in (0, 1))
+    last = zb_v_schedule(p, 8, p - 1)
+    # The last stage hands chunk 0's output to its chunk 1 locally: it never sends to a stage after it.
+    peers = {op.peer for i in last for op in (i.ops if isinstance(i, Exchange) else (i,)) if hasattr(op, "peer")}
+    assert peers == {p - 2}
+    first = zb_v_schedule(p, 8, 0)
+    assert [i for i in first if isinstance(i, LoadMicroBatch)] == [LoadMicroBatch(mb) for mb in range(8)]
+    with pytest.raises(ValueError, match="exactly 2 chunks"):
+        zb_v_schedule(p, 8, 0, 3)
 
 
 @pytest.mark.parametrize("p", STAGES)

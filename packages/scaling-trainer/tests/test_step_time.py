@@ -107,6 +107,10 @@ def test_interleaving_and_zero_bubble_shrink_the_bubble_and_a_costlier_weight_pa
     assert zero_bubble < one_f_one_b
     assert pipeline_seconds("zb_h1", p, m, f, b, split=(0.5, 1.0)) > zero_bubble
     assert math.isclose(pipeline_seconds("zb_h1", 1, m, f, b), m * (f + b))
+    # ZB-V: two chunks in a V, each half the work, F = I = W per chunk: idle only while the pipe fills
+    v_shape = pipeline_seconds("zb_v", p, m, f / 2, b / 2, 2)
+    assert v_shape == pytest.approx((6 * m + p - 1) * f / 2) and v_shape < zero_bubble
+    assert math.isclose(pipeline_seconds("zb_v", 1, m, f / 2, b / 2, 2), m * (f + b))
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from scaling.nn import (
     check_context_parallel,
     check_moe,
 )
+from scaling.pipeline import SCHEDULES, placement_of
 from scaling.runner import LaunchedConfig
 from scaling.trainer import TrainingAppConfig
 
@@ -423,12 +424,26 @@ class TrainingGroupConfig(BaseConfig):
 
 class TransformerTrainingConfig(BaseConfig):
     weight_decay: float = Field(0.01, ge=0.0, description="Weight decay of matrices (norms and biases get none).")
-    schedule: Literal["gpipe", "1f1b", "zb_h1", "interleaved_1f1b"] = Field(
-        "1f1b", description="Pipeline schedule; interleaved_1f1b runs num_virtual_stages model chunks per stage."
+    schedule: Literal["gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "zb_v"] = Field(
+        "1f1b",
+        description="Pipeline schedule; interleaved_1f1b runs num_virtual_stages model chunks per stage; zb_v runs two per stage in a V (stage s holds virtual stages s and 2p-1-s) with the backward split as zb_h1's.",
     )
     num_virtual_stages: int = Field(
-        1, ge=1, description="Model chunks per pipeline stage (> 1 only with schedule='interleaved_1f1b')."
+        1,
+        ge=1,
+        description="Model chunks per pipeline stage (> 1 only with schedule='interleaved_1f1b'; zb_v always runs 2).",
     )
+
+    @property
+    def chunks_per_stage(self) -> int:
+        """Model chunks each pipeline stage holds: ``num_virtual_stages``, or ZB-V's two."""
+        return 2 if self.schedule == "zb_v" else self.num_virtual_stages
+
+    @property
+    def placement(self) -> str:
+        """Where a stage's chunks sit in the model (``scaling.pipeline.virtual_stage``)."""
+        return placement_of(SCHEDULES[self.schedule])
+
     static_shapes: bool = Field(
         False,
         description="Activation shapes are the same for every micro-batch (Megatron-LM's default): pipeline hand-offs then carry no header after the first; a changed shape raises on the sending stage. False = shapes may vary.",
@@ -572,17 +587,28 @@ class TransformerConfig(TrainingAppConfig, LaunchedConfig):
                 f"data.sequence_length={seq}{cp_note} is not divisible by topology.model_parallel_size="
                 f"{self.topology.model_parallel_size}, which sequence_parallel=true needs"
             )
-        virtual = self.training.num_virtual_stages
-        if virtual > 1 and self.training.schedule != "interleaved_1f1b":
+        virtual = self.training.chunks_per_stage
+        if self.training.num_virtual_stages > 1 and self.training.schedule not in ("interleaved_1f1b", "zb_v"):
             raise ValueError(
                 f"training.num_virtual_stages={virtual} needs training.schedule='interleaved_1f1b' "
                 f"(got {self.training.schedule!r}); set the schedule or num_virtual_stages=1"
             )
+        if self.training.schedule == "zb_v" and self.training.num_virtual_stages not in (1, 2):
+            raise ValueError(
+                f"training.num_virtual_stages={self.training.num_virtual_stages}: schedule='zb_v' runs exactly 2 "
+                "chunks per stage; leave num_virtual_stages at 1 or set 2"
+            )
         if pp * virtual > arch.num_layers + 2:
             raise ValueError(
-                f"topology.pipe_parallel_size={pp} x training.num_virtual_stages={virtual} chunks exceed the model's "
+                f"topology.pipe_parallel_size={pp} x {virtual} chunks per stage exceed the model's "
                 f"{arch.num_layers + 2} pipeline layers (num_layers={arch.num_layers} + embedding + head); "
                 "lower num_virtual_stages or add layers"
+            )
+        if virtual > 1 and (arch.num_layers + 2) % (pp * virtual):
+            raise ValueError(
+                f"transformer_architecture.num_layers={arch.num_layers} + embedding + head = {arch.num_layers + 2} "
+                f"pipeline layers do not split into topology.pipe_parallel_size={pp} x {virtual} chunks per stage "
+                f"of equal size (schedule {self.training.schedule!r}); choose num_layers + 2 a multiple of {pp * virtual}"
             )
         if self.finetuning.method == "bitfit" and not arch.bias:
             raise ValueError(

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from scaling.nn import ParameterMeta
-from scaling.pipeline import partition_layers
+from scaling.pipeline import partition_layers, virtual_stage
 from scaling.trainer.planning import (
     MemoryLayout,
     ParameterSpec,
@@ -23,7 +23,7 @@ from scaling.transformer.finetuning import apply_finetuning
 from scaling.transformer.model import layer_specs
 
 #: Schedules whose backward is split into an input pass and a weight pass.
-ZERO_BUBBLE_SCHEDULES = ("zb_h1",)
+ZERO_BUBBLE_SCHEDULES = ("zb_h1", "zb_v")
 
 
 def memory_inputs(config: TransformerConfig) -> tuple[list[ParameterSpec], MemoryLayout]:
@@ -51,7 +51,8 @@ def memory_inputs(config: TransformerConfig) -> tuple[list[ParameterSpec], Memor
         cp=top.context_parallel_size,
         ep=top.expert_parallel_size,
         num_experts=arch.moe.num_experts if arch.moe is not None else 0,
-        num_virtual_stages=config.training.num_virtual_stages,
+        num_virtual_stages=config.training.chunks_per_stage,
+        placement=config.training.placement,
         dp_shard=top.data_parallel_shard_size,
     )
     return specs, layout
@@ -372,12 +373,12 @@ def activation_memory(
     # ends (scaling.trainer.planning.in_flight_peak); NCCL's finished sends are freed as they go.
     packed = e * h * stream + (8 * tokens if arch.document_masking else 0)
     kept_sends = (packed, e * h * stream) if device == "cpu" else (0, 0)
-    virtual = config.training.num_virtual_stages
+    virtual, placement = config.training.chunks_per_stage, config.training.placement
     partition = partition_layers(arch.num_layers + 2, pp, num_virtual=virtual)
+    chunks = [set(partition[virtual_stage(stage, chunk, pp, placement)]) for chunk in range(virtual)]
     last = arch.num_layers + 1
     per_chunk = []
-    for chunk in range(virtual):
-        layers = partition[chunk * pp + stage]
+    for layers in chunks:
         held = sum(
             sum((moe_block if moe_block is not None and arch.is_moe_block(i - 1) else block).values())
             for i in layers
@@ -395,7 +396,6 @@ def activation_memory(
     if config.training.schedule in ZERO_BUBBLE_SCHEDULES:
         # (0 bytes: the first chunk's input needs no gradient, so its weight pass is a whole backward)
         specs, _ = memory_inputs(config)
-        chunks = [set(partition[chunk * pp + stage]) for chunk in range(virtual)]
         weight_pass = [
             0 if 0 in layers or not weight_pass_gradients else weight_pass_bytes(config, specs, layers)
             for layers in chunks
@@ -434,7 +434,7 @@ def _zero3_gathered(specs: list[ParameterSpec], layout: MemoryLayout, stage: int
     """ZeRO-3's whole parameters in a backward: two adjacent blocks of the stage (the one running and
     the one prefetched) and a tied embedding (whole from the head's backward to the embedding's)."""
     held = partition_layers(layout.num_layers, layout.pp, num_virtual=layout.num_virtual_stages)
-    layers = {i for c in range(layout.num_virtual_stages) for i in held[c * layout.pp + stage]}
+    layers = {i for c in range(layout.num_virtual_stages) for i in held[layout.virtual_stage(stage, c)]}
     per_layer: dict[int, int] = {}
     tied = 0
     for spec in specs:

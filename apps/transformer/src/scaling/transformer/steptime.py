@@ -239,10 +239,10 @@ def step_time(config: TransformerConfig, profile: MachineProfile) -> StepTime:
     assert top.model_parallel_size is not None and top.data_parallel_size is not None
     assert top.global_batch_size is not None
     specs, layout = memory_inputs(config)
-    pp, virtual = layout.pp, config.training.num_virtual_stages
+    pp, virtual = layout.pp, layout.num_virtual_stages
     partition = partition_layers(arch.num_layers + 2, pp, num_virtual=virtual)
     chunks = [
-        _chunk_seconds(config, profile, set(partition[chunk * pp + stage]), specs)
+        _chunk_seconds(config, profile, set(partition[layout.virtual_stage(stage, chunk)]), specs)
         for stage in range(pp)
         for chunk in range(virtual)
     ]

@@ -161,7 +161,7 @@ def build_trainer(config: TransformerConfig, topology: Topology) -> TransformerT
         layer_specs=layer_specs(arch, topology, rng_tracker=context.rng_tracker),
         topology=topology,
         schedule=config.training.schedule,
-        num_virtual_stages=config.training.num_virtual_stages,
+        num_virtual_stages=config.training.chunks_per_stage,
         seed=config.trainer.seed,
         static_shapes=config.training.static_shapes,
         compile=config.training.compile,

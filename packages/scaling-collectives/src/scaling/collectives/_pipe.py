@@ -141,10 +141,10 @@ class PipeTransport:
         self.group = group
         self.ring = ring
         self.static_shapes = bool(static_shapes)
-        # Last metadata sent / received per channel: the handshake cache.
-        empty = Layout(None, self.device)
-        self._sent: dict[str, Layout] = {_FORWARD: empty, _BACKWARD: empty}
-        self._received: dict[str, Layout] = {_FORWARD: empty, _BACKWARD: empty}
+        # Last metadata sent / received per (channel, peer): the handshake cache.
+        self._empty = Layout(None, self.device)
+        self._sent: dict[tuple[str, int], Layout] = {}
+        self._received: dict[tuple[str, int], Layout] = {}
         self._in_flight: list[
             tuple[dist.Work, CollectiveRecord]
         ] = []  # (work, record) of unfinished sends, oldest first
@@ -215,18 +215,50 @@ class PipeTransport:
             ``(received forward pytree or None, received gradients or None)``.
         """
         # One frame per message, posted in the fixed order send fwd, recv fwd, send bwd, recv bwd.
+        sends: list[tuple[str, int, PyTree]] = []
+        receives: list[tuple[str, int]] = []
+        if send_forward is not _NO_SEND:
+            sends.append((_FORWARD, self._peer("next_rank", "send_forward"), send_forward))
+        if recv_forward:
+            receives.append((_FORWARD, self._peer("prev_rank", "recv_forward")))
+        if send_backward is not None:
+            sends.append((_BACKWARD, self._peer("prev_rank", "send_backward"), send_backward))
+        if recv_backward:
+            receives.append((_BACKWARD, self._peer("next_rank", "recv_backward")))
+        got = self.transfer(sends, receives, wait_sends=wait_sends)
+        forward = got.pop(0) if recv_forward else None
+        return forward, (got.pop(0) if recv_backward else None)
+
+    def transfer(
+        self,
+        sends: Sequence[tuple[str, int, PyTree]] = (),
+        receives: Sequence[tuple[str, int]] = (),
+        *,
+        wait_sends: bool = True,
+    ) -> list[PyTree]:
+        """Sends and receives with explicit peers, posted as one batched exchange.
+
+        What :meth:`exchange` does with the stage's neighbours, for any peers of the group
+        (a V-shaped schedule sends one chunk's activations down the stages and the other's
+        back up). The handshake cache is kept per channel and peer.
+
+        Args:
+            sends: ``(channel, global rank, pytree)``; channel ``"forward"`` (an activation)
+                or ``"backward"`` (gradients: a list in flatten order, as :meth:`send_backward`).
+            receives: ``(channel, global rank)``.
+            wait_sends: as in :meth:`exchange`.
+
+        Returns:
+            The received pytrees, in the order of ``receives`` (a forward one's tensors that
+            required grad arrive as grad leaves; a backward one is a list).
+        """
         ops: list[tuple[str, torch.Tensor, int]] = []
         handshakes: list[_Handshake] = []
         incoming: list[_Incoming] = []
-        if send_forward is not _NO_SEND:
-            self._add_send(ops, handshakes, _FORWARD, self._peer("next_rank", "send_forward"), send_forward)
-        if recv_forward:
-            self._add_recv(ops, incoming, _FORWARD, self._peer("prev_rank", "recv_forward"))
-        if send_backward is not None:
-            grads = _grad_list(send_backward)
-            self._add_send(ops, handshakes, _BACKWARD, self._peer("prev_rank", "send_backward"), grads)
-        if recv_backward:
-            self._add_recv(ops, incoming, _BACKWARD, self._peer("next_rank", "recv_backward"))
+        for channel, peer, obj in sends:
+            self._add_send(ops, handshakes, channel, peer, _grad_list(obj) if channel == _BACKWARD else obj)
+        for channel, peer in receives:
+            self._add_recv(ops, incoming, channel, peer)
         works, recs = self._start(ops)
         # While the messages travel: the steady-state pytrees as views of the receive buffers
         # (views read no data), so only the header check is left once the data is in.
@@ -237,8 +269,7 @@ class PipeTransport:
             for ch, _, buffer, layout in incoming
         ]
         self._wait(ops, works, recs, wait_sends)
-        got = self._finish(handshakes, incoming, expected, wait_sends)
-        return got.get(_FORWARD), got.get(_BACKWARD)
+        return self._finish(handshakes, incoming, expected, wait_sends)
 
     @property
     def pending_sends(self) -> int:
@@ -356,7 +387,7 @@ class PipeTransport:
     ) -> None:
         """Append the frame of ``obj``; if its metadata changed, a handshake for the second step."""
         spec, tensors = _pytree.flatten(obj, path=_PATHS[channel])
-        cached = self._sent[channel]
+        cached = self._sent.get((channel, dst), self._empty)
         if cached.fits(spec, tensors):
             if cached.form == TYPED:  # the tensor itself, in its own dtype and shape
                 frame = tensors[0].detach()
@@ -396,7 +427,7 @@ class PipeTransport:
         self, ops: list[tuple[str, torch.Tensor, int]], incoming: list[_Incoming], channel: str, src: int
     ) -> None:
         """Append the receive of a frame of the size the channel's cached metadata gives."""
-        layout = self._received[channel]
+        layout = self._received.get((channel, src), self._empty)
         if layout.form == TYPED:
             meta = layout.metas[0]
             buffer: Buffer = (torch.empty(meta.shape, dtype=meta.dtype, device=self.device), None)
@@ -411,21 +442,21 @@ class PipeTransport:
         incoming: list[_Incoming],
         expected: list[PyTree],
         wait_sends: bool,
-    ) -> dict[str, PyTree]:
-        """The received pytrees: ``expected`` (built from the cached layouts), or after step 2 where the metadata changed.
+    ) -> list[PyTree]:
+        """The received pytrees, in order: ``expected`` (built from the cached layouts), or after step 2 where the metadata changed.
 
         Both sides know which messages changed: the sender from its cache, the receiver
         from the frame's header.
         """
         ops: list[tuple[str, torch.Tensor, int]] = []
-        changed: dict[str, tuple[torch.Tensor, Buffer]] = {}
+        changed: dict[int, tuple[torch.Tensor, Buffer]] = {}  # index in incoming -> step-2 buffers
         for channel, dst, meta_bytes, payload, layout in handshakes:
             ops.append(("send", torch.frombuffer(bytearray(meta_bytes), dtype=torch.uint8).to(self.device), dst))
             if payload.numel():
                 ops.append(("send", payload, dst))
-            self._sent[channel] = layout
+            self._sent[(channel, dst)] = layout
             self.handshakes_sent += 1
-        for channel, src, (frame, array), layout in incoming:
+        for index, (channel, src, (frame, array), layout) in enumerate(incoming):
             if layout.form != FRAMED:  # static shapes, steady state: no header, nothing changed
                 continue
             flag, meta_len, payload_len, _ = read_header(frame, array)
@@ -435,7 +466,7 @@ class PipeTransport:
                 ops.append(("recv", meta_buf, src))
                 if payload_len:
                     ops.append(("recv", payload_buf[0], src))
-                changed[channel] = (meta_buf, payload_buf)
+                changed[index] = (meta_buf, payload_buf)
             elif payload_len != frame.numel() - HEADER:
                 raise RuntimeError(
                     f"PipeTransport: {channel} message of {payload_len} payload bytes from rank {src} does not match "
@@ -444,15 +475,15 @@ class PipeTransport:
                 )
         self._post(ops, wait_sends)
 
-        received: dict[str, PyTree] = {}
-        for (channel, _, _, _), obj in zip(incoming, expected):
-            if channel in changed:
-                meta_buf, buffer = changed[channel]
+        received: list[PyTree] = []
+        for index, ((channel, src, _, _), obj) in enumerate(zip(incoming, expected)):
+            if index in changed:
+                meta_buf, buffer = changed[index]
                 meta = pickle.loads(meta_buf.cpu().numpy().tobytes())
-                layout = self._received[channel] = Layout(meta, self.device, self.static_shapes)
+                layout = self._received[(channel, src)] = Layout(meta, self.device, self.static_shapes)
                 self.handshakes_received += 1
                 obj = layout.unpack(buffer, 0, grad_leaves=channel == _FORWARD)
-            received[channel] = obj
+            received.append(obj)
         return received
 
 

@@ -21,6 +21,8 @@ from scaling.pipeline._instructions import (
     RecvGrad,
     SendActivation,
     SendGrad,
+    stage_of,
+    virtual_stage,
 )
 from scaling.pipeline._parallel_module import ParallelModule
 from scaling.pipeline._partition import PARTITION_METHODS, count_parameters, partition_layers
@@ -34,7 +36,9 @@ from scaling.pipeline.schedules import (
     interleaved_1f1b_schedule,
     one_f_one_b_schedule,
     zb_h1_schedule,
+    zb_v_schedule,
 )
+from scaling.pipeline.schedules._common import placement_of
 
 __all__ = [
     "DEFAULT_COSTS",
@@ -68,8 +72,12 @@ __all__ = [
     "interleaved_1f1b_schedule",
     "one_f_one_b_schedule",
     "partition_layers",
+    "placement_of",
     "render_program_grid",
     "simulate",
     "simulate_schedule",
+    "stage_of",
+    "virtual_stage",
     "zb_h1_schedule",
+    "zb_v_schedule",
 ]

@@ -40,6 +40,8 @@ from scaling.pipeline._instructions import (
     RecvGrad,
     SendActivation,
     SendGrad,
+    stage_of,
+    virtual_stage,
 )
 from scaling.pipeline._weight_pass import WeightPass
 from scaling.topology import Topology
@@ -176,6 +178,8 @@ class StageExecutor:
             and ``(repr(ins), start, end)`` in ``time.perf_counter()`` seconds is appended.
         mark: called with the phase (:data:`PHASE_OF`) before each instruction runs and
             with ``"transfer"`` before the final wait for sends in flight.
+        placement: where the stage's chunks sit in the model, the schedule's
+            (``"loop"`` or ``"v"``: :func:`scaling.pipeline.virtual_stage`).
     """
 
     def __init__(
@@ -190,8 +194,10 @@ class StageExecutor:
         before_first_wait: Callable[[], object] | None = None,
         timings: InstructionTimings | None = None,
         mark: PhaseMark | None = None,
+        placement: str = "loop",
     ) -> None:
         self.stage, self.micro_batches, self.loss_function = stage, micro_batches, loss_function
+        self.placement = placement
         self.transport, self.loss_backward, self.loss_scale = transport, loss_backward, loss_scale
         self._before_first_wait, self.timings, self.mark = before_first_wait, timings, mark
         self.p, self.s = stage.num_stages, stage.stage
@@ -212,7 +218,12 @@ class StageExecutor:
             hook()
 
     def _vs(self, chunk: int) -> int:
-        return chunk * self.p + self.s
+        return virtual_stage(self.s, chunk, self.p, self.placement)
+
+    def _local_chunk(self, vs: int) -> int | None:
+        """This stage's chunk holding virtual stage ``vs`` (a local hand-off), or None."""
+        stage, chunk = stage_of(vs, self.p, self.placement)
+        return chunk if stage == self.s else None
 
     def run(self, instructions: Sequence[Instruction]) -> StageOutputs:
         """Execute ``instructions`` in order; the losses and metrics computed here.
@@ -252,11 +263,12 @@ class StageExecutor:
     # ---------------------------------------------------------------- compute
     def _Forward(self, ins: Forward) -> None:
         key, vs = (ins.micro_batch, ins.chunk), self._vs(ins.chunk)
+        local = None if vs == 0 else self._local_chunk(vs - 1)
         if vs == 0:
             batch = self.batches[ins.micro_batch]
             x = batch.only_inputs() if hasattr(batch, "only_inputs") else batch
-        elif self.p == 1:
-            x = _detach_for_next_chunk(self.outputs[(ins.micro_batch, ins.chunk - 1)])
+        elif local is not None:  # the previous virtual stage is here (one stage; the turn of a V)
+            x = _detach_for_next_chunk(self.outputs[(ins.micro_batch, local)])
         else:
             x = self.inputs[key]
         self.inputs[key] = x
@@ -276,8 +288,9 @@ class StageExecutor:
         if vs == self.last_vs:
             out = self.outputs[key]
             return [out * self.loss_scale if self.loss_scale != 1.0 else out], None
-        if self.p == 1:
-            return _grad_leaves(self.outputs[key]), self.grads_in.pop((key[0], key[1] + 1))
+        local = self._local_chunk(vs + 1)
+        if local is not None:
+            return _grad_leaves(self.outputs[key]), self.grads_in.pop((key[0], local))
         return _grad_leaves(self.outputs[key]), self.grads_out.pop(key)
 
     def _Backward(self, ins: Backward) -> None:
@@ -314,43 +327,47 @@ class StageExecutor:
         self.outputs.pop(key)
 
     # ---------------------------------------------------------------- messages
+    # Every transfer names its peer stage (the schedule's ``peer``), so one transport serves
+    # any placement: a V sends one chunk's activations down the stages and the other's up.
     def _SendActivation(self, ins: SendActivation) -> None:
-        self.transport.send_forward(self.outputs[(ins.micro_batch, ins.chunk)], wait=False)  # type: ignore[union-attr]
+        self._transfer((ins,))
 
     def _RecvActivation(self, ins: RecvActivation) -> None:
-        self._waiting()
-        self.inputs[(ins.micro_batch, ins.chunk)] = self.transport.recv_forward()  # type: ignore[union-attr]
+        self._transfer((ins,))
 
     def _SendGrad(self, ins: SendGrad) -> None:
-        self.transport.send_backward(self.grads_in.pop((ins.micro_batch, ins.chunk)), wait=False)  # type: ignore[union-attr]
+        self._transfer((ins,))
 
     def _RecvGrad(self, ins: RecvGrad) -> None:
-        self._waiting()
-        self.grads_out[(ins.micro_batch, ins.chunk)] = list(self.transport.recv_backward())  # type: ignore[union-attr]
+        self._transfer((ins,))
 
     def _Exchange(self, ins: Exchange) -> None:
         # Any mix of the four transfers (1F1B pairs; interleaved rounds post up to all four).
-        # Any: transport.exchange's keywords, each of its own type; an absent send_forward means
-        # no forward send (None is a pytree), so the call is built from this dict.
-        kwargs: dict[str, Any] = {"wait_sends": False}
-        recv_forward = recv_backward = None
-        for op in ins.ops:
-            key = (op.micro_batch, op.chunk)  # type: ignore[attr-defined]
-            kind = type(op)
+        self._transfer(ins.ops)
+
+    def _transfer(self, ops: Sequence[Instruction]) -> None:
+        """Post ``ops`` as one batched transfer (sends left in flight) and file what arrives."""
+        ranks = self.stage.topology.axis("pp").ranks
+        sends: list[tuple[str, int, PyTree]] = []
+        receives: list[tuple[str, int]] = []
+        keys: list[tuple[type, tuple[int, int]]] = []
+        for op in ops:
+            key, kind = (op.micro_batch, op.chunk), type(op)  # type: ignore[attr-defined]
+            peer = ranks[op.peer]  # type: ignore[attr-defined]
             if kind is SendActivation:
-                kwargs["send_forward"] = self.outputs[key]
+                sends.append(("forward", peer, self.outputs[key]))
             elif kind is SendGrad:
-                kwargs["send_backward"] = self.grads_in.pop(key)
-            elif kind is RecvActivation:
-                kwargs["recv_forward"], recv_forward = True, key
-            elif kind is RecvGrad:
-                kwargs["recv_backward"], recv_backward = True, key
+                sends.append(("backward", peer, self.grads_in.pop(key)))
+            elif kind in (RecvActivation, RecvGrad):
+                receives.append(("forward" if kind is RecvActivation else "backward", peer))
+                keys.append((kind, key))
             else:
-                raise NotImplementedError(f"{ins!r}: {op!r} is not a transfer")
-        if recv_forward is not None or recv_backward is not None:
+                raise NotImplementedError(f"{op!r} is not a transfer")
+        if receives:
             self._waiting()
-        forward, backward = self.transport.exchange(**kwargs)  # type: ignore[union-attr]
-        if recv_forward is not None:
-            self.inputs[recv_forward] = forward
-        if recv_backward is not None:
-            self.grads_out[recv_backward] = list(backward)
+        got = self.transport.transfer(sends, receives, wait_sends=False)  # type: ignore[union-attr]
+        for (kind, key), obj in zip(keys, got):
+            if kind is RecvActivation:
+                self.inputs[key] = obj
+            else:
+                self.grads_out[key] = list(obj)

@@ -1,15 +1,38 @@
 """Pipeline instructions: the small frozen actions a schedule is made of.
 
 A schedule is a list of these per stage. ``micro_batch`` counts from 0; ``chunk`` is the
-local model chunk (0 unless the schedule interleaves virtual stages): on stage ``s`` of
-``p``, chunk ``c`` holds virtual stage ``c * p + s``. ``peer`` is the pipeline stage a
-message goes to or comes from.
+local model chunk (0 unless the schedule runs several chunks per stage); which virtual stage
+it holds is the schedule's *placement* (:func:`virtual_stage`): ``"loop"`` (interleaved
+schedules: chunk ``c`` of stage ``s`` of ``p`` holds virtual stage ``c * p + s``, so the
+model loops over the stages ``v`` times) or ``"v"`` (ZB-V: chunk 0 of stage ``s`` holds
+virtual stage ``s`` and chunk 1 holds ``2p - 1 - s``, so the model goes down the stages and
+back up, and the first and the last virtual stage share stage 0). ``peer`` is the pipeline
+stage a message goes to or comes from.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import NamedTuple
+
+#: Where each stage's chunks sit in the model (:func:`virtual_stage`).
+PLACEMENTS = ("loop", "v")
+
+
+def virtual_stage(stage: int, chunk: int, num_stages: int, placement: str = "loop") -> int:
+    """Position in the model of local ``chunk`` of ``stage``: ``chunk * p + stage`` under ``"loop"``;
+    under ``"v"`` the odd chunks run back up the stages (chunk 1 of stage ``s`` is ``2p - 1 - s``)."""
+    if placement == "v" and chunk % 2:
+        return (chunk + 1) * num_stages - 1 - stage
+    return chunk * num_stages + stage
+
+
+def stage_of(vs: int, num_stages: int, placement: str = "loop") -> tuple[int, int]:
+    """``(stage, chunk)`` holding virtual stage ``vs``: the inverse of :func:`virtual_stage`."""
+    chunk, offset = divmod(vs, num_stages)
+    if placement == "v" and chunk % 2:
+        return num_stages - 1 - offset, chunk
+    return offset, chunk
 
 
 @dataclass(frozen=True)
@@ -124,9 +147,9 @@ class _Message(Instruction):
     _sends = False
     _step = 0  # the receiving virtual stage, relative to this chunk's, when sending
 
-    def label(self, stage: int, num_stages: int) -> MessageLabel:
+    def label(self, stage: int, num_stages: int, placement: str = "loop") -> MessageLabel:
         """This message's :class:`MessageLabel` as posted by ``stage`` of ``num_stages``."""
-        vs = self.chunk * num_stages + stage
+        vs = virtual_stage(stage, self.chunk, num_stages, placement)
         if self._sends:
             return MessageLabel(self._kind, self.micro_batch, vs + self._step, stage, self.peer)
         return MessageLabel(self._kind, self.micro_batch, vs, self.peer, stage)

@@ -29,9 +29,11 @@ from scaling.pipeline._executor import (
     StageOutputs,
     StageTransports,
 )
+from scaling.pipeline._instructions import stage_of, virtual_stage
 from scaling.pipeline._partition import count_parameters, partition_layers
 from scaling.pipeline._tied import TiedGroups
 from scaling.pipeline.schedules import SCHEDULES, forward_only_schedule
+from scaling.pipeline.schedules._common import placement_of
 from scaling.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -56,8 +58,10 @@ class ParallelModule(torch.nn.Module):
             (see :func:`partition_layers`).
         partition_boundaries: layer indices for ``"explicit"``.
         layer_costs: per-layer cost estimates for ``"cost"`` (FLOPs or a measured profile).
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"zb_h1"``.
-        num_virtual_stages: model chunks per stage (``> 1`` only with ``"interleaved_1f1b"``).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"`` or ``"zb_v"``
+            (two chunks per stage in a V: stage ``s`` holds virtual stages ``s`` and ``2p - 1 - s``).
+        num_virtual_stages: model chunks per stage (``> 1`` only with ``"interleaved_1f1b"``;
+            ``"zb_v"`` always runs 2, and 1 or 2 may be given).
         seed: base seed of the per-layer initialisation; default: the run's seed
             (``topology.seed``, set by ``seed_all`` / ``BaseContext.initialize`` from
             ``TrainerConfig.seed``), or 42 when nothing seeded the topology.
@@ -98,9 +102,12 @@ class ParallelModule(torch.nn.Module):
         super().__init__()
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is unknown; choose one of {sorted(SCHEDULES)}")
-        if num_virtual_stages != 1 and schedule != "interleaved_1f1b":
+        if schedule == "zb_v" and num_virtual_stages in (1, 2):
+            num_virtual_stages = 2
+        elif num_virtual_stages != 1 and schedule != "interleaved_1f1b":
             raise ValueError(
-                f"num_virtual_stages={num_virtual_stages} needs schedule='interleaved_1f1b' (got {schedule!r})"
+                f"num_virtual_stages={num_virtual_stages} needs schedule='interleaved_1f1b' (got {schedule!r}"
+                + ("; zb_v runs exactly 2)" if schedule == "zb_v" else ")")
             )
         self.topology = topology
         self.static_shapes = static_shapes
@@ -109,6 +116,8 @@ class ParallelModule(torch.nn.Module):
         self.instruction_timings: InstructionTimings | None = None
         self.schedule_name = schedule
         self.schedule_fn = SCHEDULES[schedule]
+        #: Where this stage's chunks sit in the model (``scaling.pipeline.virtual_stage``).
+        self.placement = placement_of(self.schedule_fn)
         self.num_stages = topology.axis("pp").size
         self.stage = topology.axis("pp").rank
         self.num_virtual_stages = num_virtual_stages
@@ -125,7 +134,12 @@ class ParallelModule(torch.nn.Module):
         )
         if topology.global_rank == 0:
             logger.info("pipeline partition (virtual stage -> layers): %s", self.describe_partition())
-        self.chunks: list[range] = [self.partition[c * self.num_stages + self.stage] for c in range(num_virtual_stages)]
+        #: The stage that computes the loss (holds the last virtual stage): the last one, or 0 in a V.
+        self.loss_stage = stage_of(self.num_stages * num_virtual_stages - 1, self.num_stages, self.placement)[0]
+        self.chunks: list[range] = [
+            self.partition[virtual_stage(self.stage, c, self.num_stages, self.placement)]
+            for c in range(num_virtual_stages)
+        ]
         self.layers = torch.nn.ModuleDict()
         if seed is None:
             seed = topology.seed if topology.seed is not None else DEFAULT_SEED
@@ -154,7 +168,7 @@ class ParallelModule(torch.nn.Module):
         """``"stage 0: layers 0-2 | stage 1: layers 3-5"`` (virtual stages as ``stage s.c``)."""
         parts = []
         for vs, r in enumerate(self.partition):
-            c, s = divmod(vs, self.num_stages)
+            s, c = stage_of(vs, self.num_stages, self.placement)
             name = f"stage {s}" + (f".{c}" if self.num_virtual_stages > 1 else "")
             parts.append(f"{name}: layers {r.start}-{r.stop - 1}")
         return " | ".join(parts)
@@ -188,8 +202,9 @@ class ParallelModule(torch.nn.Module):
         for vs, r in enumerate(self.partition):
             for i in r:
                 spec = self.layer_specs[i]
-                if isinstance(spec, TiedLayerSpec) and vs % self.num_stages not in stages.setdefault(spec.key, []):
-                    stages[spec.key].append(vs % self.num_stages)
+                stage = stage_of(vs, self.num_stages, self.placement)[0]
+                if isinstance(spec, TiedLayerSpec) and stage not in stages.setdefault(spec.key, []):
+                    stages[spec.key].append(stage)
         return {k: sorted(v) for k, v in sorted(stages.items()) if len(v) > 1}
 
     def tied_copies(self) -> dict[str, list[str]]:
@@ -334,11 +349,13 @@ class ParallelModule(torch.nn.Module):
         loss_function = self._explained(loss_function)
         if forward_only:
             with torch.no_grad():
-                instructions = forward_only_schedule(self.num_stages, n, self.stage, self.num_virtual_stages)
+                instructions = forward_only_schedule(
+                    self.num_stages, n, self.stage, self.num_virtual_stages, self.placement
+                )
                 return self._executor(micro_batches, loss_function, None, 1.0, before_first_wait, mark).run(
                     instructions
                 )
-        extra = (self.num_virtual_stages,) if self.schedule_name == "interleaved_1f1b" else ()
+        extra = (self.num_virtual_stages,) if self.num_virtual_stages > 1 else ()
         instructions = self.schedule_fn(self.num_stages, n, self.stage, *extra)
         return self._executor(micro_batches, loss_function, loss_backward, loss_scale, before_first_wait, mark).run(
             instructions
@@ -364,4 +381,5 @@ class ParallelModule(torch.nn.Module):
             before_first_wait=before_first_wait,
             timings=self.instruction_timings,
             mark=mark,
+            placement=self.placement,
         )

@@ -28,9 +28,11 @@ from scaling.pipeline._instructions import (
     SendActivation,
     SendGrad,
     _Message,
+    stage_of,
+    virtual_stage,
 )
 from scaling.pipeline._render import render_program_grid, render_timeline, save_timeline_png
-from scaling.pipeline.schedules._common import accepts_old_keyword
+from scaling.pipeline.schedules._common import accepts_old_keyword, placement_of
 
 DEFAULT_COSTS: Mapping[str, float] = {"forward": 1.0, "backward": 2.0, "backward_input": 1.0, "backward_weight": 1.0}
 _COST_KEY: dict[type[Instruction], str] = {
@@ -96,6 +98,7 @@ def simulate(
     costs: Mapping[str, float] | None = None,
     *,
     send_semantics: str = "rendezvous",
+    placement: str = "loop",
 ) -> SimulationResult:
     """Run ``programs[s]`` (stage ``s``'s instructions) for all stages together.
 
@@ -109,6 +112,8 @@ def simulate(
             does; an exchange finishes when all its transfers (and those of every exchange
             linked to it) have met their partners. ``"buffered"``:
             sends never wait (an upper bound on what any transport can achieve).
+        placement: where each stage's chunks sit in the model, ``"loop"`` or ``"v"``
+            (:func:`scaling.pipeline.virtual_stage`; the schedule's ``placement``).
 
     Raises:
         ScheduleError: deadlock, a receive that does not match the next message, a
@@ -137,16 +142,18 @@ def simulate(
 
     def needs(ins: Instruction, stage: int) -> tuple[str, int, int] | None:
         mb, c = ins.micro_batch, ins.chunk  # type: ignore[attr-defined]
-        vs, last = c * p + stage, num_chunks * p - 1
+        vs, last = virtual_stage(stage, c, p, placement), num_chunks * p - 1
         if isinstance(ins, Forward):
             if vs == 0:
                 return ("load", mb, 0)
-            return ("act", mb, c) if p > 1 else ("out", mb, c - 1)
+            held_by, chunk = stage_of(vs - 1, p, placement)  # a local hand-off reads the chunk's output
+            return ("act", mb, c) if held_by != stage else ("out", mb, chunk)
         if isinstance(ins, BackwardWeight):
             return ("input_grad_done", mb, c)
         if vs == last:
             return ("out", mb, c)
-        return ("grad", mb, c) if p > 1 else ("grad_in", mb, c + 1)
+        held_by, chunk = stage_of(vs + 1, p, placement)
+        return ("grad", mb, c) if held_by != stage else ("grad_in", mb, chunk)
 
     posted: list[list[_Posted] | None] = [None] * p  # rendezvous: each stage's posted messages
     post_time = [0.0] * p
@@ -165,7 +172,7 @@ def simulate(
                     continue
                 sent, got = (ins, o) if sending else (o, ins)
                 sender, receiver = (s, ins.peer) if sending else (ins.peer, s)
-                want, label = got.label(receiver, p)[:3], sent.label(sender, p)[:3]
+                want, label = got.label(receiver, p, placement)[:3], sent.label(sender, p, placement)[:3]
                 if want != label:
                     fail(f"stage {receiver}: {got!r} expects {want} but stage {sender} sends {label}")
                 op.partner, other.partner, matched = ins.peer, s, True
@@ -220,14 +227,15 @@ def simulate(
                     progressed = True
                     continue
                 if isinstance(ins, (SendActivation, SendGrad)):
-                    channels.setdefault((s, ins.peer), deque()).append((ins.label(s, p)[:3], clock[s]))
+                    channels.setdefault((s, ins.peer), deque()).append((ins.label(s, p, placement)[:3], clock[s]))
                 elif isinstance(ins, (RecvActivation, RecvGrad)):
                     queue = channels.get((ins.peer, s))
                     if not queue:
                         break  # blocked: the sender has not sent yet
                     label, sent_at = queue[0]
-                    if label != ins.label(s, p)[:3]:
-                        fail(f"stage {s}: {ins!r} expects {ins.label(s, p)[:3]} but the next message is {label}")
+                    expected = ins.label(s, p, placement)[:3]
+                    if label != expected:
+                        fail(f"stage {s}: {ins!r} expects {expected} but the next message is {label}")
                     queue.popleft()
                     clock[s] = max(clock[s], sent_at)
                     have[s].add(("act" if isinstance(ins, RecvActivation) else "grad", ins.micro_batch, ins.chunk))
@@ -239,7 +247,7 @@ def simulate(
                         fail(f"stage {s}: {ins!r} runs before its input {need} is available")
                     mb, c = ins.micro_batch, ins.chunk  # type: ignore[attr-defined]
                     kind = _COST_KEY[type(ins)]
-                    key = (kind, mb, c * p + s)
+                    key = (kind, mb, virtual_stage(s, c, p, placement))
                     done[key] = done.get(key, 0) + 1
                     start, clock[s] = clock[s], clock[s] + cost[kind]
                     timeline[s].append((start, clock[s], ins))
@@ -307,4 +315,4 @@ def simulate_schedule(
     """
     extra = () if num_virtual is None else (num_virtual,)
     programs = [schedule(num_stages, num_micro_batches, s, *extra) for s in range(num_stages)]
-    return simulate(programs, costs, send_semantics=send_semantics)
+    return simulate(programs, costs, send_semantics=send_semantics, placement=placement_of(schedule))

@@ -1,6 +1,7 @@
-"""Loss and metrics of a step: computed on the last pipeline stage, returned on every rank.
+"""Loss and metrics of a step: computed on the loss's pipeline stage, returned on every rank.
 
-The last stage aggregates its micro-batches' metrics and broadcasts loss and metrics over
+The stage that computes the loss (the last one; stage 0 when ZB-V places the chunks in a V)
+aggregates its micro-batches' metrics and broadcasts loss and metrics over
 the pipe group, then data-parallel replicas average them. Once the metric names are known
 (the first step; kept per module on every rank of the pipe group alike) the broadcast is
 one ``float64`` tensor ``[names changed?, loss, *metrics]``; only when the names change
@@ -69,7 +70,10 @@ class StepResults:
         self.aggregate = aggregate or default_aggregation
         self._names = _NAMES.setdefault(module, _MetricNames())
         self._posted: tuple[PendingCollective, torch.Tensor] | None = None
-        self._to_post = not self.topology.axis("pp").is_last
+        #: Where the loss is computed: the last stage (stage 0 under ZB-V's V placement).
+        self._loss_stage = module.loss_stage
+        self._computes_loss = self.topology.axis("pp").rank == self._loss_stage
+        self._to_post = not self._computes_loss
 
     def post_receive(self) -> None:
         """On a stage other than the last, post the receive of this step's results (once).
@@ -88,7 +92,7 @@ class StepResults:
         step's results; sending one keeps every rank at one broadcast per step, so the next
         step's results reach the next step. Nobody waits for it.
         """
-        if self.topology.axis("pp").is_last:
+        if self._computes_loss:
             self._start(_ABORTED)
         else:
             self.post_receive()
@@ -106,7 +110,7 @@ class StepResults:
         self.post_receive()  # a stage that never waited for a message posts it now
         topo = self.topology
         result: Metrics | None = None
-        if topo.axis("pp").is_last:
+        if self._computes_loss:
             mb = sorted(outputs.losses)
             loss = sum(float(outputs.losses[i]) for i in mb) / len(mb)
             metrics = self.aggregate(topo, [outputs.metrics[i] for i in mb])
@@ -126,8 +130,7 @@ class StepResults:
         return float(result["loss"]), dict(result["metrics"])
 
     def _last_stage_rank(self) -> int:
-        topo = self.topology
-        return topo.axis("pp").ranks[self.num_stages - 1]
+        return self.topology.axis("pp").ranks[self._loss_stage]
 
     def _broadcast(self, result: Metrics | None) -> Metrics:
         group, names, src = self.topology.axis("pp_result").group, self._names.names, self._last_stage_rank()

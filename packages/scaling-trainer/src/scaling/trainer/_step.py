@@ -96,7 +96,7 @@ def train_step(
     """
     start = time.perf_counter()
     mark = phases.mark if phases is not None else None
-    batches = _placed(module.topology, micro_batches, sync_batch_to_model_parallel)
+    batches = _placed(module, micro_batches, sync_batch_to_model_parallel)
     if not module.training:  # train() walks every submodule: only when needed, not every step
         module.train()
     data_parallel = optimizer.data_parallel  # what DP does to gradients; the optimizer updates
@@ -151,7 +151,7 @@ def evaluation_step(
         :class:`TrainStepOutput` whose optimizer fields are ``None``/empty.
     """
     start = time.perf_counter()
-    batches = _placed(module.topology, micro_batches, sync_batch_to_model_parallel)
+    batches = _placed(module, micro_batches, sync_batch_to_model_parallel)
     was_training = module.training
     module.train(False)
     results = StepResults(module, metrics_aggregation_fn)
@@ -171,11 +171,12 @@ def _mark(mark: PhaseMark | None, phase: str) -> None:
         mark(phase)
 
 
-def _placed(topology: Topology, micro_batches: Sequence[B | None], sync: SyncBatch[B] | None) -> list[B | None]:
-    """On the stages that read data (the first and the last), each micro-batch on the device,
-    synced over TP and cut to this CP rank's slice; None on the others, which never read them."""
-    pp = topology.axis("pp")
-    if not (pp.is_first or pp.is_last):
+def _placed(module: ParallelModule, micro_batches: Sequence[B | None], sync: SyncBatch[B] | None) -> list[B | None]:
+    """On the stages that read data (the first and the loss's: the last, or the first again in a
+    V), each micro-batch on the device, synced over TP and cut to this CP rank's slice; None on the
+    others, which never read them."""
+    topology = module.topology
+    if topology.axis("pp").rank not in (0, module.loss_stage):
         return [None] * len(micro_batches)
     batches = [to_device(b, topology.device) for b in micro_batches]
     if sync is not None:

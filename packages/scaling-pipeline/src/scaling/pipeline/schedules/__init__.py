@@ -8,6 +8,7 @@ from scaling.pipeline.schedules.gpipe import gpipe_schedule
 from scaling.pipeline.schedules.interleaved import interleaved_1f1b_schedule
 from scaling.pipeline.schedules.one_f_one_b import one_f_one_b_schedule
 from scaling.pipeline.schedules.zero_bubble import zb_h1_schedule
+from scaling.pipeline.schedules.zero_bubble_v import zb_v_schedule
 
 #: Training schedules by name (``ParallelModule(schedule=...)``).
 SCHEDULES: dict[str, Callable[..., list[Instruction]]] = {
@@ -15,6 +16,7 @@ SCHEDULES: dict[str, Callable[..., list[Instruction]]] = {
     "1f1b": one_f_one_b_schedule,
     "interleaved_1f1b": interleaved_1f1b_schedule,
     "zb_h1": zb_h1_schedule,
+    "zb_v": zb_v_schedule,
 }
 
 __all__ = [
@@ -24,4 +26,5 @@ __all__ = [
     "interleaved_1f1b_schedule",
     "one_f_one_b_schedule",
     "zb_h1_schedule",
+    "zb_v_schedule",
 ]

@@ -29,6 +29,8 @@ from scaling.pipeline._instructions import (
     SendActivation,
     SendGrad,
     _Message,
+    stage_of,
+    virtual_stage,
 )
 
 F = TypeVar("F", bound=Callable[..., object])
@@ -52,6 +54,12 @@ def accepts_old_keyword(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def placement_of(schedule: Callable[..., object]) -> str:
+    """Where ``schedule`` puts each stage's chunks: its ``placement`` attribute (``"v"`` for ZB-V),
+    else ``"loop"`` (:func:`scaling.pipeline.virtual_stage`)."""
+    return str(getattr(schedule, "placement", "loop"))
+
+
 def check_arguments(num_stages: int, num_micro_batches: int, stage: int, num_virtual: int = 1) -> None:
     """Raise ``ValueError`` naming the value when a schedule's arguments are out of range."""
     for name, value in (
@@ -65,73 +73,125 @@ def check_arguments(num_stages: int, num_micro_batches: int, stage: int, num_vir
         raise ValueError(f"stage={stage!r} must be in [0, num_stages={num_stages})")
 
 
-def virtual_stage(stage: int, chunk: int, num_stages: int) -> int:
-    """Position of ``chunk`` of ``stage`` in the model: ``chunk * num_stages + stage``."""
-    return chunk * num_stages + stage
-
-
 def lower(
     compute: Iterable[Instruction],
     num_stages: int,
     stage: int,
     num_virtual: int = 1,
+    placement: str = "loop",
 ) -> list[Instruction]:
     """Wrap a stage's compute order with loads, receives and sends.
+
+    A chunk's input comes from the stage holding the previous virtual stage and its output
+    goes to the one holding the next (``placement``: :func:`virtual_stage`); where that is
+    this stage (one stage; the turn of a V) the hand-off is local: no message.
 
     Args:
         compute: ``Forward``/``Backward``/``BackwardInput``/``BackwardWeight`` in run order.
         num_stages: pipeline stages ``p``.
         stage: this stage.
         num_virtual: chunks per stage ``v``.
+        placement: ``"loop"`` or ``"v"``.
     """
     last_vs = num_stages * num_virtual - 1
-    prev_stage = (stage - 1) % num_stages
-    next_stage = (stage + 1) % num_stages
     out: list[Instruction] = []
     loaded: set[int] = set()
     for ins in compute:
         assert isinstance(ins, (Forward, Backward, BackwardInput, BackwardWeight)), ins
-        vs = virtual_stage(stage, ins.chunk, num_stages)
+        vs = virtual_stage(stage, ins.chunk, num_stages, placement)
         mb, chunk = ins.micro_batch, ins.chunk
+        prev = stage_of(vs - 1, num_stages, placement)[0] if vs > 0 else stage
+        nxt = stage_of(vs + 1, num_stages, placement)[0] if vs < last_vs else stage
         if isinstance(ins, Forward):
-            # With one stage the previous virtual stage is local: no message.
-            if vs > 0 and num_stages > 1:
-                # Receive before any weight-gradient passes that directly follow a
-                # SendGrad, so the SendGrad + RecvActivation pair stays adjacent (ZB-H1).
+            if prev != stage:
+                # Receive before any weight-gradient passes that directly follow a send,
+                # so the send + RecvActivation pair stays adjacent (ZB-H1, ZB-V).
                 at = len(out)
                 while at > 0 and isinstance(out[at - 1], BackwardWeight):
                     at -= 1
-                if at == len(out) or (at > 0 and isinstance(out[at - 1], SendGrad)):
-                    out.insert(at, RecvActivation(mb, chunk, prev_stage))
+                before = out[at - 1] if at > 0 else None
+                pairs = isinstance(before, SendGrad) or (isinstance(before, SendActivation) and before.peer == prev)
+                if at == len(out) or pairs:
+                    out.insert(at, RecvActivation(mb, chunk, prev))
                 else:
-                    out.append(RecvActivation(mb, chunk, prev_stage))
-            # Loading after the receive keeps a SendGrad + RecvActivation pair adjacent.
+                    out.append(RecvActivation(mb, chunk, prev))
+            # Loading after the receive keeps a send + RecvActivation pair adjacent.
             if (vs == 0 or vs == last_vs) and mb not in loaded:
                 loaded.add(mb)
                 out.append(LoadMicroBatch(mb))
             out.append(ins)
-            if vs < last_vs and num_stages > 1:
-                out.append(SendActivation(mb, chunk, next_stage))
+            if nxt != stage:
+                out.append(SendActivation(mb, chunk, nxt))
         elif isinstance(ins, BackwardWeight):
             out.append(ins)
         else:
-            if vs < last_vs and num_stages > 1:
-                out.append(RecvGrad(mb, chunk, next_stage))
+            if nxt != stage:
+                out.append(RecvGrad(mb, chunk, nxt))
             out.append(ins)
-            if vs > 0 and num_stages > 1:
-                out.append(SendGrad(mb, chunk, prev_stage))
+            if prev != stage:
+                out.append(SendGrad(mb, chunk, prev))
     return out
 
 
-_PAIRS = ((SendActivation, RecvGrad), (SendGrad, RecvActivation))
+def lower_timed(
+    timed: Sequence[Sequence[tuple[int, Instruction]]], num_stages: int, num_virtual: int, placement: str
+) -> list[list[Instruction]]:
+    """Lower every stage's compute, given with its start times (unit costs), into programs.
+
+    A message is sent when the compute producing it ends and received by its peer at that
+    same time, before anything the peer starts then: so between two stages the receives
+    come in the order of the sends (gloo and NCCL pair the messages between two ranks in
+    order, whatever their kind), and a receive is posted before the compute that reads it.
+    At each time a stage posts its send first, then its receives, the one from the send's
+    peer first, so that :func:`fuse_exchanges` can pair mirrored transfers.
+
+    Args:
+        timed: per stage, ``(start, compute instruction)`` in run order; the compute that
+            reads a message starts no earlier than the one producing it ends (``start + 1``).
+        num_stages: pipeline stages ``p``.
+        num_virtual: chunks per stage ``v``.
+        placement: ``"loop"`` or ``"v"`` (:func:`virtual_stage`).
+    """
+    p, last_vs = num_stages, num_stages * num_virtual - 1
+    # (time, phase, order within the phase) -> instruction; phases: 0 send, 1 receive, 2 load, 3 compute.
+    items: list[list[tuple[tuple[int, int, int], Instruction]]] = [[] for _ in range(p)]
+    loaded: list[set[int]] = [set() for _ in range(p)]
+    for s in range(p):
+        for start, ins in timed[s]:
+            mb, chunk = ins.micro_batch, ins.chunk  # type: ignore[attr-defined]
+            vs = virtual_stage(s, chunk, p, placement)
+            if isinstance(ins, Forward) and vs in (0, last_vs) and mb not in loaded[s]:
+                loaded[s].add(mb)
+                items[s].append(((start, 2, 0), LoadMicroBatch(mb)))
+            items[s].append(((start, 3, 0), ins))
+            if isinstance(ins, Forward) and vs < last_vs:
+                peer, peer_chunk = stage_of(vs + 1, p, placement)
+                send, recv = SendActivation(mb, chunk, peer), RecvActivation(mb, peer_chunk, s)
+            elif isinstance(ins, (Backward, BackwardInput)) and vs > 0:
+                peer, peer_chunk = stage_of(vs - 1, p, placement)
+                send, recv = SendGrad(mb, chunk, peer), RecvGrad(mb, peer_chunk, s)  # type: ignore[assignment]
+            else:
+                continue
+            if peer != s:
+                items[s].append(((start + 1, 0, 0), send))
+                items[peer].append(((start + 1, 1, s), recv))
+    programs = []
+    for s in range(p):
+        sent_to = {time: ins.peer for (time, _, _), ins in items[s] if isinstance(ins, _SENDS)}
+        keyed = [((t, phase, phase == 1 and peer != sent_to.get(t), peer), ins) for (t, phase, peer), ins in items[s]]
+        programs.append([ins for _, ins in sorted(keyed, key=lambda item: item[0])])
+    return fuse_exchanges(programs, p, placement)
 
 
-def fuse_exchanges(programs: list[list[Instruction]], num_stages: int) -> list[list[Instruction]]:
+def fuse_exchanges(
+    programs: list[list[Instruction]], num_stages: int, placement: str = "loop"
+) -> list[list[Instruction]]:
     """Turn adjacent send + receive pairs into :class:`Exchange` where the peer mirrors them.
 
-    Stage ``s`` fuses ``SendActivation(x) , RecvGrad(y)`` with peer ``t`` only when ``t``
-    has ``SendGrad(y) , RecvActivation(x)`` adjacent too (and the other way round), so
-    both sides post the same batched transfer.
+    Stage ``s`` fuses ``send(x) , receive(y)`` with peer ``t`` only when ``t`` has
+    ``send(y) , receive(x)`` adjacent too, so both sides post the same batched transfer
+    (the 1F1B steady state: an activation out, a gradient in; in a V also an activation
+    out and the other chunk's activation in, or two gradients).
     """
     # (role, *label): role is "send" or "recv".
     where: dict[tuple[str, str, int, int, int, int], tuple[int, int]] = {}
@@ -139,7 +199,7 @@ def fuse_exchanges(programs: list[list[Instruction]], num_stages: int) -> list[l
         for k, ins in enumerate(prog):
             if isinstance(ins, _Message):
                 role = "send" if isinstance(ins, (SendActivation, SendGrad)) else "recv"
-                key = (role, *ins.label(s, num_stages))
+                key = (role, *ins.label(s, num_stages, placement))
                 where[key] = (s, k)
     starts: list[set[int]] = [set() for _ in programs]
     for s, prog in enumerate(programs):
@@ -147,10 +207,10 @@ def fuse_exchanges(programs: list[list[Instruction]], num_stages: int) -> list[l
             a, b = prog[k], prog[k + 1]
             if not (isinstance(a, _Message) and isinstance(b, _Message)):
                 continue
-            if not any(isinstance(a, x) and isinstance(b, y) for x, y in _PAIRS) or a.peer != b.peer:
+            if not (isinstance(a, _SENDS) and isinstance(b, _RECEIVES)) or a.peer != b.peer:
                 continue
-            recv_of_a = where.get(("recv", *a.label(s, num_stages)))
-            send_of_b = where.get(("send", *b.label(s, num_stages)))
+            recv_of_a = where.get(("recv", *a.label(s, num_stages, placement)))
+            send_of_b = where.get(("send", *b.label(s, num_stages, placement)))
             if recv_of_a and send_of_b and recv_of_a[0] == send_of_b[0] and recv_of_a[1] == send_of_b[1] + 1:
                 starts[s].add(k)
     fused = []
@@ -168,6 +228,7 @@ def fuse_exchanges(programs: list[list[Instruction]], num_stages: int) -> list[l
     return fused
 
 
+_SENDS, _RECEIVES = (SendActivation, SendGrad), (RecvActivation, RecvGrad)
 _OP_ORDER: dict[type[Instruction], int] = {SendActivation: 0, RecvActivation: 1, SendGrad: 2, RecvGrad: 3}
 
 
@@ -252,23 +313,30 @@ def build(
     *,
     cache_key: Hashable = None,
     lockstep: bool = False,
+    timed: bool = False,
+    placement: str = "loop",
 ) -> list[Instruction]:
     """Lower every stage's compute order, fuse mirrored exchanges, return ``stage``'s list.
 
     Fusing needs every stage's list, so all are built; with ``cache_key`` (the schedule
     and its arguments) they are kept, and asking for each stage in turn costs one build.
-    With ``lockstep`` the compute order is a list of steps, lowered by :func:`lower_lockstep`.
+    With ``lockstep`` the compute order is a list of steps, lowered by :func:`lower_lockstep`
+    (``"loop"`` placement only); with ``timed`` it is ``(start, instruction)`` pairs, lowered by
+    :func:`lower_timed`; ``placement``: where each chunk sits (:func:`virtual_stage`).
     """
-    key = (cache_key, num_stages, num_virtual, lockstep)
+    key = (cache_key, num_stages, num_virtual, lockstep, timed, placement)
     programs = _CACHE.get(key) if cache_key is not None else None
     if programs is None:
         if lockstep:
             stage_steps = [list(compute_order(s)) for s in range(num_stages)]
             lowered = lower_lockstep(stage_steps, num_stages, num_virtual)
             programs = tuple(tuple(p) for p in lowered)
+        elif timed:
+            stage_timed = [list(compute_order(s)) for s in range(num_stages)]
+            programs = tuple(tuple(p) for p in lower_timed(stage_timed, num_stages, num_virtual, placement))
         else:
-            lowered = [lower(compute_order(s), num_stages, s, num_virtual) for s in range(num_stages)]
-            programs = tuple(tuple(p) for p in fuse_exchanges(lowered, num_stages))
+            lowered = [lower(compute_order(s), num_stages, s, num_virtual, placement) for s in range(num_stages)]
+            programs = tuple(tuple(p) for p in fuse_exchanges(lowered, num_stages, placement))
         if cache_key is not None:
             if len(_CACHE) >= _CACHE_SIZE:
                 _CACHE.pop(next(iter(_CACHE)))

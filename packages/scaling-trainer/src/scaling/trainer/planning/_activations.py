@@ -43,7 +43,7 @@ def in_flight_peak(
 
     Args:
         chunk_bytes: what one micro-batch's forward leaves held on each local model chunk
-            (one entry; ``num_virtual_stages`` under interleaving).
+            (one entry; ``num_virtual_stages`` under interleaving, 2 under ZB-V).
         schedule: a name in ``scaling.pipeline.SCHEDULES``.
         num_stages, num_micro_batches, stage: the pipeline's ``p``, ``m`` and this stage.
         at_backward: bytes the backward's micro-batch adds when it begins (a received gradient).
@@ -53,7 +53,7 @@ def in_flight_peak(
         weight_pass: per chunk, what a zero-bubble input pass keeps for its weight pass until that
             runs (the gradients where the parameters' paths leave the input chain; empty: none).
     """
-    kwargs = {"num_virtual": len(chunk_bytes)} if schedule == "interleaved_1f1b" else {}
+    kwargs = {"num_virtual": len(chunk_bytes)} if len(chunk_bytes) > 1 else {}
     program = SCHEDULES[schedule](num_stages, num_micro_batches, stage, **kwargs)
     held: set[tuple[int, int]] = set()
     peak = sent = backwards = kept = 0

@@ -35,7 +35,7 @@ import torch
 
 from scaling.nn import LayerSpec, ParameterMeta, named_parameters_with_meta, set_layer_index
 from scaling.optim import OptimizerConfig, state_names, update_rule
-from scaling.pipeline import partition_layers
+from scaling.pipeline import partition_layers, virtual_stage
 
 _EXPERT = re.compile(r"experts\.(\d+)\.")
 
@@ -67,7 +67,9 @@ class MemoryLayout:
         tp, pp, dp, cp, ep: the sizes (``ep`` divides DP × CP and each MoE layer's experts).
         num_layers: pipeline layers of the model (``LayerSpec``s), for the partition.
         num_experts: experts per MoE layer (0 without MoE).
-        num_virtual_stages: model chunks per stage (interleaved 1F1B).
+        num_virtual_stages: model chunks per stage (interleaved 1F1B; ZB-V's 2).
+        placement: where a stage's chunks sit, the schedule's (``"loop"``, or ZB-V's ``"v"``:
+            ``scaling.pipeline.virtual_stage``).
         partition_method, partition_boundaries: as ``ParallelModule``'s (``"uniform"`` by default).
         dp_shard: HSDP's shard group size (None: ZeRO shards over all of DP × CP).
     """
@@ -80,9 +82,14 @@ class MemoryLayout:
     ep: int = 1
     num_experts: int = 0
     num_virtual_stages: int = 1
+    placement: str = "loop"
     partition_method: str = "uniform"
     partition_boundaries: tuple[int, ...] | None = None
     dp_shard: int | None = None
+
+    def virtual_stage(self, stage: int, chunk: int) -> int:
+        """The virtual stage (index into the partition) local ``chunk`` of ``stage`` holds."""
+        return virtual_stage(stage, chunk, self.pp, self.placement)
 
 
 @dataclass(frozen=True)
@@ -174,7 +181,7 @@ def rank_memory(
         weights=weights,
         boundaries=list(lay.partition_boundaries) if lay.partition_boundaries is not None else None,
     )
-    held_layers = {i for c in range(lay.num_virtual_stages) for i in partition[c * lay.pp + stage]}
+    held_layers = {i for c in range(lay.num_virtual_stages) for i in partition[lay.virtual_stage(stage, c)]}
     zero = optimizer.zero_stage
     dense_world = (lay.dp_shard or lay.dp * lay.cp) if zero >= 1 else 1
     expert_world = lay.dp * lay.cp // lay.ep if zero >= 1 else 1

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from scaling.pipeline import SCHEDULES, simulate
+from scaling.pipeline import SCHEDULES, placement_of, simulate
 
 #: Where the shipped profiles are: ``<name>.json``.
 PROFILES = Path(__file__).parent / "profiles"
@@ -185,7 +185,7 @@ def pipeline_seconds(
     stage: ``m * v * (forward + backward)``."""
     if num_stages == 1:
         return num_micro_batches * num_virtual_stages * (forward + backward)
-    kwargs = {"num_virtual": num_virtual_stages} if schedule == "interleaved_1f1b" else {}
+    kwargs = {"num_virtual": num_virtual_stages} if num_virtual_stages > 1 else {}
     programs = [SCHEDULES[schedule](num_stages, num_micro_batches, s, **kwargs) for s in range(num_stages)]
     costs = {
         "forward": forward,
@@ -193,4 +193,4 @@ def pipeline_seconds(
         "backward_input": split[0] * backward,
         "backward_weight": split[1] * backward,
     }
-    return simulate(programs, costs).makespan
+    return simulate(programs, costs, placement=placement_of(SCHEDULES[schedule])).makespan
