@@ -41,6 +41,20 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
         (["transformer_architecture.mlp_type=relu"], "mlp_type"),
         (["training.num_virtual_stages=2"], "num_virtual_stages=2 needs training.schedule='interleaved_1f1b'"),
         (
+            ["training.schedule=zb_v", "training.num_virtual_stages=3"],
+            "num_virtual_stages=3: schedule='zb_v' runs exactly 2 chunks per stage",
+        ),
+        (
+            [
+                "training.schedule=zb_v",
+                "topology.pipe_parallel_size=2",
+                "runner.nproc_per_node=2",
+                "transformer_architecture.num_layers=4",
+            ],
+            r"num_layers=4 \+ embedding \+ head = 6 pipeline layers do not split into topology.pipe_parallel_size=2 "
+            r"x 2 chunks per stage .*choose num_layers \+ 2 a multiple of 4",
+        ),  # fmt: skip
+        (
             ["topology.context_parallel_size=3", "runner.nproc_per_node=3"],
             r"data.sequence_length=16 is not divisible by 2 × topology.context_parallel_size = 6 .*choose a multiple of 6",
         ),
@@ -163,6 +177,8 @@ def _train(capsys, corpus, tmp_path, *overrides, arch=None):
         "data-vocab",
         "mlp-type",
         "virtual",
+        "zb-v-chunks",
+        "zb-v-layers",
         "cp-seq-len",
         "cp-a2a-heads",
         "cp-dropout",

@@ -180,6 +180,44 @@ def test_ring_of_two_exchanges_both_ways_in_order():
     assert run_distributed(_ring_of_two, 2, timeout_seconds=60) == [[3, 5, 8], [3, 5, 8]]
 
 
+def _both_neighbours_on_one_channel():
+    """Rank 1 receives activations from rank 0 (a tensor) and rank 2 (a list of two), as a stage of a
+    V does from its two neighbours, and sends each a different structure back: one handshake per
+    (channel, peer), none after the first round."""
+    me = dist.get_rank()
+    transport = PipeTransport(None, None, torch.device("cpu"))
+    got = []
+    for step in range(3):
+        if me == 1:
+            received = transport.transfer(
+                sends=[
+                    ("backward", 0, [torch.full((2,), 1.0 + step)]),
+                    ("backward", 2, [torch.ones(3), torch.ones(1)]),
+                ],
+                receives=[("forward", 0), ("forward", 2)],
+            )
+            got.append([x.tolist() if isinstance(x, torch.Tensor) else [t.tolist() for t in x] for x in received])
+        else:
+            obj = torch.full((2,), 10.0 * me + step) if me == 0 else [torch.full((1,), 1.0 * step), torch.zeros(2)]
+            (grads,) = transport.transfer(sends=[("forward", 1, obj)], receives=[("backward", 1)])
+            got.append([g.tolist() for g in grads])
+    return got, transport.handshakes_received, transport.handshakes_sent
+
+
+@pytest.mark.distributed
+def test_a_stage_talks_to_both_neighbours_on_one_channel_with_a_cache_per_peer():
+    results = run_distributed(_both_neighbours_on_one_channel, 3, timeout_seconds=60)
+    middle, handshakes, sent = results[1]
+    assert middle == [
+        [[0.0, 0.0], [[0.0], [0.0, 0.0]]],
+        [[1.0, 1.0], [[1.0], [0.0, 0.0]]],
+        [[2.0, 2.0], [[2.0], [0.0, 0.0]]],
+    ]
+    assert (handshakes, sent) == (2, 2)  # one per peer, in the first round only
+    assert results[0] == ([[[1.0, 1.0]], [[2.0, 2.0]], [[3.0, 3.0]]], 1, 1)
+    assert results[2] == ([[[1.0, 1.0, 1.0], [1.0]]] * 3, 1, 1)
+
+
 def _two_stage_pipeline():
     """1F1B over two stages with the batched calls; grads match one process."""
     topo = make_topology(pipe_parallel_size=2)

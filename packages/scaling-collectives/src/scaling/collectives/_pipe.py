@@ -14,8 +14,9 @@ Every message is one frame, plus a second transfer only when its metadata change
 
 Each step posts all of a call's sends and receives together (through
 ``torch.distributed.batch_isend_irecv``; on gloo, which does not coalesce, straight to
-the process group, which is what it does there) in a fixed order (send forward, receive
-forward, send backward, receive backward), so two stages that send to each other
+the process group, which is what it does there) in a fixed order (the sends, forward then
+backward, then the receives, forward then backward; ``transfer`` names each op's peer and
+keeps the caller's order), so two stages that send to each other
 (``send_forward_recv_backward`` on one side, ``send_backward_recv_forward`` on the
 other; both directions of a two-stage ring) make progress in lockstep instead of
 deadlocking, and transfers between the same two ranks pair up in order.
@@ -214,7 +215,7 @@ class PipeTransport:
         Returns:
             ``(received forward pytree or None, received gradients or None)``.
         """
-        # One frame per message, posted in the fixed order send fwd, recv fwd, send bwd, recv bwd.
+        # One frame per message: the sends (forward, backward), then the receives (forward, backward).
         sends: list[tuple[str, int, PyTree]] = []
         receives: list[tuple[str, int]] = []
         if send_forward is not _NO_SEND:

@@ -15,9 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-#: Where each stage's chunks sit in the model (:func:`virtual_stage`).
-PLACEMENTS = ("loop", "v")
-
 
 def virtual_stage(stage: int, chunk: int, num_stages: int, placement: str = "loop") -> int:
     """Position in the model of local ``chunk`` of ``stage``: ``chunk * p + stage`` under ``"loop"``;

@@ -104,18 +104,16 @@ def lower(
         nxt = stage_of(vs + 1, num_stages, placement)[0] if vs < last_vs else stage
         if isinstance(ins, Forward):
             if prev != stage:
-                # Receive before any weight-gradient passes that directly follow a send,
-                # so the send + RecvActivation pair stays adjacent (ZB-H1, ZB-V).
+                # Receive before any weight-gradient passes that directly follow a
+                # SendGrad, so the SendGrad + RecvActivation pair stays adjacent (ZB-H1).
                 at = len(out)
                 while at > 0 and isinstance(out[at - 1], BackwardWeight):
                     at -= 1
-                before = out[at - 1] if at > 0 else None
-                pairs = isinstance(before, SendGrad) or (isinstance(before, SendActivation) and before.peer == prev)
-                if at == len(out) or pairs:
+                if at == len(out) or (at > 0 and isinstance(out[at - 1], SendGrad)):
                     out.insert(at, RecvActivation(mb, chunk, prev))
                 else:
                     out.append(RecvActivation(mb, chunk, prev))
-            # Loading after the receive keeps a send + RecvActivation pair adjacent.
+            # Loading after the receive keeps a SendGrad + RecvActivation pair adjacent.
             if (vs == 0 or vs == last_vs) and mb not in loaded:
                 loaded.add(mb)
                 out.append(LoadMicroBatch(mb))

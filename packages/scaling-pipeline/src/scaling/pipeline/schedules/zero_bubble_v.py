@@ -87,7 +87,7 @@ def _timed_orders(num_stages: int, num_micro_batches: int) -> Timed:
     (unit costs), the times :func:`lower_timed` places the messages by."""
     p = num_stages
     orders = [_order(p, num_micro_batches, s) for s in range(p)]
-    done: dict[tuple[str, int, int], int] = {}  # (kind, virtual stage, mb) -> end time
+    done: dict[tuple[type, int, int], int] = {}  # (instruction type, virtual stage, mb) -> end time
     position, clock = [0] * p, [0] * p
     timed: list[list[tuple[int, Instruction]]] = [[] for _ in range(p)]
     progressed = True
@@ -98,19 +98,17 @@ def _timed_orders(num_stages: int, num_micro_batches: int) -> Timed:
                 ins = orders[s][position[s]]
                 mb, vs = ins.micro_batch, virtual_stage(s, ins.chunk, p, "v")  # type: ignore[attr-defined]
                 if isinstance(ins, Forward):
-                    ready = 0 if vs == 0 else done.get(("F", vs - 1, mb))
+                    ready = 0 if vs == 0 else done.get((Forward, vs - 1, mb))
                 elif isinstance(ins, BackwardInput):
-                    ready = done.get(("F", vs, mb)) if vs == 2 * p - 1 else done.get(("I", vs + 1, mb))
+                    ready = done.get((Forward, vs, mb) if vs == 2 * p - 1 else (BackwardInput, vs + 1, mb))
                 else:
-                    ready = done.get(("I", vs, mb))
+                    ready = done.get((BackwardInput, vs, mb))
                 if ready is None:
                     break
                 start = max(clock[s], ready)
                 timed[s].append((start, ins))
                 clock[s] = start + 1
-                done[("F" if isinstance(ins, Forward) else "I" if isinstance(ins, BackwardInput) else "W", vs, mb)] = (
-                    start + 1
-                )
+                done[(type(ins), vs, mb)] = start + 1
                 position[s] += 1
                 progressed = True
     assert all(position[s] == len(orders[s]) for s in range(p)), f"ZB-V order stuck at {position}"
