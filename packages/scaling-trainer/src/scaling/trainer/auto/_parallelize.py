@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from scaling.collectives import all_reduce
+from scaling.collectives import all_gather, all_reduce
 from scaling.nn import CompileConfig, Float8Config, ParameterMeta, compile_layers, enable_float8, get_parameter_meta
-from scaling.topology import Topology, TopologyConfig
+from scaling.topology import Topology, TopologyConfig, zigzag_indices
 from scaling.trainer._placement import on_device
 from scaling.trainer.auto._context import enable as enable_context_parallel
 from scaling.trainer.auto._context import sliced
@@ -88,6 +88,65 @@ class ParallelModel(torch.nn.Module):
         if cp.size == 1:
             return share.detach()
         return all_reduce(share.detach().float().clone(), cp.group).div_(cp.size).to(share.dtype)
+
+    @torch.no_grad()
+    def logits(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The whole batch's logits ``[b, s, vocab]`` on every rank of this model's pipe and
+        context-parallel groups, under any plan (a ``transformers`` causal LM's ``output.logits``;
+        collective: every rank of those groups calls it with the same batch).
+
+        Under tensor parallelism the LM head's output is gathered already; under pipeline
+        parallelism the forward-only schedule runs and the last stage's logits are broadcast to
+        the others; under context parallelism each rank computes its zigzag slice of every
+        sequence and the slices are gathered back into sequence order (the sequence must divide
+        by ``2 * cp``; no padding mask). The model runs in the mode it is in: call
+        ``model.eval()`` first for dropout-free logits.
+
+        Example::
+
+            model.eval()
+            logits = model.logits({"input_ids": ids})  # [b, s, vocab], the same on every rank
+        """
+        batch = {k: v.to(self.topology.device) for k, v in batch.items()}
+        cp = self.topology.axis("cp")
+        if cp.size > 1 and "labels" not in batch:  # the CP slicing shifts labels; any will do here
+            batch = {**batch, "labels": batch["input_ids"]}
+        if self.pipeline is not None:
+            local = self.pipeline.logits(batch)
+        elif cp.size > 1:
+            with sliced(batch, self.topology, self.plan.context_parallel_method) as kwargs:
+                local = self.module(**kwargs).logits
+        else:
+            local = self.module(**batch).logits
+        if cp.size == 1:
+            return local
+        # Every CP rank's slice, back into sequence order (scaling.topology.zigzag_indices).
+        gathered = all_gather(local.contiguous(), cp.group, dim=1)
+        seq = gathered.shape[1]
+        order = torch.cat([zigzag_indices(seq, r, cp.size, local.device) for r in range(cp.size)])
+        return torch.empty_like(gathered).index_copy_(1, order, gathered)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy decoding of ``max_new_tokens`` tokens after ``input_ids`` ``[b, s]`` under any plan:
+        each step the next token is the argmax of :meth:`logits` at the last position, the same on
+        every rank (collective, as :meth:`logits`). The prefix is recomputed each step (no key/value
+        cache) and no stop token ends it early; under context parallelism the sequence is padded on
+        the right to a multiple of ``2 * cp``, which a causal model's earlier positions never see.
+        Without pipeline or context parallelism ``model.module.generate(...)`` (``transformers``'
+        own, with its cache and options) runs too.
+
+        Returns:
+            ``[b, s + max_new_tokens]`` token ids on this rank's device.
+        """
+        ids = input_ids.to(self.topology.device)
+        multiple = 2 * self.topology.axis("cp").size if self.topology.axis("cp").size > 1 else 1
+        for _ in range(max_new_tokens):
+            length = ids.shape[1]
+            padded = torch.nn.functional.pad(ids, (0, -length % multiple))
+            step = self.logits({"input_ids": padded})[:, length - 1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, step], dim=1)
+        return ids
 
     def global_loss(self, loss: torch.Tensor) -> float:
         """The mean of ``loss`` over the data-parallel (× context-parallel) ranks: the loss one device would log.

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, overload
 
 import torch
 
-from scaling.collectives import PyTree, broadcast
+from scaling.collectives import PyTree, broadcast, broadcast_pytree
 from scaling.pipeline import (
     StageExecutor,
     StageTransports,
@@ -236,7 +236,7 @@ class PipelineStage:
                 f"pipeline_parallel.num_micro_batches={n} does not divide the batch sizes {sizes}; "
                 "make the per-DP-rank batch a multiple of it"
             )
-        micro = [{k: (v.chunk(n)[i] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()} for i in range(n)]
+        micro = _split(batch, n)
         if forward_only:
             with torch.no_grad():
                 transport = self.transports.get(False)
@@ -248,9 +248,38 @@ class PipelineStage:
             # The update and the tied-weight sum belong to optimizer.step(), so several calls
             # before one step accumulate gradients exactly as on one device.
             outputs = executor.run(SCHEDULE_FNS[self.schedule_name](self.num_stages, n, self.stage))
+        return self._broadcast_loss(outputs.losses, n)
+
+    def logits(self, batch: Mapping[str, object]) -> torch.Tensor:
+        """The logits of ``batch`` (this CP rank's slice of each sequence under context parallelism)
+        on every stage: the forward-only schedule, the last stage's ``output.logits`` broadcast.
+
+        The batch goes as the plan's micro-batches where they divide it, else as one.
+        """
+        n = self.plan.num_micro_batches
+        sizes = {v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor)}
+        n = n if all(size % n == 0 for size in sizes) else 1
+        micro = _split(batch, n)
+        captured: list[torch.Tensor] = []
+
+        def capture(output: PyTree, _targets: PyTree) -> tuple[torch.Tensor, Metrics]:
+            captured.append(output.logits)  # the forward-only schedule runs the micro-batches in order
+            return torch.zeros((), device=self.topology.device), {}
+
+        with torch.no_grad():
+            executor = StageExecutor(self, micro, capture, self.transports.get(False))
+            executor.run(forward_only_schedule(self.num_stages, n, self.stage))
+        last = self.stage == self.num_stages - 1
+        pp = self.topology.axis("pp")
+        logits = broadcast_pytree(torch.cat(captured) if last else None, pp.ranks[-1], pp.group)
+        assert logits is not None  # the last stage's, on every stage
+        return logits
+
+    def _broadcast_loss(self, losses: Mapping[int, torch.Tensor], n: int) -> torch.Tensor:
+        """The mean of the last stage's micro-batch ``losses``, on every stage."""
         loss = torch.zeros((), dtype=torch.float32, device=self.topology.device)
         if self.stage == self.num_stages - 1:
-            loss += torch.stack([outputs.losses[i].float() for i in range(n)]).mean()
+            loss += torch.stack([losses[i].float() for i in range(n)]).mean()
         topo = self.topology
         broadcast(
             loss,
@@ -258,6 +287,11 @@ class PipelineStage:
             topo.axis("pp").group,
         )
         return loss
+
+
+def _split(batch: Mapping[str, object], n: int) -> list[dict[str, object]]:
+    """``n`` micro-batches of ``batch``: its tensors chunked along the batch dimension, the rest shared."""
+    return [{k: (v.chunk(n)[i] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()} for i in range(n)]
 
 
 def _loss_of(output: PyTree, _targets: PyTree) -> tuple[torch.Tensor, Metrics]:
