@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
-from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -29,46 +30,9 @@ from scaling.nn import BaseLayer, LayerSpec
 from scaling.pipeline import SCHEDULES, ParallelModule, simulate_schedule
 from scaling.testing import make_topology, run_distributed
 
-WIDTH, BATCH = 32, 4
-_BUSY = [0.0]  # seconds this rank spent in the fixed-cost sleeps since the last reset
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for pipeline_bubble
 
-
-def _sleep(seconds: float) -> None:
-    start = time.perf_counter()
-    time.sleep(seconds)
-    _BUSY[0] += time.perf_counter() - start
-
-
-class _Sleep(torch.autograd.Function):
-    """Identity; sleeps ``forward_s`` in the forward and ``backward_s`` in the backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.backward_s = backward_s
-        _sleep(forward_s)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        _sleep(ctx.backward_s)
-        return grad, None, None
-
-
-@dataclass
-class IO:
-    x: torch.Tensor
-
-
-@dataclass
-class Batch:
-    x: torch.Tensor
-    y: torch.Tensor
-
-    def only_inputs(self) -> IO:
-        return IO(self.x)
-
-    def only_targets(self) -> Batch:
-        return self
+from pipeline_bubble import _BUSY, IO, WIDTH, Batch, _Sleep  # the same fixed-cost pieces  # noqa: E402
 
 
 class Layer(BaseLayer[IO, IO]):
@@ -108,7 +72,7 @@ def worker(stages: int, schedules: list[str], ms: list[int], seconds: float, rep
     results: dict = {}
     for m in ms:
         torch.manual_seed(m)
-        batches = [Batch(torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)) for _ in range(m)]
+        batches = [Batch(torch.randn(4, WIDTH), torch.randn(4, WIDTH)) for _ in range(m)]
 
         for module in modules.values():
             _step(module, batches)  # warm-up: handshakes, allocations
