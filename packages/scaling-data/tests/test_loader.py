@@ -160,6 +160,11 @@ def test_middle_pipeline_stages_read_nothing():
         assert (batches == [None, None]) == (rank == 1)
     assert [loaders[r].dataset.reads for r in range(3)] == [8, 0, 8]
     assert {loaders[r].state_dict()["consumed_samples"] for r in range(3)} == {8}
+    # Under ZB-V the loss is on stage 0 too: the last stage reads nothing either.
+    v_shape = [DataLoader(CountingDataset(40), seed=3, topology=Topology(cfg, global_rank=r), reading_stages=(0,))
+               for r in range(3)]  # fmt: skip
+    assert [loader.next_step() == [None, None] for loader in v_shape] == [False, True, True]
+    assert [loader.dataset.reads for loader in v_shape] == [4, 0, 0]
 
 
 def test_sampler_matches_global_order():

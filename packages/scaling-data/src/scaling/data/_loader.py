@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING, Any, Generic
 
 import torch
@@ -48,8 +48,11 @@ class DataLoader(Generic[BatchT]):
         read_on_model_parallel_rank_zero_only: with a topology and TP > 1, only TP rank 0
             reads data; the other TP ranks get ``None`` for every micro-batch and receive
             the batch through ``dataset.sync_batch_to_model_parallel``. With a topology, the
-            middle pipeline stages (neither first nor last) read nothing either: ``None``
-            for every micro-batch, the stream position advancing as on every rank.
+            pipeline stages not in ``reading_stages`` read nothing either: ``None`` for every
+            micro-batch, the stream position advancing as on every rank.
+        reading_stages: the pipeline stages that read batches (the first one feeds the model,
+            the one that computes the loss takes the targets); default: the first and the last.
+            Under ZB-V's V placement the loss is on the first stage: ``(0,)``.
 
     Example::
 
@@ -78,6 +81,7 @@ class DataLoader(Generic[BatchT]):
         prefetch_factor: int | None = None,
         persistent_workers: bool = False,
         read_on_model_parallel_rank_zero_only: bool = True,
+        reading_stages: Collection[int] | None = None,
     ) -> None:
         explicit = dict(zip(_BATCH_ARGS, (global_batch_size, micro_batch_size, data_parallel_rank, data_parallel_size)))
         if topology is not None:
@@ -116,8 +120,9 @@ class DataLoader(Generic[BatchT]):
         # A middle pipeline stage never reads a batch (its input is the previous stage's
         # activations); neither does a TP rank other than 0 when TP rank 0 broadcasts.
         tp, pp = (None, None) if topology is None else (topology.axis("tp"), topology.axis("pp"))
+        readers = {0, pp.size - 1} if pp is not None and reading_stages is None else set(reading_stages or ())
         self._skip_reading = (tp is not None and read_on_model_parallel_rank_zero_only and tp.rank != 0) or (
-            pp is not None and not (pp.is_first or pp.is_last)
+            pp is not None and pp.rank not in readers
         )
         self._reset(seed, consumed_samples)
 
