@@ -119,6 +119,18 @@ def test_zb_v_idles_only_while_the_pipeline_fills_and_holds_1f1b_s_memory(p: int
         assert r.makespan - 6 * m == (one_f_one_b.makespan - 6 * m) / 6
 
 
+def test_a_message_latency_lengthens_the_step_by_what_it_adds_to_the_critical_path() -> None:
+    # 1F1B at p = 2, m = 1: F0, send, F1 (loss), B1, send, B0: two messages on the path.
+    plain = simulate_schedule(one_f_one_b_schedule, 2, 1)
+    slow = simulate_schedule(one_f_one_b_schedule, 2, 1, costs={"forward": 1.0, "backward": 2.0, "transfer": 0.25})
+    assert slow.makespan == plain.makespan + 2 * 0.25 and slow.busy == plain.busy
+    for semantics in ("rendezvous", "buffered"):  # ZB-V's plan has no slack: every hand-off lands on the path
+        unit = {"forward": 1.0, "backward_input": 1.0, "backward_weight": 1.0}
+        base = simulate_schedule(zb_v_schedule, 4, 8, costs=unit, send_semantics=semantics)
+        late = simulate_schedule(zb_v_schedule, 4, 8, costs={**unit, "transfer": 0.1}, send_semantics=semantics)
+        assert late.makespan > base.makespan
+
+
 @pytest.mark.parametrize("p", STAGES)
 def test_zb_v_runs_any_micro_batch_count_without_deadlock(p: int) -> None:
     for m in MICRO_BATCHES:

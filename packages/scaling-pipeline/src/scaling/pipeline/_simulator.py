@@ -6,7 +6,8 @@ send completes only when the peer posts the matching receive; the send and recei
 between two stages pair up in order, so every receive must expect exactly the message
 its peer sends next: a schedule whose receive order differs from the send order would
 hand one micro-batch's tensor to another and is rejected. Compute
-takes the given cost; messages are free (time only moves with compute and waiting).
+takes the given cost; a message takes the ``transfer`` cost (0 by default: free, so time
+only moves with compute and waiting).
 """
 
 from __future__ import annotations
@@ -34,7 +35,13 @@ from scaling.pipeline._instructions import (
 from scaling.pipeline._render import render_program_grid, render_timeline, save_timeline_png
 from scaling.pipeline.schedules._common import accepts_old_keyword, placement_of
 
-DEFAULT_COSTS: Mapping[str, float] = {"forward": 1.0, "backward": 2.0, "backward_input": 1.0, "backward_weight": 1.0}
+DEFAULT_COSTS: Mapping[str, float] = {
+    "forward": 1.0,
+    "backward": 2.0,
+    "backward_input": 1.0,
+    "backward_weight": 1.0,
+    "transfer": 0.0,
+}
 _COST_KEY: dict[type[Instruction], str] = {
     Forward: "forward",
     Backward: "backward",
@@ -105,7 +112,9 @@ def simulate(
     Args:
         programs: one instruction list per stage.
         costs: compute cost per kind (``forward``, ``backward``, ``backward_input``,
-            ``backward_weight``); defaults to :data:`DEFAULT_COSTS`.
+            ``backward_weight``) and ``transfer``, the time a message takes from its send to
+            its receive (its latency; 0 by default: messages are free); defaults to
+            :data:`DEFAULT_COSTS`.
         send_semantics: ``"rendezvous"`` (default; what gloo and NCCL do): a send
             completes only when the peer posts the matching receive, and a send directly
             sends and receives of an :class:`Exchange` are posted together, as the executor
@@ -213,7 +222,7 @@ def simulate(
                     linked = component(s)
                     if linked is None:
                         break  # blocked until every linked exchange has met its partners
-                    finish = max(post_time[o] for o in linked)
+                    finish = max(post_time[o] for o in linked) + cost["transfer"]
                     for o in linked:  # the linked exchanges finish together
                         group = posted[o]
                         assert group is not None
@@ -237,7 +246,7 @@ def simulate(
                     if label != expected:
                         fail(f"stage {s}: {ins!r} expects {expected} but the next message is {label}")
                     queue.popleft()
-                    clock[s] = max(clock[s], sent_at)
+                    clock[s] = max(clock[s], sent_at + cost["transfer"])
                     have[s].add(("act" if isinstance(ins, RecvActivation) else "grad", ins.micro_batch, ins.chunk))
                 elif isinstance(ins, LoadMicroBatch):
                     have[s].add(("load", ins.micro_batch, 0))
