@@ -131,10 +131,57 @@ def lower(
     return out
 
 
+#: Unit costs the timed lowering plans with: a backward is an input pass and a weight pass.
+PLAN_COSTS: dict[type[Instruction], int] = {Forward: 1, Backward: 2, BackwardInput: 1, BackwardWeight: 1}
+
+
+def timed_orders(
+    orders: Sequence[Sequence[Instruction]], num_stages: int, num_virtual: int, placement: str
+) -> list[list[tuple[int, int, Instruction]]]:
+    """Each stage's compute order with ``(start, end)`` times: every compute as early as its stage
+    and its input allow (:data:`PLAN_COSTS`), what :func:`lower_timed` places the messages by.
+
+    Raises:
+        AssertionError: the orders wait for each other (a compute whose input never comes).
+    """
+    p, last_vs = num_stages, num_stages * num_virtual - 1
+    # (forward?, virtual stage, mb) -> end time: a forward's output, a backward's input gradient.
+    done: dict[tuple[bool, int, int], int] = {}
+    weights_ready: dict[tuple[int, int], int] = {}  # (virtual stage, mb) -> its input pass's end
+    position, clock = [0] * p, [0] * p
+    timed: list[list[tuple[int, int, Instruction]]] = [[] for _ in range(p)]
+    progressed = True
+    while progressed:
+        progressed = False
+        for s in range(p):
+            while position[s] < len(orders[s]):
+                ins = orders[s][position[s]]
+                mb, vs = ins.micro_batch, virtual_stage(s, ins.chunk, p, placement)  # type: ignore[attr-defined]
+                if isinstance(ins, Forward):
+                    ready = 0 if vs == 0 else done.get((True, vs - 1, mb))
+                elif isinstance(ins, BackwardWeight):
+                    ready = weights_ready.get((vs, mb))
+                else:  # the loss's gradient on the last virtual stage, else the next one's input gradient
+                    ready = done.get((True, vs, mb)) if vs == last_vs else done.get((False, vs + 1, mb))
+                if ready is None:
+                    break
+                start = max(clock[s], ready)
+                clock[s] = end = start + PLAN_COSTS[type(ins)]
+                timed[s].append((start, end, ins))
+                if isinstance(ins, Forward):
+                    done[(True, vs, mb)] = end
+                elif isinstance(ins, (Backward, BackwardInput)):
+                    done[(False, vs, mb)] = weights_ready[(vs, mb)] = end
+                position[s] += 1
+                progressed = True
+    assert all(position[s] == len(orders[s]) for s in range(p)), f"compute orders stuck at {position}"
+    return timed
+
+
 def lower_timed(
-    timed: Sequence[Sequence[tuple[int, Instruction]]], num_stages: int, num_virtual: int, placement: str
+    timed: Sequence[Sequence[tuple[int, int, Instruction]]], num_stages: int, num_virtual: int, placement: str
 ) -> list[list[Instruction]]:
-    """Lower every stage's compute, given with its start times (unit costs), into programs.
+    """Lower every stage's compute, given with its start and end times, into programs.
 
     A message is sent when the compute producing it ends and received by its peer at that
     same time, before anything the peer starts then: so between two stages the receives
@@ -144,8 +191,8 @@ def lower_timed(
     peer first, so that :func:`fuse_exchanges` can pair mirrored transfers.
 
     Args:
-        timed: per stage, ``(start, compute instruction)`` in run order; the compute that
-            reads a message starts no earlier than the one producing it ends (``start + 1``).
+        timed: per stage, ``(start, end, compute instruction)`` in run order; the compute that
+            reads a message starts no earlier than the one producing it ends.
         num_stages: pipeline stages ``p``.
         num_virtual: chunks per stage ``v``.
         placement: ``"loop"`` or ``"v"`` (:func:`virtual_stage`).
@@ -155,7 +202,7 @@ def lower_timed(
     items: list[list[tuple[tuple[int, int, int], Instruction]]] = [[] for _ in range(p)]
     loaded: list[set[int]] = [set() for _ in range(p)]
     for s in range(p):
-        for start, ins in timed[s]:
+        for start, end, ins in timed[s]:
             mb, chunk = ins.micro_batch, ins.chunk  # type: ignore[attr-defined]
             vs = virtual_stage(s, chunk, p, placement)
             if isinstance(ins, Forward) and vs in (0, last_vs) and mb not in loaded[s]:
@@ -171,8 +218,8 @@ def lower_timed(
             else:
                 continue
             if peer != s:
-                items[s].append(((start + 1, 0, 0), send))
-                items[peer].append(((start + 1, 1, s), recv))
+                items[s].append(((end, 0, 0), send))
+                items[peer].append(((end, 1, s), recv))
     programs = []
     for s in range(p):
         sent_to = {time: ins.peer for (time, _, _), ins in items[s] if isinstance(ins, _SENDS)}

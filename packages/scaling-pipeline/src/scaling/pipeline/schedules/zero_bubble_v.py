@@ -31,10 +31,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from scaling.pipeline._instructions import BackwardInput, BackwardWeight, Forward, Instruction, virtual_stage
-from scaling.pipeline.schedules._common import accepts_old_keyword, build, check_arguments
+from scaling.pipeline._instructions import BackwardInput, BackwardWeight, Forward, Instruction
+from scaling.pipeline.schedules._common import accepts_old_keyword, build, check_arguments, timed_orders
 
-Timed = tuple[tuple[tuple[int, Instruction], ...], ...]
+Timed = tuple[tuple[tuple[int, int, Instruction], ...], ...]
 
 
 def _order(p: int, m: int, s: int) -> list[Instruction]:
@@ -82,37 +82,9 @@ def _order(p: int, m: int, s: int) -> list[Instruction]:
 
 
 @lru_cache(maxsize=256)
-def _timed_orders(num_stages: int, num_micro_batches: int) -> Timed:
-    """Per stage, ``(start, instruction)``: each compute as early as its stage and its input allow
-    (unit costs), the times :func:`lower_timed` places the messages by."""
-    p = num_stages
-    orders = [_order(p, num_micro_batches, s) for s in range(p)]
-    done: dict[tuple[type, int, int], int] = {}  # (instruction type, virtual stage, mb) -> end time
-    position, clock = [0] * p, [0] * p
-    timed: list[list[tuple[int, Instruction]]] = [[] for _ in range(p)]
-    progressed = True
-    while progressed:
-        progressed = False
-        for s in range(p):
-            while position[s] < len(orders[s]):
-                ins = orders[s][position[s]]
-                mb, vs = ins.micro_batch, virtual_stage(s, ins.chunk, p, "v")  # type: ignore[attr-defined]
-                if isinstance(ins, Forward):
-                    ready = 0 if vs == 0 else done.get((Forward, vs - 1, mb))
-                elif isinstance(ins, BackwardInput):
-                    ready = done.get((Forward, vs, mb) if vs == 2 * p - 1 else (BackwardInput, vs + 1, mb))
-                else:
-                    ready = done.get((BackwardInput, vs, mb))
-                if ready is None:
-                    break
-                start = max(clock[s], ready)
-                timed[s].append((start, ins))
-                clock[s] = start + 1
-                done[(type(ins), vs, mb)] = start + 1
-                position[s] += 1
-                progressed = True
-    assert all(position[s] == len(orders[s]) for s in range(p)), f"ZB-V order stuck at {position}"
-    return tuple(tuple(t) for t in timed)
+def _timed(num_stages: int, num_micro_batches: int) -> Timed:
+    orders = [_order(num_stages, num_micro_batches, s) for s in range(num_stages)]
+    return tuple(tuple(t) for t in timed_orders(orders, num_stages, 2, "v"))
 
 
 @accepts_old_keyword
@@ -139,7 +111,7 @@ def zb_v_schedule(num_stages: int, num_micro_batches: int, stage: int, num_virtu
     check_arguments(num_stages, num_micro_batches, stage, num_virtual)
     if num_virtual != 2:
         raise ValueError(f"zb_v: num_virtual_stages={num_virtual}; ZB-V runs exactly 2 chunks per stage")
-    timed = _timed_orders(num_stages, num_micro_batches)
+    timed = _timed(num_stages, num_micro_batches)
     return build(
         lambda s: timed[s], num_stages, stage, 2, cache_key=("zb_v", num_micro_batches), timed=True, placement="v"
     )
