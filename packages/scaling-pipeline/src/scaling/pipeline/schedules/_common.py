@@ -145,9 +145,8 @@ def timed_orders(
         AssertionError: the orders wait for each other (a compute whose input never comes).
     """
     p, last_vs = num_stages, num_stages * num_virtual - 1
-    # (forward?, virtual stage, mb) -> end time: a forward's output, a backward's input gradient.
+    # (forward?, virtual stage, mb) -> end time: a forward's output, an input pass's gradient.
     done: dict[tuple[bool, int, int], int] = {}
-    weights_ready: dict[tuple[int, int], int] = {}  # (virtual stage, mb) -> its input pass's end
     position, clock = [0] * p, [0] * p
     timed: list[list[tuple[int, int, Instruction]]] = [[] for _ in range(p)]
     progressed = True
@@ -159,8 +158,8 @@ def timed_orders(
                 mb, vs = ins.micro_batch, virtual_stage(s, ins.chunk, p, placement)  # type: ignore[attr-defined]
                 if isinstance(ins, Forward):
                     ready = 0 if vs == 0 else done.get((True, vs - 1, mb))
-                elif isinstance(ins, BackwardWeight):
-                    ready = weights_ready.get((vs, mb))
+                elif isinstance(ins, BackwardWeight):  # after its input pass
+                    ready = done.get((False, vs, mb))
                 else:  # the loss's gradient on the last virtual stage, else the next one's input gradient
                     ready = done.get((True, vs, mb)) if vs == last_vs else done.get((False, vs + 1, mb))
                 if ready is None:
@@ -171,7 +170,7 @@ def timed_orders(
                 if isinstance(ins, Forward):
                     done[(True, vs, mb)] = end
                 elif isinstance(ins, (Backward, BackwardInput)):
-                    done[(False, vs, mb)] = weights_ready[(vs, mb)] = end
+                    done[(False, vs, mb)] = end
                 position[s] += 1
                 progressed = True
     assert all(position[s] == len(orders[s]) for s in range(p)), f"compute orders stuck at {position}"
