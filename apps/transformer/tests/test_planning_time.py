@@ -52,7 +52,9 @@ CPU = MachineProfile(
 
 def _config(corpus: Any = "unused", arch: dict[str, Any] | None = None, **sections: Any) -> TransformerConfig:
     cfg = tiny_config(corpus, **sections)
-    cfg["transformer_architecture"].update(hidden_size=64, num_layers=4, max_sequence_length=64, **(arch or {}))
+    cfg["transformer_architecture"].update(
+        {"hidden_size": 64, "num_layers": 4, "max_sequence_length": 64, **(arch or {})}
+    )
     cfg["data"]["sequence_length"] = 64
     dp = sections.get("dp", 1)
     cfg["topology"].update(micro_batch_size=2, global_batch_size=8 * dp)
@@ -196,15 +198,19 @@ def test_the_memory_command_predicts_the_step_time_on_a_named_machine(tmp_path, 
 
 
 def test_plans_are_ranked_by_predicted_tokens_per_second_and_refused_with_their_reasons():
-    config = _config(dp=4)
+    config = _config(arch={"num_layers": 6}, dp=4)  # 8 pipeline layers: two equal chunks per stage at pp2
     rows = rank_plans(config, GPU, 4)
     ranked = [r for r in rows if r.refused is None]
     speeds = [r.step.tokens_per_second_per_device for r in ranked]  # type: ignore[union-attr]
     assert speeds == sorted(speeds, reverse=True) and len(ranked) > 10
     best = ranked[0]
-    again = _with_layout(config, best.tp, best.pp, best.cp, best.dp, best.zero_stage, best.activation_checkpointing)
+    again = _with_layout(config, best.candidate)
     assert best.step == step_time(again, GPU)
     assert best.peak == max(peak_memory(again, s, "cuda").peak for s in range(best.pp))
+    # With pipeline stages every schedule of the search is tried and predicted as its own config would be.
+    assert {r.schedule for r in rows if r.pp > 1} == {"1f1b", "zb_h1", "zb_v", "interleaved_1f1b"}
+    v_shaped = next(r for r in ranked if r.schedule == "zb_v")
+    assert v_shaped.step == step_time(_with_layout(config, v_shaped.candidate), GPU)
     refused = {r.refused for r in rows if r.refused is not None}
     assert any(reason.startswith("optimizer.zero_stage=3 with topology.pipe_parallel_size > 1") for reason in refused)
     assert any("num_kv_heads" in reason or "divisible" in reason for reason in refused)  # tp4 with 2 KV heads
@@ -225,9 +231,12 @@ def test_the_plan_command_prints_the_ranked_table_and_exits_1_when_nothing_fits(
     path.write_text(yaml.safe_dump(_llama3_8b_fsdp8()))
     assert main(["plan", str(path), "--machine", "h100-sxm-node", "--devices", "8", "--device-memory", "80"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("52 of 120 layouts of 8 devices on h100-sxm-node, 80 GiB each, fastest first")
+    assert lines[0].startswith("69 of 300 layouts of 8 devices on h100-sxm-node, 80 GiB each, fastest first")
     assert lines[2].split()[:6] == ["1", "tp2", "pp1", "cp2", "dp2", "ZeRO-1"]
-    assert lines[-3].startswith("refused (30): optimizer.zero_stage=3 with topology.pipe_parallel_size > 1")
-    assert "refused (22): does not fit the device's memory" in lines
+    refusals = [line for line in lines if line.startswith("refused (")]
+    assert refusals[0].startswith("refused (60): optimizer.zero_stage=3 with topology.pipe_parallel_size > 1")
+    assert "refused (31): does not fit the device's memory" in lines
+    # 34 pipeline layers: no two equal chunks per stage at pp 2, 4 or 8, so ZB-V and interleaving are refused.
+    assert any("do not split into topology.pipe_parallel_size=2 x 2 chunks" in r and "'zb_v'" in r for r in refusals)
     assert main(["plan", str(path), "--machine", "h100-sxm-node", "--devices", "8", "--device-memory", "1"]) == 1
-    assert capsys.readouterr().out.startswith("0 of 120 layouts")
+    assert capsys.readouterr().out.startswith("0 of 300 layouts")
