@@ -33,13 +33,13 @@ its receives are done, and :meth:`PipeTransport.wait_sends` (the end of a pipeli
 waits for the rest. Every frame is a fresh buffer (with ``static_shapes``, a
 single-tensor message may be the tensor itself: leave it unmodified until then);
 a send that never completes is diagnosed (its peer named) when it is waited on. The
-frames themselves (header, payload layout, the cached per-channel ``Layout``) are in
-``_frames.py``.
+frames themselves (header, payload layout, the cached ``Layout``) are in ``_frames.py``, and
+the handshake cache that builds and reads them per channel and peer in ``_handshake.py``:
+``PipeTransport`` names the peers, posts the transfers and waits.
 """
 
 from __future__ import annotations
 
-import pickle
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -48,21 +48,11 @@ import torch
 import torch.distributed as dist
 
 from scaling.collectives import _p2p_diagnosis, _pytree
-from scaling.collectives._frames import (
-    FRAMED,
-    HEADER,
-    PAYLOAD_ONLY,
-    TYPED,
-    Buffer,
-    Layout,
-    empty_buffer,
-    header,
-    read_header,
-)
+from scaling.collectives._handshake import BACKWARD as _BACKWARD
+from scaling.collectives._handshake import FORWARD as _FORWARD
+from scaling.collectives._handshake import Handshake, HandshakeCache, Op
 from scaling.collectives._pytree import PyTree
 from scaling.collectives._recorder import CollectiveRecord, get_recorder
-
-_FORWARD, _BACKWARD = "forward", "backward"
 
 
 class _NoSend:
@@ -142,17 +132,12 @@ class PipeTransport:
         self.group = group
         self.ring = ring
         self.static_shapes = bool(static_shapes)
-        # Last metadata sent / received per (channel, peer): the handshake cache.
-        self._empty = Layout(None, self.device)
-        self._sent: dict[tuple[str, int], Layout] = {}
-        self._received: dict[tuple[str, int], Layout] = {}
+        self._handshakes = HandshakeCache(self.device, self.static_shapes)
         self._in_flight: list[
             tuple[dist.Work, CollectiveRecord]
         ] = []  # (work, record) of unfinished sends, oldest first
         self._resolved_group: tuple[dist.ProcessGroup, bool] | None = None
         self._group_ranks: dict[int, int] = {}  # global rank -> rank in the group
-        self.handshakes_sent = 0
-        self.handshakes_received = 0
 
     def __repr__(self) -> str:
         extra = (", ring=True" if self.ring else "") + (", static_shapes=True" if self.static_shapes else "")
@@ -253,24 +238,32 @@ class PipeTransport:
             The received pytrees, in the order of ``receives`` (a forward one's tensors that
             required grad arrive as grad leaves; a backward one is a list).
         """
-        ops: list[tuple[str, torch.Tensor, int]] = []
-        handshakes: list[_Handshake] = []
-        incoming: list[_Incoming] = []
+        cache = self._handshakes
+        ops: list[Op] = []
+        handshakes: list[Handshake] = []
         for channel, peer, obj in sends:
-            self._add_send(ops, handshakes, channel, peer, _grad_list(obj) if channel == _BACKWARD else obj)
-        for channel, peer in receives:
-            self._add_recv(ops, incoming, channel, peer)
+            frame, handshake = cache.frame(channel, peer, _grad_list(obj) if channel == _BACKWARD else obj)
+            ops.append(("send", frame, peer))
+            if handshake is not None:
+                handshakes.append(handshake)
+        incoming = [cache.receive(channel, peer) for channel, peer in receives]
+        ops += [("recv", buffer[0], peer) for _, peer, buffer, _ in incoming]
         works, recs = self._start(ops)
-        # While the messages travel: the steady-state pytrees as views of the receive buffers
-        # (views read no data), so only the header check is left once the data is in.
-        expected = [
-            layout.unpack_typed(buffer[0], ch == _FORWARD)
-            if layout.form == TYPED
-            else layout.unpack(buffer, layout.form, ch == _FORWARD)
-            for ch, _, buffer, layout in incoming
-        ]
+        expected = cache.expected(incoming)  # while the messages travel
         self._wait(ops, works, recs, wait_sends)
-        return self._finish(handshakes, incoming, expected, wait_sends)
+        step_two, changed = cache.second_step(handshakes, incoming)
+        self._post(step_two, wait_sends)
+        return cache.received(incoming, expected, changed)
+
+    @property
+    def handshakes_sent(self) -> int:
+        """Messages whose metadata changed, so that a second step carried it (the first one included)."""
+        return self._handshakes.handshakes_sent
+
+    @property
+    def handshakes_received(self) -> int:
+        """Received messages whose metadata changed (the first one on each channel and peer included)."""
+        return self._handshakes.handshakes_received
 
     @property
     def pending_sends(self) -> int:
@@ -377,135 +370,6 @@ class PipeTransport:
         except RuntimeError as exc:
             raise _p2p_diagnosis.p2p_failure(recs, self.group, exc) from exc
         get_recorder().add_wait("send_recv", time.perf_counter() - start)
-
-    def _add_send(
-        self,
-        ops: list[tuple[str, torch.Tensor, int]],
-        handshakes: list[_Handshake],
-        channel: str,
-        dst: int,
-        obj: PyTree,
-    ) -> None:
-        """Append the frame of ``obj``; if its metadata changed, a handshake for the second step."""
-        spec, tensors = _pytree.flatten(obj, path=_PATHS[channel])
-        cached = self._sent.get((channel, dst), self._empty)
-        if cached.fits(spec, tensors):
-            if cached.form == TYPED:  # the tensor itself, in its own dtype and shape
-                frame = tensors[0].detach()
-                frame = (
-                    frame
-                    if frame.is_contiguous() and frame.device == self.device
-                    else frame.contiguous().to(self.device)
-                )
-            elif cached.form == PAYLOAD_ONLY:  # two or more tensors, no header
-                frame = torch.cat(cached.payload_pieces(tensors, self.device))
-            else:
-                frame = torch.cat([cached.header, *cached.payload_pieces(tensors, self.device)])
-        elif self.static_shapes and cached.spec is not None:
-            raise ValueError(
-                f"PipeTransport(static_shapes=True): the {_PATHS[channel]} for rank {dst} changed after its first "
-                f"message: {_describe(cached.spec, cached.metas)} became "
-                f"{_describe(spec, _pytree.tensor_metas(tensors))}; send the same structure, shapes, dtypes and "
-                "requires_grad every time, or use static_shapes=False (one header per message)"
-            )
-        else:
-            # Filler of the size the receiver expects, then metadata + payload in step 2.
-            meta = (spec, _pytree.tensor_metas(tensors))
-            layout = Layout(meta, self.device, self.static_shapes)
-            meta_bytes = pickle.dumps(meta)
-            pieces = layout.payload_pieces(tensors, self.device)
-            payload = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=self.device)
-            frame = torch.cat(
-                [
-                    header(1, len(meta_bytes), payload.numel(), self.device),
-                    torch.zeros(cached.size, dtype=torch.uint8, device=self.device),
-                ]
-            )
-            handshakes.append((channel, dst, meta_bytes, payload, layout))
-        ops.append(("send", frame, dst))
-
-    def _add_recv(
-        self, ops: list[tuple[str, torch.Tensor, int]], incoming: list[_Incoming], channel: str, src: int
-    ) -> None:
-        """Append the receive of a frame of the size the channel's cached metadata gives."""
-        layout = self._received.get((channel, src), self._empty)
-        if layout.form == TYPED:
-            meta = layout.metas[0]
-            buffer: Buffer = (torch.empty(meta.shape, dtype=meta.dtype, device=self.device), None)
-        else:
-            buffer = empty_buffer(layout.form + layout.size, self.device)
-        ops.append(("recv", buffer[0], src))
-        incoming.append((channel, src, buffer, layout))
-
-    def _finish(
-        self,
-        handshakes: list[_Handshake],
-        incoming: list[_Incoming],
-        expected: list[PyTree],
-        wait_sends: bool,
-    ) -> list[PyTree]:
-        """The received pytrees, in order: ``expected`` (built from the cached layouts), or after step 2 where the metadata changed.
-
-        Both sides know which messages changed: the sender from its cache, the receiver
-        from the frame's header.
-        """
-        ops: list[tuple[str, torch.Tensor, int]] = []
-        changed: dict[int, tuple[torch.Tensor, Buffer]] = {}  # index in incoming -> step-2 buffers
-        for channel, dst, meta_bytes, payload, layout in handshakes:
-            ops.append(("send", torch.frombuffer(bytearray(meta_bytes), dtype=torch.uint8).to(self.device), dst))
-            if payload.numel():
-                ops.append(("send", payload, dst))
-            self._sent[(channel, dst)] = layout
-            self.handshakes_sent += 1
-        for index, (channel, src, (frame, array), layout) in enumerate(incoming):
-            if layout.form != FRAMED:  # static shapes, steady state: no header, nothing changed
-                continue
-            flag, meta_len, payload_len, _ = read_header(frame, array)
-            if flag:
-                meta_buf = torch.empty(meta_len, dtype=torch.uint8, device=self.device)
-                payload_buf = empty_buffer(payload_len, self.device)
-                ops.append(("recv", meta_buf, src))
-                if payload_len:
-                    ops.append(("recv", payload_buf[0], src))
-                changed[index] = (meta_buf, payload_buf)
-            elif payload_len != frame.numel() - HEADER:
-                raise RuntimeError(
-                    f"PipeTransport: {channel} message of {payload_len} payload bytes from rank {src} does not match "
-                    f"the cached metadata ({frame.numel() - HEADER} bytes); the two sides disagree on "
-                    "the message order"
-                )
-        self._post(ops, wait_sends)
-
-        received: list[PyTree] = []
-        for index, ((channel, src, _, _), obj) in enumerate(zip(incoming, expected)):
-            if index in changed:
-                meta_buf, buffer = changed[index]
-                meta = pickle.loads(meta_buf.cpu().numpy().tobytes())
-                layout = self._received[(channel, src)] = Layout(meta, self.device, self.static_shapes)
-                self.handshakes_received += 1
-                obj = layout.unpack(buffer, 0, grad_leaves=channel == _FORWARD)
-            received.append(obj)
-        return received
-
-
-# A handshake to send in step 2: (channel, peer, pickled metadata, payload, the new layout).
-_Handshake = tuple[str, int, bytes, torch.Tensor, Layout]
-# A posted receive: (channel, peer, buffer, the layout it was sized from).
-_Incoming = tuple[str, int, Buffer, Layout]
-_PATHS = {_FORWARD: "forward pytree", _BACKWARD: "backward pytree"}
-
-
-def _describe(spec: _pytree.Spec, metas: tuple[_pytree.TensorMeta, ...]) -> str:
-    """A pytree's structure and tensors, short: what a static-shapes error shows."""
-    tensors = ", ".join(
-        f"{tuple(m.shape)} {str(m.dtype).replace('torch.', '')}{' grad' if m.requires_grad else ''}" for m in metas
-    )
-    kind = (
-        spec[1].__name__
-        if spec[0] in ("dc", "obj", "namedtuple")
-        else {"t": "tensor", "v": "value"}.get(spec[0], spec[0])
-    )
-    return f"{kind} of [{tensors}]"
 
 
 def _grad_list(grads: PyTree) -> list[torch.Tensor | None]:
