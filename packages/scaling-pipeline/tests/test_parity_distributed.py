@@ -90,13 +90,20 @@ def test_static_shapes_match_one_process(pp: int) -> None:
     assert_parity(grads, ref_grads, rtol=1e-6, atol=1e-9, name="grads")
 
 
-def interleaved_rank(pp: int, static_shapes: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
+#: Where each schedule with two chunks per stage puts stage s's chunks (virtual stages).
+TWO_CHUNKS = {
+    "interleaved_1f1b": lambda s, pp: (s, pp + s),  # a loop: layers far apart in the model
+    "zb_v": lambda s, pp: (s, 2 * pp - 1 - s),  # a V: down the stages and back up
+}
+
+
+def two_chunk_rank(pp: int, schedule: str, static_shapes: bool = False) -> tuple[float | None, dict[str, torch.Tensor]]:
     topo = make_topology(pipe_parallel_size=pp)
     module = ParallelModule(
-        specs(NUM_LAYERS), topo, schedule="interleaved_1f1b", num_virtual_stages=2, static_shapes=static_shapes
+        specs(NUM_LAYERS), topo, schedule=schedule, num_virtual_stages=2, static_shapes=static_shapes
     )
-    # Stage s holds virtual stages s and p + s: two chunks, layers far apart in the model.
-    assert [list(r) for r in module.chunks] == [list(module.partition[topo.axis("pp").rank + c * pp]) for c in (0, 1)]
+    s = topo.axis("pp").rank
+    assert [list(r) for r in module.chunks] == [list(module.partition[vs]) for vs in TWO_CHUNKS[schedule](s, pp)]
     batches = micro_batches(NUM_MICRO_BATCHES)
     run_once(module, batches)
     transports = module.transports
@@ -105,26 +112,34 @@ def interleaved_rank(pp: int, static_shapes: bool = False) -> tuple[float, dict[
     # A second run gives the same result without a handshake: the transport and its
     # shape cache live as long as the module.
     loss, grads = run_once(module, batches)
-    assert transports.training.handshakes_received == handshakes == 2  # activations and gradients, once
-    # Forward-only evaluation over the same ring, on a transport of its own (no grad: the
-    # activations' metadata differs), which leaves the training transport's cache alone.
+    assert transports.training.handshakes_received == handshakes
+    if schedule == "interleaved_1f1b":
+        assert handshakes == 2  # activations and gradients, once
+    else:
+        assert (loss is not None) == (s == 0)  # the last virtual stage, with the loss, is on stage 0
+    # Forward-only evaluation on a transport of its own (no grad: the activations' metadata
+    # differs), which leaves the training transport's cache alone.
     evaluated = module.run_schedule(batches, loss_function, forward_only=True)
     if loss is not None:
         assert sum(float(v) for v in evaluated.losses.values()) / NUM_MICRO_BATCHES == pytest.approx(loss, rel=1e-6)
-    assert transports.forward_only is not None and transports.forward_only.handshakes_received == 1
+    assert transports.forward_only is not None
+    if schedule == "interleaved_1f1b":
+        assert transports.forward_only.handshakes_received == 1
     run_once(module, batches)
-    assert transports.training.handshakes_received == 2
+    assert transports.training.handshakes_received == handshakes
     return loss, grads
 
 
+@pytest.mark.parametrize("schedule", sorted(TWO_CHUNKS))
 @pytest.mark.parametrize(("world", "pp", "static_shapes"), [(2, 2, False), (4, 4, False), (4, 2, False), (2, 2, True)])
-def test_interleaved_matches_one_process(world: int, pp: int, static_shapes: bool) -> None:
-    # Two virtual stages per rank: activations go round the ring (last stage -> first
-    # stage's second chunk) through the batched exchanges; (4, 2) is dp2 x pp2, where
-    # every data-parallel replica sees the same micro-batches. With static shapes both
-    # directions to the one peer of a two-stage ring go without headers.
-    results = run_distributed(interleaved_rank, world, pp, static_shapes, timeout_seconds=120)
-    ref_loss, ref_grads = reference("interleaved_1f1b")
+def test_two_chunks_per_stage_match_one_process(world: int, pp: int, static_shapes: bool, schedule: str) -> None:
+    # Interleaved: activations go round the ring (last stage -> first stage's second chunk)
+    # through the batched exchanges. ZB-V: stage 0 computes the first layers and the loss, the
+    # last stage turns the micro-batch round without a message, and each stage talks to both of
+    # its neighbours in both directions. (4, 2) is dp2 x pp2, where every data-parallel replica
+    # sees the same micro-batches; with static shapes the hand-offs go without headers.
+    results = run_distributed(two_chunk_rank, world, pp, schedule, static_shapes, timeout_seconds=120)
+    ref_loss, ref_grads = reference(schedule)
     check_losses([loss for loss, _ in results], ref_loss, num_pipes=world // pp)
     grads: dict[str, torch.Tensor] = {}
     for _, rank_grads in results:
@@ -133,43 +148,6 @@ def test_interleaved_matches_one_process(world: int, pp: int, static_shapes: boo
         grads.update(rank_grads)
     assert set(grads) == set(ref_grads)  # every layer's gradient was checked
     assert len(results[0][1]) == len(ref_grads) // pp  # each rank holds 2 chunks of NUM_LAYERS / (2 pp) layers
-
-
-def v_rank(pp: int, static_shapes: bool = False) -> tuple[float | None, dict[str, torch.Tensor]]:
-    topo = make_topology(pipe_parallel_size=pp)
-    module = ParallelModule(specs(NUM_LAYERS), topo, schedule="zb_v", static_shapes=static_shapes)
-    # Stage s holds virtual stages s and 2p - 1 - s: down the stages and back up.
-    s = topo.axis("pp").rank
-    assert module.num_virtual_stages == 2
-    assert [list(r) for r in module.chunks] == [list(module.partition[s]), list(module.partition[2 * pp - 1 - s])]
-    batches = micro_batches(NUM_MICRO_BATCHES)
-    run_once(module, batches)
-    training = module.transports.training
-    assert training is not None
-    handshakes = training.handshakes_received
-    loss, grads = run_once(module, batches)  # the same result, and no handshake: the caches span steps
-    assert training.handshakes_received == handshakes
-    assert (loss is not None) == (s == 0)  # the last virtual stage, with the loss, is on stage 0
-    evaluated = module.run_schedule(batches, loss_function, forward_only=True)
-    if loss is not None:
-        assert sum(float(v) for v in evaluated.losses.values()) / NUM_MICRO_BATCHES == pytest.approx(loss, rel=1e-6)
-    return loss, grads
-
-
-@pytest.mark.parametrize(("world", "pp", "static_shapes"), [(2, 2, False), (4, 4, False), (4, 2, False), (2, 2, True)])
-def test_zb_v_matches_one_process(world: int, pp: int, static_shapes: bool) -> None:
-    # Two chunks per rank in a V: stage 0 computes the first layers and the loss, the last
-    # stage turns the micro-batch round without a message, and each stage talks to both of
-    # its neighbours in both directions; (4, 2) is dp2 x pp2.
-    results = run_distributed(v_rank, world, pp, static_shapes, timeout_seconds=120)
-    ref_loss, ref_grads = reference("zb_v")
-    check_losses([loss for loss, _ in results], ref_loss, num_pipes=world // pp)
-    grads: dict[str, torch.Tensor] = {}
-    for _, rank_grads in results:
-        for name, grad in rank_grads.items():
-            assert_parity(grad, ref_grads[name], rtol=1e-6, atol=1e-9, name=name)
-        grads.update(rank_grads)
-    assert set(grads) == set(ref_grads)
 
 
 def tied_specs() -> list:

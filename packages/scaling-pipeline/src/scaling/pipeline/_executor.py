@@ -201,6 +201,7 @@ class StageExecutor:
         self.transport, self.loss_backward, self.loss_scale = transport, loss_backward, loss_scale
         self._before_first_wait, self.timings, self.mark = before_first_wait, timings, mark
         self.p, self.s = stage.num_stages, stage.stage
+        self._ranks = stage.topology.axis("pp").ranks  # a message's peer stage -> its global rank
         self.last_vs = self.p * stage.num_virtual_stages - 1
         self.batches: dict[int, PyTree] = {}
         self.inputs: dict[tuple[int, int], PyTree] = {}
@@ -347,7 +348,7 @@ class StageExecutor:
 
     def _transfer(self, ops: Sequence[Instruction]) -> None:
         """Post ``ops`` as one batched transfer (sends left in flight) and file what arrives."""
-        ranks = self.stage.topology.axis("pp").ranks
+        ranks = self._ranks
         sends: list[tuple[str, int, PyTree]] = []
         receives: list[tuple[str, int]] = []
         keys: list[tuple[type, tuple[int, int]]] = []
