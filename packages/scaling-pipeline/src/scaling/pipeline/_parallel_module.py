@@ -136,6 +136,8 @@ class ParallelModule(torch.nn.Module):
             logger.info("pipeline partition (virtual stage -> layers): %s", self.describe_partition())
         #: The stage that computes the loss (holds the last virtual stage): the last one, or 0 in a V.
         self.loss_stage = stage_of(self.num_stages * num_virtual_stages - 1, self.num_stages, self.placement)[0]
+        #: The stages that read batches: the first (the inputs) and the loss's (the targets).
+        self.data_stages = (0, self.loss_stage)
         self.chunks: list[range] = [
             self.partition[virtual_stage(self.stage, c, self.num_stages, self.placement)]
             for c in range(num_virtual_stages)

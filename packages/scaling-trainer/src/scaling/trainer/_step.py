@@ -176,7 +176,7 @@ def _placed(module: ParallelModule, micro_batches: Sequence[B | None], sync: Syn
     V), each micro-batch on the device, synced over TP and cut to this CP rank's slice; None on the
     others, which never read them."""
     topology = module.topology
-    if topology.axis("pp").rank not in (0, module.loss_stage):
+    if topology.axis("pp").rank not in module.data_stages:
         return [None] * len(micro_batches)
     batches = [to_device(b, topology.device) for b in micro_batches]
     if sync is not None:

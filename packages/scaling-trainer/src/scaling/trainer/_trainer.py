@@ -137,7 +137,7 @@ class BaseTrainer(Generic[ContextT]):
             topology=topology,
             num_workers=config.dataloader_num_workers,
             pin_memory=topology.device.type == "cuda",
-            reading_stages=(0, parallel_module.loss_stage),  # the first feeds the model, the loss's reads targets
+            reading_stages=parallel_module.data_stages,
         )
         self.compile_log = CompileLog(parallel_module, topology.global_rank, topology.device)
         model_state = ModelState(
