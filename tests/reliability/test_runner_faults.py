@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 from pathlib import Path
 
 import pytest
 from reliability_testlib import SCRIPT, cli_config, config, launch, reap, steps
 
-from scaling.runner import RunnerConfig, main, runner_main
+from scaling.runner import RunnerConfig, free_port, main, runner_main
 
 pytestmark = [pytest.mark.distributed]
 
@@ -85,9 +84,7 @@ def test_runner_returns_the_worst_rank_code_when_the_other_rank_succeeded(tmp_pa
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()  # below the ephemeral range: no outgoing connection takes it before torchrun binds
 
 
 @pytest.mark.slow

@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from scaling.runner import free_port
+
 SLURM_PROGRAMS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scancel", "squeue", "sinfo")
 IMAGE = "localhost/scaling-test:skeleton"
 
@@ -37,14 +39,10 @@ class EngineMissing(RuntimeError):
 
 
 def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+    ports: set[int] = set()
+    while len(ports) < n:  # below the ephemeral range, where outgoing connections never take them
+        ports.add(free_port())
+    return sorted(ports)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ import fcntl
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from engines_testlib import EngineMissing, host_mounts, skeleton_image, slurm_cl
 from mlp_testlib import small_config
 
 from scaling.mlp.__main__ import main
+from scaling.runner import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -34,9 +34,7 @@ TOLERANCE = 1e-6
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()  # below the ephemeral range: no outgoing connection takes it before torchrun binds
 
 
 def _config(tmp: Path, name: str, steps: int, runner: dict[str, Any], **trainer: Any) -> Path:

@@ -338,3 +338,19 @@ def test_a_missing_slurm_command_is_one_line(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.startswith("scaling-run: sbatch not found on PATH: runner_type='slurm' needs SLURM's client")
     assert len(err.splitlines()) == 1
+
+
+def test_a_free_port_is_below_the_ephemeral_range_and_bindable():
+    # The kernel's own pick comes from the ephemeral range, where an outgoing connection can take
+    # it again before the rendezvous binds it (a SLURM run in CI failed with EADDRINUSE so).
+    import socket
+
+    from scaling.runner import free_port
+    from scaling.runner._commands import _ephemeral_low
+
+    low = _ephemeral_low()
+    for _ in range(20):
+        port = free_port()
+        assert 20_000 <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

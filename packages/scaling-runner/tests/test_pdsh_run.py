@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 
 import pytest
 
-from scaling.runner import RunnerConfig, runner_main
+from scaling.runner import RunnerConfig, free_port, runner_main
 
 pytestmark = pytest.mark.skipif(
     shutil.which("pdsh") is None, reason="pdsh is not installed; apt-get install -y pdsh (see README)"
@@ -21,9 +20,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()  # below the ephemeral range: no outgoing connection takes it before torchrun binds
 
 
 # Secrets under names of every kind: the runner's by-name rule, names it did not list before

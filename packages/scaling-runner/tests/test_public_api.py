@@ -14,6 +14,7 @@ def test_public_api_is_pinned():
             "RankFailure",
             "RunnerConfig",
             "SlurmConfig",
+            "free_port",
             "is_secret",
             "load_payload",
             "main",

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names, for type checkers and editors (__all__ exports them)
     from scaling.runner._cli import main
-    from scaling.runner._commands import Launch
+    from scaling.runner._commands import Launch, free_port
     from scaling.runner._config import DockerConfig, LaunchedConfig, RunnerConfig, SlurmConfig
     from scaling.runner._env import SECRET_PATTERNS, is_secret
     from scaling.runner._failures import RankFailure
@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the names, for type checkers and editors (__all__ exports t
 _HOMES = {
     "main": "_cli",
     "Launch": "_commands",
+    "free_port": "_commands",
     "DockerConfig": "_config",
     "LaunchedConfig": "_config",
     "RunnerConfig": "_config",
@@ -48,6 +49,7 @@ __all__ = [
     "RankFailure",
     "RunnerConfig",
     "SlurmConfig",
+    "free_port",
     "is_secret",
     "load_payload",
     "main",

@@ -8,6 +8,7 @@ payload variables and the launching environment, so ``--dry-run`` prints exactly
 from __future__ import annotations
 
 import os
+import random
 import shlex
 import socket
 import sys
@@ -166,7 +167,37 @@ def _group_by_slots(hosts: list[HostSpec]) -> list[tuple[int, list[HostSpec]]]:
 
 
 def free_port() -> int:
-    """A TCP port free on this machine right now (the kernel's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port free on this machine right now, below the kernel's ephemeral range.
+
+    The kernel's own pick (``bind(0)``) comes from the ephemeral range, where any outgoing
+    connection may take the port again before the rendezvous binds it (seen in CI: a SLURM
+    job's torchrun failed with EADDRINUSE while other runs' gloo connections came and went).
+    Below that range only a listener binds, so a port free now stays free unless a listener
+    picks the same one.
+    """
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(_PORTS_FROM, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # every try taken: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+_PORTS_FROM = 20_000  # above the well-known and most registered services' ports
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's ``ip_local_port_range``; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32_768
+    return low if low > _PORTS_FROM + 1000 else 32_768
